@@ -1,0 +1,2 @@
+//! The `outbox` binary.
+fn main() {}

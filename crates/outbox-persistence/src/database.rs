@@ -1,0 +1,192 @@
+//! Connecting to a database by URL, migrating it, and checking that its schema matches.
+
+use std::collections::BTreeSet;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{PgPool, SqlitePool};
+
+use crate::{Error, OutboxRepository, Result};
+
+/// The lock timeout used when none is configured: PostgreSQL `lock_timeout` in attempts, and
+/// the SQLite busy timeout.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+/// The pool size used when none is configured.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
+
+static POSTGRES_MIGRATOR: Migrator = sqlx::migrate!("../../migrations/postgres");
+static SQLITE_MIGRATOR: Migrator = sqlx::migrate!("../../migrations/sqlite");
+
+/// How to connect.
+#[derive(Debug, Clone)]
+pub struct ConnectConfig {
+    /// Pool size. Workers use two connections each at most (attempt and heartbeat).
+    pub max_connections: u32,
+    /// How long to wait for a connection from the pool or the server.
+    pub acquire_timeout: Duration,
+    /// SQLite busy timeout; PostgreSQL attempts set `lock_timeout` themselves.
+    pub lock_timeout: Duration,
+}
+
+impl Default for ConnectConfig {
+    fn default() -> Self {
+        Self {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            acquire_timeout: Duration::from_secs(10),
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+        }
+    }
+}
+
+/// A connection pool on one of the two backends.
+#[derive(Debug, Clone)]
+pub enum Database {
+    /// PostgreSQL, the production backend.
+    Postgres(PgPool),
+    /// SQLite, the embedded default.
+    Sqlite(SqlitePool),
+}
+
+impl Database {
+    /// Connects to `url`: `postgres://…` / `postgresql://…`, or `sqlite://PATH` / `sqlite:PATH`
+    /// (the file is created when missing).
+    pub async fn connect(url: &str, config: ConnectConfig) -> Result<Self> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let options = PgConnectOptions::from_str(url)
+                .map_err(|e| Error::InvalidUrl(format!("{}: {e}", redact(url))))?;
+            let pool = PgPoolOptions::new()
+                .max_connections(config.max_connections)
+                .acquire_timeout(config.acquire_timeout)
+                .connect_with(options)
+                .await?;
+            Ok(Database::Postgres(pool))
+        } else if url.starts_with("sqlite:") {
+            let options = SqliteConnectOptions::from_str(url)
+                .map_err(|e| Error::InvalidUrl(format!("{url}: {e}")))?
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .synchronous(SqliteSynchronous::Normal)
+                .busy_timeout(config.lock_timeout)
+                .foreign_keys(true);
+            let pool = SqlitePoolOptions::new()
+                .max_connections(config.max_connections)
+                .acquire_timeout(config.acquire_timeout)
+                .connect_with(options)
+                .await?;
+            Ok(Database::Sqlite(pool))
+        } else {
+            Err(Error::InvalidUrl(format!(
+                "{}: expected postgres://… or sqlite://PATH",
+                redact(url)
+            )))
+        }
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            Database::Postgres(_) => "postgres",
+            Database::Sqlite(_) => "sqlite",
+        }
+    }
+
+    fn migrator(&self) -> &'static Migrator {
+        match self {
+            Database::Postgres(_) => &POSTGRES_MIGRATOR,
+            Database::Sqlite(_) => &SQLITE_MIGRATOR,
+        }
+    }
+
+    /// Applies the migrations this binary carries; applying them again is a no-op.
+    pub async fn migrate(&self) -> Result<()> {
+        match self {
+            Database::Postgres(pool) => POSTGRES_MIGRATOR.run(pool).await?,
+            Database::Sqlite(pool) => SQLITE_MIGRATOR.run(pool).await?,
+        }
+        Ok(())
+    }
+
+    /// Checks that the database has exactly the migrations this binary knows: fails with
+    /// [`Error::NotMigrated`] or [`Error::SchemaTooNew`] otherwise.
+    pub async fn check_schema(&self) -> Result<()> {
+        let known: BTreeSet<i64> = self.migrator().iter().map(|m| m.version).collect();
+        let applied: Vec<i64> = match self {
+            Database::Postgres(pool) => {
+                let exists: bool = sqlx::query_scalar(
+                    "SELECT to_regclass('_sqlx_migrations') IS NOT NULL",
+                )
+                .fetch_one(pool)
+                .await?;
+                if !exists {
+                    return Err(Error::NotMigrated {
+                        missing: known.into_iter().collect(),
+                    });
+                }
+                sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                    .fetch_all(pool)
+                    .await?
+            }
+            Database::Sqlite(pool) => {
+                let exists: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
+                )
+                .fetch_one(pool)
+                .await?;
+                if !exists {
+                    return Err(Error::NotMigrated {
+                        missing: known.into_iter().collect(),
+                    });
+                }
+                sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                    .fetch_all(pool)
+                    .await?
+            }
+        };
+        let applied: BTreeSet<i64> = applied.into_iter().collect();
+        let unknown: Vec<i64> = applied.difference(&known).copied().collect();
+        if !unknown.is_empty() {
+            return Err(Error::SchemaTooNew { unknown });
+        }
+        let missing: Vec<i64> = known.difference(&applied).copied().collect();
+        if !missing.is_empty() {
+            return Err(Error::NotMigrated { missing });
+        }
+        Ok(())
+    }
+
+    /// The outbox repository over this pool.
+    pub fn repository(&self) -> Arc<dyn OutboxRepository> {
+        match self {
+            Database::Postgres(pool) => Arc::new(crate::postgres::PgOutbox::new(pool.clone())),
+            Database::Sqlite(pool) => Arc::new(crate::sqlite::SqliteOutbox::new(pool.clone())),
+        }
+    }
+
+    /// Closes the pool.
+    pub async fn close(&self) {
+        match self {
+            Database::Postgres(pool) => pool.close().await,
+            Database::Sqlite(pool) => pool.close().await,
+        }
+    }
+}
+
+/// A URL with its password replaced, for messages.
+pub fn redact(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_string();
+    };
+    let rest = &url[scheme_end..];
+    let Some(at) = rest.find('@') else {
+        return url.to_string();
+    };
+    let userinfo = &rest[..at];
+    match userinfo.split_once(':') {
+        Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end], &rest[at..]),
+        None => url.to_string(),
+    }
+}

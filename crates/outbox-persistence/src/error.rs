@@ -1,0 +1,142 @@
+//! The persistence error type, classified so that a worker can tell what to do.
+
+use record_key::RecordKeyError;
+
+/// An error from the outbox repository.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A lock wait exceeded the lock timeout (PostgreSQL `lock_timeout`, a deadlock or
+    /// serialization failure, SQLite busy): retry later.
+    #[error("lock timeout")]
+    LockTimeout(#[source] sqlx::Error),
+    /// The database could not be reached, or the connection was lost mid-operation: retry later.
+    #[error("database unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    /// The database URL is not one this binary understands.
+    #[error("invalid database url: {0}")]
+    InvalidUrl(String),
+    /// The schema lacks migrations this binary needs: run `outbox migrate`.
+    #[error("schema is not migrated: missing migration(s) {missing:?}; run `outbox migrate`")]
+    NotMigrated {
+        /// Versions this binary knows that the database has not applied.
+        missing: Vec<i64>,
+    },
+    /// The database has migrations this binary does not know: it is older than the schema.
+    #[error("schema is newer than this binary: unknown migration(s) {unknown:?}")]
+    SchemaTooNew {
+        /// Versions applied in the database that this binary does not know.
+        unknown: Vec<i64>,
+    },
+    /// Running migrations failed.
+    #[error("migration failed")]
+    Migrate(#[source] sqlx::migrate::MigrateError),
+    /// An event payload is not a valid envelope; enqueue refuses it.
+    #[error("invalid event payload")]
+    InvalidPayload(#[source] RecordKeyError),
+    /// A transaction of one backend was handed to a repository of the other.
+    #[error("backend mismatch: a {given} transaction was given to a {expected} repository")]
+    BackendMismatch {
+        /// The repository's backend.
+        expected: &'static str,
+        /// The transaction's backend.
+        given: &'static str,
+    },
+    /// The attempt transaction was already finished (committed or rolled back).
+    #[error("the attempt transaction is already finished")]
+    AttemptFinished,
+    /// Any other database error.
+    #[error("database error")]
+    Database(#[source] sqlx::Error),
+}
+
+impl Error {
+    /// Whether the operation may succeed if tried again later (a lock timeout or an unavailable
+    /// database), as opposed to an error that repeats.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::LockTimeout(_) | Error::Unavailable(_))
+    }
+
+    /// Whether this is a lock timeout.
+    pub fn is_lock_timeout(&self) -> bool {
+        matches!(self, Error::LockTimeout(_))
+    }
+
+    /// The error and its causes as one line, for logs and `LastError`.
+    pub fn chain(&self) -> String {
+        let mut out = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(s) = source {
+            out.push_str(": ");
+            out.push_str(&s.to_string());
+            source = s.source();
+        }
+        out
+    }
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::Database(db) => {
+                let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+                if is_lock_code(&code) {
+                    Error::LockTimeout(e)
+                } else if is_unavailable_code(&code) {
+                    Error::Unavailable(e)
+                } else {
+                    Error::Database(e)
+                }
+            }
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => Error::Unavailable(e),
+            _ => Error::Database(e),
+        }
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for Error {
+    fn from(e: sqlx::migrate::MigrateError) -> Self {
+        Error::Migrate(e)
+    }
+}
+
+/// PostgreSQL lock_not_available, deadlock_detected, serialization_failure; SQLite BUSY and
+/// LOCKED with their extended codes.
+fn is_lock_code(code: &str) -> bool {
+    match code {
+        "55P03" | "40P01" | "40001" => true,
+        _ => code
+            .parse::<i32>()
+            .is_ok_and(|c| matches!(c & 0xff, 5 | 6)),
+    }
+}
+
+/// PostgreSQL connection exceptions (class 08) and operator intervention (class 57: shutdown,
+/// terminated backends, cannot connect now).
+fn is_unavailable_code(code: &str) -> bool {
+    code.starts_with("08") || code.starts_with("57")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_classified() {
+        assert!(is_lock_code("55P03"));
+        assert!(is_lock_code("40P01"));
+        assert!(is_lock_code("5"));
+        assert!(is_lock_code("517"));
+        assert!(is_lock_code("6"));
+        assert!(!is_lock_code("23505"));
+        assert!(!is_lock_code("19"));
+        assert!(is_unavailable_code("57P01"));
+        assert!(is_unavailable_code("08006"));
+        assert!(!is_unavailable_code("23505"));
+    }
+}

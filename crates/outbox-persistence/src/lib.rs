@@ -1,0 +1,244 @@
+//! The outbox repository: every fact about `_System_OutboxEvent` lives here.
+//!
+//! [`OutboxRepository`] holds the operations the design names (`enqueue`, `get_pending_events`,
+//! `claim_event`, `heartbeat`, `increment_retry`, `update_status`) plus what operators and the
+//! rollout need (`backfill_record_keys`, `stats`, `retry_failed`). Each backend implements it in
+//! its own module with its own SQL: [`postgres`] (production) and [`sqlite`] (embedded default).
+//!
+//! A handler's effects commit atomically with `processed` because they run inside an
+//! [`Attempt`]: a transaction opened after the claim committed, with a savepoint right after it.
+//! Time always comes from the caller ([`Cutoffs`], `now` parameters), so tests move a clock
+//! instead of sleeping.
+
+mod database;
+mod error;
+mod model;
+pub mod postgres;
+pub mod sqlite;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, SubsecRound, Utc};
+
+pub use database::{ConnectConfig, Database, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
+pub use error::Error;
+pub use model::*;
+
+/// The result type of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The name of the outbox table, as the design spells it.
+pub const OUTBOX_TABLE: &str = "_System_OutboxEvent";
+
+/// Truncates a time to whole microseconds, the precision both backends store, so that a value
+/// read back compares equal to the value written (the fence relies on it).
+pub fn truncate_micros(t: DateTime<Utc>) -> DateTime<Utc> {
+    t.trunc_subsecs(6)
+}
+
+/// An open transaction on either backend: the application's own (for `enqueue` next to its
+/// record write) or an attempt's (for a handler's effects).
+#[non_exhaustive]
+pub enum Tx {
+    /// A PostgreSQL transaction.
+    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+    /// A SQLite transaction.
+    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
+}
+
+impl Tx {
+    /// The backend's name, for messages.
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            Tx::Postgres(_) => "postgres",
+            Tx::Sqlite(_) => "sqlite",
+        }
+    }
+
+    /// Commits the transaction.
+    pub async fn commit(self) -> Result<()> {
+        match self {
+            Tx::Postgres(tx) => tx.commit().await?,
+            Tx::Sqlite(tx) => tx.commit().await?,
+        }
+        Ok(())
+    }
+
+    /// Rolls the transaction back.
+    pub async fn rollback(self) -> Result<()> {
+        match self {
+            Tx::Postgres(tx) => tx.rollback().await?,
+            Tx::Sqlite(tx) => tx.rollback().await?,
+        }
+        Ok(())
+    }
+}
+
+/// The repository: one implementation per backend, one conformance suite for all.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
+#[async_trait]
+pub trait OutboxRepository: Send + Sync + 'static {
+    /// The backend's name (`postgres` or `sqlite`).
+    fn backend_name(&self) -> &'static str;
+
+    /// Opens a transaction for the application's own writes; enqueue into it with
+    /// [`OutboxRepository::enqueue`] so that the record and its events commit together.
+    async fn begin(&self) -> Result<Tx>;
+
+    /// Inserts `events` in the caller's transaction, in order, deriving each `RecordKey` from
+    /// its payload. Ids increase in the order given. Refuses the whole batch, writing nothing,
+    /// when a payload is not a valid envelope.
+    async fn enqueue(
+        &self,
+        tx: &mut Tx,
+        events: &[NewEvent],
+        now: DateTime<Utc>,
+    ) -> Result<Vec<EventId>>;
+
+    /// The design's eligible-event query: `pending` rows (a retried one once its
+    /// `LastModifiedDate` is older than `retry_cutoff`) and stale `processing` rows, skipping a
+    /// row while an older row with the same `RecordKey` is not terminal, oldest first.
+    async fn get_pending_events(&self, cutoffs: Cutoffs, limit: u32) -> Result<Vec<OutboxEvent>>;
+
+    /// `ClaimEvent`: atomically moves row `id` from `pending`, or stale `processing`, to
+    /// `processing`, committed before this returns. `None` when another worker won.
+    async fn claim_event(&self, id: EventId, cutoffs: Cutoffs) -> Result<Option<Claim>>;
+
+    /// Selects the oldest eligible row and claims it, in as few round trips as the backend
+    /// allows. Same rules as `get_pending_events` followed by `claim_event`.
+    async fn claim_next(&self, cutoffs: Cutoffs) -> Result<Option<Claim>>;
+
+    /// Refreshes `LastModifiedDate` of a row this worker still holds, on a connection of its
+    /// own. `None` when the row is no longer this worker's (reclaimed, or finished elsewhere).
+    async fn heartbeat(&self, fence: Fence, now: DateTime<Utc>) -> Result<Option<Fence>>;
+
+    /// Opens the attempt transaction for a claimed row: begin, lock timeout, post-claim
+    /// savepoint.
+    async fn begin_attempt(&self, lock_timeout: Duration) -> Result<Box<dyn Attempt>>;
+
+    /// `IncrementRetry` on a connection of its own (the detached bookkeeping path): back to
+    /// `pending` with a higher `RetryCount`, fenced.
+    async fn increment_retry(
+        &self,
+        fence: Fence,
+        now: DateTime<Utc>,
+        extra_delay: Duration,
+        error: &str,
+    ) -> Result<FenceOutcome>;
+
+    /// `UpdateStatus` on a connection of its own: a terminal status, fenced. `failed` also
+    /// counts the failure in `RetryCount`.
+    async fn update_status(
+        &self,
+        fence: Fence,
+        status: Terminal,
+        now: DateTime<Utc>,
+        error: Option<&str>,
+    ) -> Result<FenceOutcome>;
+
+    /// One page of the `RecordKey` backfill over non-terminal rows, in `Id` order after
+    /// `after`. Sets missing keys with the enqueue derivation unless `dry_run`; never changes a
+    /// key that is set, and reports what it could not derive.
+    async fn backfill_record_keys(
+        &self,
+        after: Option<EventId>,
+        batch: u32,
+        dry_run: bool,
+    ) -> Result<BackfillPage>;
+
+    /// Counts by status, the oldest pending age, stale claims and blocked keys.
+    async fn stats(&self, cutoffs: Cutoffs) -> Result<OutboxStats>;
+
+    /// Returns `failed` rows to `pending` (operator action); the number of rows changed.
+    async fn retry_failed(&self, filter: RetryFilter, now: DateTime<Utc>) -> Result<u64>;
+
+    /// Reads one row.
+    async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>>;
+
+    /// Waits until an enqueue may have happened (PostgreSQL `LISTEN/NOTIFY`) or `timeout`
+    /// passed. Backends without notifications just wait `timeout`.
+    async fn wait_for_work(&self, timeout: Duration) -> Result<()>;
+}
+
+/// The attempt transaction of one claimed row. The handler's effects go through
+/// [`Attempt::tx`]; the bookkeeping writes are fenced like every other write.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
+#[async_trait]
+pub trait Attempt: Send {
+    /// The open transaction, for the handler's effects.
+    fn tx(&mut self) -> &mut Tx;
+
+    /// Rolls back to the post-claim savepoint: the handler's effects are undone, the
+    /// transaction stays open for bookkeeping.
+    async fn rollback_to_savepoint(&mut self) -> Result<()>;
+
+    /// `processed`, in this transaction, fenced.
+    async fn mark_processed(&mut self, fence: Fence, now: DateTime<Utc>) -> Result<FenceOutcome>;
+
+    /// Retry or failed state, in this transaction, fenced.
+    async fn record_failure(
+        &mut self,
+        fence: Fence,
+        now: DateTime<Utc>,
+        bookkeeping: FailureBookkeeping,
+        error: &str,
+    ) -> Result<FenceOutcome>;
+
+    /// Commits the attempt.
+    async fn commit(&mut self) -> Result<()>;
+
+    /// Rolls the attempt back (abandoned: the claim stays for its holder or for stale
+    /// reclaim).
+    async fn rollback(&mut self) -> Result<()>;
+}
+
+/// Caps an error text before it is stored in `LastError`.
+pub fn clip_error(error: &str) -> String {
+    const MAX: usize = 2000;
+    if error.len() <= MAX {
+        return error.to_string();
+    }
+    let mut end = MAX;
+    while !error.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &error[..end])
+}
+
+/// Classifies one scanned page of a backfill: `(Id, Payload, RecordKey)` rows in `Id` order.
+/// Returns the page (with `updated` counting the keys to set) and the keys to set.
+pub(crate) fn classify_backfill(
+    scanned: &[(EventId, String, Option<String>)],
+    batch: u32,
+) -> (BackfillPage, Vec<(EventId, String)>) {
+    let mut page = BackfillPage {
+        scanned: scanned.len() as u64,
+        ..BackfillPage::default()
+    };
+    let mut updates = Vec::new();
+    for (id, payload, existing) in scanned {
+        let derived = record_key::record_key_from_payload(payload);
+        match existing {
+            Some(existing) => {
+                page.already_set += 1;
+                let agrees = matches!(&derived, Ok(Some(k)) if k.as_str() == existing);
+                if !agrees {
+                    page.mismatched.push(*id);
+                }
+            }
+            None => match derived {
+                Ok(Some(key)) => updates.push((*id, key.into_string())),
+                Ok(None) => page.no_record += 1,
+                Err(e) => page.underivable.push((*id, e.to_string())),
+            },
+        }
+    }
+    page.updated = updates.len() as u64;
+    page.next_after = if scanned.len() as u64 >= u64::from(batch) {
+        scanned.last().map(|(id, _, _)| *id)
+    } else {
+        None
+    };
+    (page, updates)
+}

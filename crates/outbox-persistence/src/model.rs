@@ -1,0 +1,257 @@
+//! The values the repository reads and writes.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+
+/// An outbox row's `Id`: a UUIDv7, so that it orders like creation time. Ids made by one process
+/// increase strictly, even within one millisecond and one batch, which the design relies on to
+/// break `CreatedDate` ties.
+pub type EventId = Uuid;
+
+/// A new `Id` for an outbox row.
+pub fn new_event_id() -> EventId {
+    Uuid::now_v7()
+}
+
+/// The `Status` of an outbox row (see `docs/state-machine.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EventStatus {
+    /// Waiting to be claimed (first delivery, or a retry once its delay has passed).
+    Pending,
+    /// Claimed by a worker whose heartbeat keeps `LastModifiedDate` fresh.
+    Processing,
+    /// Terminal: the handler's effects committed with this status.
+    Processed,
+    /// Terminal: a permanent error, or `MaxRetryAttempts` failures.
+    Failed,
+}
+
+impl EventStatus {
+    /// The value stored in the `Status` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventStatus::Pending => "pending",
+            EventStatus::Processing => "processing",
+            EventStatus::Processed => "processed",
+            EventStatus::Failed => "failed",
+        }
+    }
+
+    /// Whether the row is finished (`processed` or `failed`).
+    pub fn is_terminal(self) -> bool {
+        matches!(self, EventStatus::Processed | EventStatus::Failed)
+    }
+}
+
+impl fmt::Display for EventStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for EventStatus {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "pending" => Ok(EventStatus::Pending),
+            "processing" => Ok(EventStatus::Processing),
+            "processed" => Ok(EventStatus::Processed),
+            "failed" => Ok(EventStatus::Failed),
+            other => Err(format!("unknown outbox status {other:?}")),
+        }
+    }
+}
+
+/// An event to enqueue. Its `RecordKey` is derived from the payload at enqueue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewEvent {
+    /// The `EventType`, which selects the handler.
+    pub event_type: String,
+    /// The JSON payload (see the envelope in the `record-key` crate).
+    pub payload: String,
+}
+
+impl NewEvent {
+    /// An event of `event_type` with a JSON `payload`.
+    pub fn new(event_type: impl Into<String>, payload: impl Into<String>) -> Self {
+        Self {
+            event_type: event_type.into(),
+            payload: payload.into(),
+        }
+    }
+}
+
+/// One outbox row.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OutboxEvent {
+    /// `Id`.
+    pub id: EventId,
+    /// `EventType`.
+    pub event_type: String,
+    /// `Payload`: customer data; never log it.
+    #[serde(skip)]
+    pub payload: String,
+    /// `Status`.
+    pub status: EventStatus,
+    /// `RetryCount`: the number of failed attempts so far.
+    pub retry_count: i32,
+    /// `RecordKey`, or `None` for an unordered event.
+    pub record_key: Option<String>,
+    /// `CreatedDate`.
+    pub created_date: DateTime<Utc>,
+    /// `LastModifiedDate`: the heartbeat of a `processing` row, the retry clock of a retried one.
+    pub last_modified_date: DateTime<Utc>,
+    /// `LastError`: the error of the latest failed attempt.
+    pub last_error: Option<String>,
+}
+
+/// The moments that decide eligibility, taken from the caller's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cutoffs {
+    /// The time of the decision; claims and heartbeats write it as `LastModifiedDate`.
+    pub now: DateTime<Utc>,
+    /// A `processing` row whose `LastModifiedDate` is older than this has lost its heartbeat.
+    pub stale_cutoff: DateTime<Utc>,
+    /// A retried `pending` row is eligible once its `LastModifiedDate` is older than this.
+    pub retry_cutoff: DateTime<Utc>,
+}
+
+impl Cutoffs {
+    /// The cutoffs at `now` for a stale-after and a base retry delay.
+    pub fn at(now: DateTime<Utc>, stale_after: Duration, retry_delay: Duration) -> Self {
+        let now = crate::truncate_micros(now);
+        Self {
+            now,
+            stale_cutoff: now - chrono::Duration::from_std(stale_after).unwrap_or_default(),
+            retry_cutoff: now - chrono::Duration::from_std(retry_delay).unwrap_or_default(),
+        }
+    }
+}
+
+/// What a worker holds after winning `claim_event`: the row and its fence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// The row as claimed (`Status` is `processing`).
+    pub event: OutboxEvent,
+    /// The value to compare against on every later write.
+    pub fence: Fence,
+    /// Whether the row was a stale `processing` row taken over from a worker that stopped.
+    pub reclaimed: bool,
+}
+
+/// The `LastModifiedDate` this worker last wrote to a claimed row. A heartbeat or status write
+/// applies only while the row still carries it, so a worker whose claim was taken over (stale
+/// reclaim) or finished elsewhere writes nothing. Every write moves `LastModifiedDate` strictly
+/// forward, so two claims never share a value. No owner token or lease column is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence {
+    /// The row.
+    pub id: EventId,
+    /// The `LastModifiedDate` this worker last wrote.
+    pub last_written: DateTime<Utc>,
+}
+
+/// The result of a fenced write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceOutcome {
+    /// The row was still this worker's; the write applied.
+    Written,
+    /// The row is no longer this worker's; nothing was written.
+    Lost,
+}
+
+/// A terminal status for [`crate::OutboxRepository::update_status`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Terminal {
+    /// `processed`.
+    Processed,
+    /// `failed`.
+    Failed,
+}
+
+impl Terminal {
+    /// The status this terminal value writes.
+    pub fn status(self) -> EventStatus {
+        match self {
+            Terminal::Processed => EventStatus::Processed,
+            Terminal::Failed => EventStatus::Failed,
+        }
+    }
+}
+
+/// How a failed attempt is recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureBookkeeping {
+    /// Back to `pending` with `RetryCount + 1`; eligible again once `LastModifiedDate` (set to
+    /// now plus `extra_delay`) is older than the retry cutoff. `extra_delay` is the backoff beyond
+    /// the base retry delay.
+    Retry {
+        /// Backoff beyond the base retry delay.
+        extra_delay: Duration,
+    },
+    /// `failed` with `RetryCount + 1`: a permanent error, or the last allowed attempt.
+    Fail,
+}
+
+/// One page of a `RecordKey` backfill.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct BackfillPage {
+    /// Non-terminal rows read in this page.
+    pub scanned: u64,
+    /// Rows whose `RecordKey` was missing and is now set (or would be, in a dry run).
+    pub updated: u64,
+    /// Rows that already had a `RecordKey`.
+    pub already_set: u64,
+    /// Rows whose payload is about no record: they stay unordered.
+    pub no_record: u64,
+    /// Rows whose payload cannot yield a key, with the reason; left as they are.
+    pub underivable: Vec<(EventId, String)>,
+    /// Rows whose stored `RecordKey` differs from the one the payload derives; left as they are.
+    pub mismatched: Vec<EventId>,
+    /// Where the next page starts, or `None` when the scan is complete.
+    pub next_after: Option<EventId>,
+}
+
+/// Which failed rows an operator returns to `pending`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RetryFilter {
+    /// One row by id (it must be `failed`).
+    Id(EventId),
+    /// Every failed row, optionally of one event type.
+    Failed {
+        /// Only rows of this `EventType`.
+        event_type: Option<String>,
+    },
+}
+
+/// A read of the queue's health for operators and the rollout gate.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct OutboxStats {
+    /// Rows in `pending`.
+    pub pending: u64,
+    /// Rows in `processing`.
+    pub processing: u64,
+    /// Rows in `processed`.
+    pub processed: u64,
+    /// Rows in `failed`.
+    pub failed: u64,
+    /// Age in seconds of the oldest `pending` row.
+    pub oldest_pending_age_seconds: Option<f64>,
+    /// `processing` rows whose heartbeat stopped (older than the stale cutoff).
+    pub stale_claims: u64,
+    /// `pending` rows that failed before and wait for, or are ready for, a retry.
+    pub retrying: u64,
+    /// Keys with waiting successors whose head is `processing` with a live heartbeat.
+    pub keys_blocked_by_running: u64,
+    /// Keys with waiting successors whose head is a stale `processing` row.
+    pub keys_blocked_by_stale: u64,
+    /// Keys with waiting successors whose head waits for its retry delay.
+    pub keys_blocked_by_retry: u64,
+}

@@ -1,0 +1,187 @@
+//! Table tests and a seeded property test of the `RecordKey` derivation.
+
+use super::*;
+
+fn key(payload: &str) -> Result<Option<String>, RecordKeyError> {
+    record_key_from_payload(payload).map(|k| k.map(RecordKey::into_string))
+}
+
+#[test]
+fn derivation_table() {
+    let ok = |s: &str| Ok(Some(s.to_string()));
+    let cases: &[(&str, Result<Option<String>, RecordKeyError>)] = &[
+        (
+            r#"{"object":"Lead","record_id":"00Q1","snapshot":{"Name":"A"}}"#,
+            ok("Lead:00Q1"),
+        ),
+        (r#"{"object":"Account","record_id":"001x"}"#, ok("Account:001x")),
+        (r#"{"object":"Custom_Obj__c","record_id":"a01"}"#, ok("Custom_Obj__c:a01")),
+        (r#"{"kind":"digest"}"#, Ok(None)),
+        (r#"{}"#, Ok(None)),
+        (r#"{"object":"Lead"}"#, Ok(None)),
+        (r#"{"object":"Lead","record_id":null}"#, Ok(None)),
+        (r#"{"record_id":"00Q1"}"#, Err(RecordKeyError::MissingObject)),
+        (r#"{"object":null,"record_id":"00Q1"}"#, Err(RecordKeyError::MissingObject)),
+        (r#"[1,2]"#, Err(RecordKeyError::NotAnObject)),
+        (r#""Lead:1""#, Err(RecordKeyError::NotAnObject)),
+        (
+            r#"{"object":"Lead","record_id":""}"#,
+            Err(RecordKeyError::InvalidRecordId("empty".into())),
+        ),
+        (
+            r#"{"object":"Lead","record_id":" 00Q1"}"#,
+            Err(RecordKeyError::InvalidRecordId("leading or trailing white space".into())),
+        ),
+        (
+            r#"{"object":"Lead","record_id":"00\u0000Q1"}"#,
+            Err(RecordKeyError::InvalidRecordId("contains a control character".into())),
+        ),
+        (
+            r#"{"object":"Lead","record_id":42}"#,
+            Err(RecordKeyError::InvalidRecordId("expected a string, found a number".into())),
+        ),
+        (
+            r#"{"object":"Le ad","record_id":"1"}"#,
+            Err(RecordKeyError::InvalidObject("\"Le ad\"".into())),
+        ),
+        (
+            r#"{"object":"1Lead","record_id":"1"}"#,
+            Err(RecordKeyError::InvalidObject("\"1Lead\"".into())),
+        ),
+        (
+            r#"{"object":"Lead:x","record_id":"1"}"#,
+            Err(RecordKeyError::InvalidObject("\"Lead:x\"".into())),
+        ),
+        (
+            r#"{"object":7,"record_id":"1"}"#,
+            Err(RecordKeyError::InvalidObject("expected a string, found a number".into())),
+        ),
+        (
+            r#"{"object":"Lead","record_id":"1","snapshot":[1]}"#,
+            Err(RecordKeyError::InvalidSnapshot),
+        ),
+    ];
+    for (payload, expected) in cases {
+        assert_eq!(&key(payload), expected, "payload {payload}");
+    }
+}
+
+#[test]
+fn invalid_json_is_a_typed_error() {
+    assert!(matches!(key("{not json"), Err(RecordKeyError::InvalidJson(_))));
+    assert!(matches!(key(""), Err(RecordKeyError::InvalidJson(_))));
+}
+
+#[test]
+fn lengths_are_bounded() {
+    let long_id = "x".repeat(MAX_RECORD_ID_LEN + 1);
+    let payload = format!(r#"{{"object":"Lead","record_id":"{long_id}"}}"#);
+    assert!(matches!(key(&payload), Err(RecordKeyError::InvalidRecordId(_))));
+    let max_id = "x".repeat(MAX_RECORD_ID_LEN);
+    let payload = format!(r#"{{"object":"Lead","record_id":"{max_id}"}}"#);
+    assert_eq!(key(&payload), Ok(Some(format!("Lead:{max_id}"))));
+    let long_object = "L".repeat(MAX_OBJECT_LEN + 1);
+    assert!(matches!(
+        RecordKey::new(&long_object, "1"),
+        Err(RecordKeyError::InvalidObject(_))
+    ));
+}
+
+#[test]
+fn record_key_new_matches_derivation() {
+    let built = RecordKey::new("Opportunity", "006A").unwrap();
+    let derived = record_key_from_payload(r#"{"object":"Opportunity","record_id":"006A"}"#)
+        .unwrap()
+        .unwrap();
+    assert_eq!(built, derived);
+    assert_eq!(built.to_string(), "Opportunity:006A");
+}
+
+/// A small deterministic generator (SplitMix64), so the property test needs no extra crate and
+/// every failure is reproducible from its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn word(&mut self) -> String {
+        let len = 1 + self.below(8);
+        (0..len)
+            .map(|_| (b'a' + self.below(26) as u8) as char)
+            .collect()
+    }
+    fn space(&mut self) -> &'static str {
+        [" ", "", "\n", "\t", "  ", "\r\n"][self.below(6)]
+    }
+}
+
+/// Renders `members` as a JSON object with random white space between tokens.
+fn render(members: &[(String, String)], rng: &mut Rng) -> String {
+    let mut out = String::from("{");
+    for (i, (name, value)) in members.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(rng.space());
+        out.push_str(&serde_json::to_string(name).unwrap());
+        out.push_str(rng.space());
+        out.push(':');
+        out.push_str(rng.space());
+        out.push_str(value);
+        out.push_str(rng.space());
+    }
+    out.push('}');
+    out
+}
+
+#[test]
+fn same_record_same_key_whatever_order_whitespace_or_unrelated_fields() {
+    for seed in 0..2_000u64 {
+        let mut rng = Rng(seed);
+        let object = format!("O{}", rng.word());
+        let record_id = format!("{}{}", rng.word(), rng.below(1000));
+        let expected = format!("{object}:{record_id}");
+        for _ in 0..4 {
+            let mut members = vec![
+                ("object".to_string(), serde_json::to_string(&object).unwrap()),
+                ("record_id".to_string(), serde_json::to_string(&record_id).unwrap()),
+                (
+                    "snapshot".to_string(),
+                    format!(r#"{{"{}":{}}}"#, rng.word(), rng.below(100)),
+                ),
+            ];
+            for _ in 0..rng.below(4) {
+                let name = format!("x_{}", rng.word());
+                members.push((name, serde_json::to_string(&rng.word()).unwrap()));
+            }
+            // Fisher-Yates shuffle of member order.
+            for i in (1..members.len()).rev() {
+                let j = rng.below(i + 1);
+                members.swap(i, j);
+            }
+            let payload = render(&members, &mut rng);
+            assert_eq!(
+                key(&payload),
+                Ok(Some(expected.clone())),
+                "seed {seed}, payload {payload}"
+            );
+        }
+    }
+}
+
+#[test]
+fn different_records_get_different_keys() {
+    let a = key(r#"{"object":"Lead","record_id":"1"}"#).unwrap();
+    let b = key(r#"{"object":"Lead","record_id":"2"}"#).unwrap();
+    let c = key(r#"{"object":"Contact","record_id":"1"}"#).unwrap();
+    assert_ne!(a, b);
+    assert_ne!(a, c);
+}

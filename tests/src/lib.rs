@@ -1,0 +1,236 @@
+//! The fresh-database harness for integration tests: every test gets its own SQLite file or its
+//! own PostgreSQL database, with the workspace's migrations applied.
+//!
+//! PostgreSQL tests run when a server is reachable at `DATABASE_URL` (default
+//! [`DEFAULT_POSTGRES_URL`]). When it is not, they are skipped with a line on stderr, unless
+//! `CI=true` or `OUTBOX_REQUIRE_POSTGRES=1`, in which case they fail.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_persistence::{Database, OutboxRepository};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgPool, SqlitePool};
+
+/// The PostgreSQL server tests use when `DATABASE_URL` is not set.
+pub const DEFAULT_POSTGRES_URL: &str = "postgres://root@127.0.0.1:5432/test";
+
+/// Which backend a test database lives on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// An embedded SQLite file.
+    Sqlite,
+    /// A database on the PostgreSQL server.
+    Postgres,
+}
+
+/// A migrated database that exists for one test and is removed when dropped.
+pub struct TestDb {
+    /// The database handle the code under test uses.
+    pub db: Database,
+    /// The URL of this database, for code that connects by itself (for example a CLI process).
+    pub url: String,
+    cleanup: Cleanup,
+}
+
+enum Cleanup {
+    SqliteFile(PathBuf),
+    PostgresDatabase { admin_url: String, name: String },
+}
+
+/// Whether PostgreSQL tests must run (and fail when the server is unreachable).
+pub fn postgres_required() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+        || std::env::var("OUTBOX_REQUIRE_POSTGRES").is_ok_and(|v| v == "1" || v == "true")
+}
+
+/// The admin URL of the PostgreSQL server under test.
+pub fn postgres_admin_url() -> String {
+    std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|u| u.starts_with("postgres"))
+        .unwrap_or_else(|| DEFAULT_POSTGRES_URL.to_string())
+}
+
+fn unique_name(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::now_v7().simple())
+}
+
+impl TestDb {
+    /// A fresh, migrated database on `backend`, or `None` when the backend is PostgreSQL, the
+    /// server is unreachable and PostgreSQL is not required.
+    pub async fn new(backend: Backend) -> Option<Self> {
+        match backend {
+            Backend::Sqlite => Some(Self::sqlite().await),
+            Backend::Postgres => Self::postgres().await,
+        }
+    }
+
+    /// A fresh, migrated SQLite database file in the temporary directory.
+    pub async fn sqlite() -> Self {
+        let path = std::env::temp_dir().join(format!("{}.db", unique_name("outbox_test")));
+        let url = format!("sqlite://{}", path.display());
+        let db = Database::connect(&url, Default::default())
+            .await
+            .expect("open a fresh SQLite database");
+        db.migrate().await.expect("migrate the SQLite database");
+        Self {
+            db,
+            url,
+            cleanup: Cleanup::SqliteFile(path),
+        }
+    }
+
+    /// A fresh, migrated PostgreSQL database, or `None` (with a line on stderr) when the server
+    /// is unreachable and PostgreSQL is not required.
+    pub async fn postgres() -> Option<Self> {
+        let admin_url = postgres_admin_url();
+        let admin = PgConnectOptions::from_str(&admin_url).expect("a valid DATABASE_URL");
+        let mut conn = match tokio::time::timeout(Duration::from_secs(5), admin.connect()).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => return unreachable_postgres(&admin_url, &e.to_string()),
+            Err(_) => return unreachable_postgres(&admin_url, "connect timed out"),
+        };
+        let name = unique_name("outbox_t");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut conn)
+            .await
+            .expect("create a fresh PostgreSQL database");
+        conn.close().await.ok();
+        let url = with_database(&admin_url, &name);
+        let db = Database::connect(&url, Default::default())
+            .await
+            .expect("connect to the fresh PostgreSQL database");
+        db.migrate().await.expect("migrate the PostgreSQL database");
+        Some(Self {
+            db,
+            url,
+            cleanup: Cleanup::PostgresDatabase { admin_url, name },
+        })
+    }
+
+    /// Which backend this database is on.
+    pub fn backend(&self) -> Backend {
+        match self.db {
+            Database::Postgres(_) => Backend::Postgres,
+            Database::Sqlite(_) => Backend::Sqlite,
+        }
+    }
+
+    /// The outbox repository over this database.
+    pub fn repository(&self) -> Arc<dyn OutboxRepository> {
+        self.db.repository()
+    }
+
+    /// The PostgreSQL pool, when this database is on PostgreSQL.
+    pub fn pg(&self) -> Option<&PgPool> {
+        match &self.db {
+            Database::Postgres(pool) => Some(pool),
+            Database::Sqlite(_) => None,
+        }
+    }
+
+    /// The SQLite pool, when this database is on SQLite.
+    pub fn sqlite_pool(&self) -> Option<&SqlitePool> {
+        match &self.db {
+            Database::Sqlite(pool) => Some(pool),
+            Database::Postgres(_) => None,
+        }
+    }
+}
+
+fn unreachable_postgres(url: &str, why: &str) -> Option<TestDb> {
+    if postgres_required() {
+        panic!("PostgreSQL is required (CI=true or OUTBOX_REQUIRE_POSTGRES=1) but {url} is unreachable: {why}");
+    }
+    eprintln!("skipping the PostgreSQL variant: {url} is unreachable ({why})");
+    None
+}
+
+/// Replaces the database name in a PostgreSQL URL.
+pub fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let path_start = base[scheme_end..]
+        .find('/')
+        .map_or(base.len(), |i| scheme_end + i);
+    let mut out = format!("{}/{}", &base[..path_start], name);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        match &self.cleanup {
+            Cleanup::SqliteFile(path) => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let mut p = path.clone().into_os_string();
+                    p.push(suffix);
+                    std::fs::remove_file(PathBuf::from(p)).ok();
+                }
+            }
+            Cleanup::PostgresDatabase { admin_url, name } => {
+                // Dropping runs outside the test's runtime: a short-lived thread with its own
+                // runtime removes the database (FORCE ends connections the test left open).
+                let admin_url = admin_url.clone();
+                let name = name.clone();
+                let _ = std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime for cleanup");
+                    rt.block_on(async move {
+                        if let Ok(pool) = PgPoolOptions::new()
+                            .max_connections(1)
+                            .connect(&admin_url)
+                            .await
+                        {
+                            let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+                            sqlx::query(sqlx::AssertSqlSafe(sql))
+                                .execute(&pool)
+                                .await
+                                .ok();
+                            pool.close().await;
+                        }
+                    });
+                })
+                .join();
+            }
+        }
+    }
+}
+
+/// Declares each listed `async fn name(db: TestDb)` as two tests, `sqlite::name` and
+/// `postgres::name`, each on a fresh database.
+#[macro_export]
+macro_rules! backend_tests {
+    ($($name:ident),+ $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = $crate::TestDb::sqlite().await;
+                    super::$name(db).await;
+                }
+            )+
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    if let Some(db) = $crate::TestDb::postgres().await {
+                        super::$name(db).await;
+                    }
+                }
+            )+
+        }
+    };
+}
