@@ -1,1 +1,4 @@
-//! Integration tests.
+//! Cross-crate integration tests, one binary: every database test runs on SQLite and on
+//! PostgreSQL (see `outbox_tests::backend_tests!`).
+
+mod repository;

@@ -234,3 +234,104 @@ macro_rules! backend_tests {
         }
     };
 }
+
+/// A row written straight into the outbox table, bypassing enqueue: for states that enqueue
+/// cannot produce (a stale claim, a retried row, hostile input).
+#[derive(Debug, Clone)]
+pub struct RawRow {
+    /// `Id`.
+    pub id: uuid::Uuid,
+    /// `EventType`.
+    pub event_type: String,
+    /// `Payload`.
+    pub payload: String,
+    /// `Status`.
+    pub status: &'static str,
+    /// `RetryCount`.
+    pub retry_count: i32,
+    /// `RecordKey`.
+    pub record_key: Option<String>,
+    /// `CreatedDate`.
+    pub created: chrono::DateTime<chrono::Utc>,
+    /// `LastModifiedDate`.
+    pub last_modified: chrono::DateTime<chrono::Utc>,
+}
+
+impl RawRow {
+    /// A `pending` row with a fresh id, created and modified at `at`.
+    pub fn pending(key: Option<&str>, at: chrono::DateTime<chrono::Utc>) -> Self {
+        Self {
+            id: outbox_persistence::new_event_id(),
+            event_type: "test.event".into(),
+            payload: "{}".into(),
+            status: "pending",
+            retry_count: 0,
+            record_key: key.map(str::to_string),
+            created: at,
+            last_modified: at,
+        }
+    }
+}
+
+impl TestDb {
+    /// Writes `row` straight into the outbox table.
+    pub async fn insert_raw(&self, row: &RawRow) {
+        match &self.db {
+            Database::Postgres(pool) => {
+                sqlx::query(
+                    "INSERT INTO _System_OutboxEvent (Id, EventType, Payload, Status, RetryCount,
+                       RecordKey, CreatedDate, LastModifiedDate) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
+                )
+                .bind(row.id)
+                .bind(&row.event_type)
+                .bind(&row.payload)
+                .bind(row.status)
+                .bind(row.retry_count)
+                .bind(&row.record_key)
+                .bind(outbox_persistence::truncate_micros(row.created))
+                .bind(outbox_persistence::truncate_micros(row.last_modified))
+                .execute(pool)
+                .await
+                .expect("insert a raw outbox row");
+            }
+            Database::Sqlite(pool) => {
+                use outbox_persistence::sqlite::format_ts;
+                sqlx::query(
+                    "INSERT INTO _System_OutboxEvent (Id, EventType, Payload, Status, RetryCount,
+                       RecordKey, CreatedDate, LastModifiedDate) VALUES (?1,?2,?3,?4,?5,?6,?7,?8)",
+                )
+                .bind(row.id.to_string())
+                .bind(&row.event_type)
+                .bind(&row.payload)
+                .bind(row.status)
+                .bind(row.retry_count)
+                .bind(&row.record_key)
+                .bind(format_ts(outbox_persistence::truncate_micros(row.created)))
+                .bind(format_ts(outbox_persistence::truncate_micros(row.last_modified)))
+                .execute(pool)
+                .await
+                .expect("insert a raw outbox row");
+            }
+        }
+    }
+
+    /// Runs a statement that needs no parameters (test setup and fault injection).
+    pub async fn execute(&self, sql: &str) {
+        let sql = sqlx::AssertSqlSafe(sql.to_string());
+        match &self.db {
+            Database::Postgres(pool) => sqlx::query(sql).execute(pool).await.map(|_| ()),
+            Database::Sqlite(pool) => sqlx::query(sql).execute(pool).await.map(|_| ()),
+        }
+        .expect("execute a test statement");
+    }
+
+    /// Counts rows for a query of the form `SELECT count(*) FROM …`.
+    pub async fn count(&self, sql: &str) -> i64 {
+        let sql = sqlx::AssertSqlSafe(sql.to_string());
+        match &self.db {
+            Database::Postgres(pool) => sqlx::query_scalar(sql).fetch_one(pool).await,
+            Database::Sqlite(pool) => sqlx::query_scalar(sql).fetch_one(pool).await,
+        }
+        .expect("count rows")
+    }
+}

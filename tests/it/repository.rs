@@ -1,0 +1,492 @@
+//! The repository conformance suite: written once against `OutboxRepository`, run on SQLite and
+//! PostgreSQL, each test on a fresh database.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_persistence::{
+    Cutoffs, Database, EventStatus, FailureBookkeeping, FenceOutcome, NewEvent,
+    OutboxRepository, RetryFilter, Terminal, Tx,
+};
+use outbox_tests::{RawRow, TestDb, backend_tests};
+
+const STALE_AFTER: Duration = Duration::from_secs(30);
+const RETRY_DELAY: Duration = Duration::from_secs(10);
+
+fn base() -> DateTime<Utc> {
+    outbox_persistence::truncate_micros(Utc::now())
+}
+
+fn at(base: DateTime<Utc>, secs: i64) -> DateTime<Utc> {
+    base + chrono::Duration::seconds(secs)
+}
+
+fn cutoffs(now: DateTime<Utc>) -> Cutoffs {
+    Cutoffs::at(now, STALE_AFTER, RETRY_DELAY)
+}
+
+fn lead(id: &str) -> String {
+    format!(r#"{{"object":"Lead","record_id":"{id}","snapshot":{{"Status":"Open"}}}}"#)
+}
+
+async fn enqueue(repo: &Arc<dyn OutboxRepository>, events: &[NewEvent], now: DateTime<Utc>) -> Vec<uuid::Uuid> {
+    let mut tx = repo.begin().await.unwrap();
+    let ids = repo.enqueue(&mut tx, events, now).await.unwrap();
+    tx.commit().await.unwrap();
+    ids
+}
+
+/// Every row kind of the eligibility rules, with the expected verdict.
+async fn eligibility_truth_table(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    let mut t = at(now, -1000);
+    let mut next = || {
+        t += chrono::Duration::seconds(1);
+        t
+    };
+    let row = |key: Option<&str>, status: &'static str, retry: i32, created: DateTime<Utc>, modified: DateTime<Utc>| RawRow {
+        status,
+        retry_count: retry,
+        last_modified: modified,
+        ..RawRow::pending(key, created)
+    };
+    let a = row(Some("Lead:a"), "pending", 0, next(), at(now, -500));
+    let b = row(Some("Lead:b"), "processing", 0, next(), at(now, -1));
+    let c = row(Some("Lead:c"), "processing", 0, next(), at(now, -60));
+    let d = row(Some("Lead:d"), "pending", 1, next(), at(now, -5));
+    let e = row(Some("Lead:e"), "pending", 1, next(), at(now, -20));
+    let f = row(Some("Lead:f"), "processed", 0, next(), at(now, -100));
+    let g = row(Some("Lead:g"), "failed", 3, next(), at(now, -100));
+    let h = row(Some("Lead:b"), "pending", 0, next(), at(now, -100));
+    let i = row(Some("Lead:c"), "pending", 0, next(), at(now, -100));
+    let j = row(Some("Lead:g"), "pending", 0, next(), at(now, -100));
+    let k = row(Some("Lead:f"), "pending", 0, next(), at(now, -100));
+    let l = row(None, "pending", 0, next(), at(now, -100));
+    let same = next();
+    let (mut m, mut n) = (
+        row(Some("Lead:m"), "pending", 0, same, at(now, -100)),
+        row(Some("Lead:m"), "pending", 0, same, at(now, -100)),
+    );
+    if m.id > n.id {
+        std::mem::swap(&mut m.id, &mut n.id);
+    }
+    let o = row(Some("Lead:d"), "pending", 0, next(), at(now, -100));
+    let p = row(None, "processing", 0, next(), at(now, -2));
+    let q = row(None, "pending", 2, next(), at(now, -9));
+    for r in [&a, &b, &c, &d, &e, &f, &g, &h, &i, &j, &k, &l, &m, &n, &o, &p, &q] {
+        db.insert_raw(r).await;
+    }
+    let eligible: Vec<_> = repo
+        .get_pending_events(cutoffs(now), 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    let expected = vec![a.id, c.id, e.id, j.id, k.id, l.id, m.id];
+    assert_eq!(eligible, expected, "eligible rows, oldest first");
+
+    // The limit keeps the oldest.
+    let first_two: Vec<_> = repo
+        .get_pending_events(cutoffs(now), 2)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(first_two, vec![a.id, c.id]);
+
+    // claim_next walks the same order and never takes an ineligible row.
+    let mut claimed = Vec::new();
+    while let Some(claim) = repo.claim_next(cutoffs(now)).await.unwrap() {
+        claimed.push(claim.event.id);
+        assert!(claimed.len() <= expected.len(), "claimed more than the eligible rows");
+    }
+    assert_eq!(claimed, expected);
+}
+
+/// The query exactly as the design writes it (only the parameter markers differ) runs on a
+/// migrated database.
+async fn design_query_runs_unchanged(db: TestDb) {
+    let design = "SELECT Id, EventType, Payload, RetryCount
+FROM _System_OutboxEvent e
+WHERE
+  (e.Status = 'pending'
+   OR (e.Status = 'processing' AND e.LastModifiedDate < :stale_cutoff))
+  AND (e.Status <> 'pending'
+       OR e.RetryCount = 0
+       OR e.LastModifiedDate < :retry_cutoff)
+  AND (
+    e.RecordKey IS NULL
+    OR NOT EXISTS (
+      SELECT 1
+      FROM _System_OutboxEvent older
+      WHERE older.RecordKey = e.RecordKey
+        AND (
+          older.CreatedDate < e.CreatedDate
+          OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
+        )
+        AND older.Status NOT IN ('processed', 'failed')
+    )
+  )
+ORDER BY e.CreatedDate ASC, e.Id ASC
+LIMIT :limit;";
+    let now = base();
+    let first = RawRow::pending(Some("Lead:1"), at(now, -3));
+    let second = RawRow::pending(Some("Lead:1"), at(now, -2));
+    db.insert_raw(&first).await;
+    db.insert_raw(&second).await;
+    let c = cutoffs(now);
+    let ids: Vec<String> = match &db.db {
+        Database::Postgres(pool) => {
+            let sql = design
+                .replace(":stale_cutoff", "$1")
+                .replace(":retry_cutoff", "$2")
+                .replace(":limit", "$3");
+            let rows: Vec<(uuid::Uuid, String, String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(c.stale_cutoff)
+                .bind(c.retry_cutoff)
+                .bind(10_i64)
+                .fetch_all(pool)
+                .await
+                .unwrap();
+            rows.into_iter().map(|r| r.0.to_string()).collect()
+        }
+        Database::Sqlite(pool) => {
+            use outbox_persistence::sqlite::format_ts;
+            let rows: Vec<(String, String, String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(
+                design
+                    .replace(":stale_cutoff", "?1")
+                    .replace(":retry_cutoff", "?2")
+                    .replace(":limit", "?3"),
+            ))
+                .bind(format_ts(c.stale_cutoff))
+                .bind(format_ts(c.retry_cutoff))
+                .bind(10_i64)
+                .fetch_all(pool)
+                .await
+                .unwrap();
+            rows.into_iter().map(|r| r.0).collect()
+        }
+    };
+    assert_eq!(ids, vec![first.id.to_string()]);
+}
+
+/// Enqueue derives keys, keeps batch order in `Id`, and refuses a bad batch whole.
+async fn enqueue_orders_and_validates(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    let events: Vec<NewEvent> = (0..200)
+        .map(|i| NewEvent::new("lead.updated", lead(&format!("L{}", i % 7))))
+        .collect();
+    let ids = enqueue(&repo, &events, now).await;
+    assert_eq!(ids.len(), 200);
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids increase in enqueue order");
+    let stored = repo.get_event(ids[3]).await.unwrap().unwrap();
+    assert_eq!(stored.record_key.as_deref(), Some("Lead:L3"));
+    assert_eq!(stored.status, EventStatus::Pending);
+    assert_eq!(stored.created_date, now);
+    // Only the head of each of the 7 keys is eligible, oldest first.
+    let eligible = repo.get_pending_events(cutoffs(now), 100).await.unwrap();
+    assert_eq!(eligible.iter().map(|e| e.id).collect::<Vec<_>>(), ids[..7].to_vec());
+
+    let bad = vec![
+        NewEvent::new("lead.updated", lead("ok")),
+        NewEvent::new("lead.updated", r#"{"record_id":"no-object"}"#),
+    ];
+    let mut tx = repo.begin().await.unwrap();
+    let err = repo.enqueue(&mut tx, &bad, now).await.unwrap_err();
+    assert!(matches!(err, outbox_persistence::Error::InvalidPayload(_)), "{err:?}");
+    tx.rollback().await.unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM _System_OutboxEvent").await, 200);
+
+    // An event about no record is unordered.
+    let ids = enqueue(&repo, &[NewEvent::new("digest", r#"{"kind":"nightly"}"#)], now).await;
+    assert_eq!(repo.get_event(ids[0]).await.unwrap().unwrap().record_key, None);
+}
+
+/// Many concurrent claims of one row from separate connections: exactly one winner.
+async fn claim_race_has_one_winner(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    for round in 0..5 {
+        let ids = enqueue(&repo, &[NewEvent::new("t", lead(&format!("race{round}")))], now).await;
+        let mut tasks = Vec::new();
+        for _ in 0..12 {
+            let repo = repo.clone();
+            let id = ids[0];
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    match repo.claim_event(id, cutoffs(now)).await {
+                        Ok(claim) => return claim,
+                        // SQLite may report busy under this contention: a lost race too.
+                        Err(e) if e.is_transient() => return None,
+                        Err(e) => panic!("claim failed: {e:?}"),
+                    }
+                }
+            }));
+        }
+        let mut winners = 0;
+        for task in tasks {
+            if task.await.unwrap().is_some() {
+                winners += 1;
+            }
+        }
+        assert_eq!(winners, 1, "round {round}");
+    }
+}
+
+/// Concurrent `claim_next` callers never share a row and never take two rows of one key.
+async fn concurrent_claim_next_respects_keys(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    let events: Vec<NewEvent> = (0..60)
+        .map(|i| NewEvent::new("t", lead(&format!("K{}", i % 20))))
+        .collect();
+    enqueue(&repo, &events, now).await;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let repo = repo.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            for _ in 0..10 {
+                match repo.claim_next(cutoffs(now)).await {
+                    Ok(Some(claim)) => mine.push((claim.event.id, claim.event.record_key)),
+                    Ok(None) => break,
+                    Err(e) if e.is_transient() => continue,
+                    Err(e) => panic!("claim_next failed: {e:?}"),
+                }
+            }
+            mine
+        }));
+    }
+    let mut ids = HashSet::new();
+    let mut keys = HashSet::new();
+    for task in tasks {
+        for (id, key) in task.await.unwrap() {
+            assert!(ids.insert(id), "row {id} claimed twice");
+            assert!(keys.insert(key.clone()), "two rows of {key:?} in flight");
+        }
+    }
+    assert_eq!(keys.len(), 20, "one head per key is claimable, and all of them were claimed");
+}
+
+/// A live heartbeat keeps a slow claim; a stopped one makes the row reclaimable, and the
+/// fenced-out worker can write nothing afterwards.
+async fn heartbeat_fences(db: TestDb) {
+    let repo = db.repository();
+    let t0 = base();
+    let ids = enqueue(&repo, &[NewEvent::new("t", lead("hb"))], t0).await;
+    let claim = repo.claim_next(cutoffs(t0)).await.unwrap().unwrap();
+    assert_eq!(claim.event.id, ids[0]);
+    assert!(!claim.reclaimed);
+
+    // Heartbeats every 20 s keep it alive past several stale-after periods.
+    let mut fence = claim.fence;
+    for step in 1..=4 {
+        let now = at(t0, 20 * step);
+        fence = repo.heartbeat(fence, now).await.unwrap().expect("still ours");
+        assert!(repo.claim_event(ids[0], cutoffs(at(now, 25))).await.unwrap().is_none());
+        assert!(repo.get_pending_events(cutoffs(at(now, 25)), 10).await.unwrap().is_empty());
+    }
+
+    // The heartbeat stops; 31 s later another worker reclaims the row.
+    let later = at(t0, 80 + 31);
+    let eligible = repo.get_pending_events(cutoffs(later), 10).await.unwrap();
+    assert_eq!(eligible.len(), 1);
+    let second = repo.claim_event(ids[0], cutoffs(later)).await.unwrap().expect("reclaimable");
+    assert!(second.reclaimed);
+
+    // The first worker is fenced out everywhere.
+    assert_eq!(repo.heartbeat(fence, later).await.unwrap(), None);
+    assert_eq!(
+        repo.update_status(fence, Terminal::Processed, later, None).await.unwrap(),
+        FenceOutcome::Lost
+    );
+    assert_eq!(
+        repo.increment_retry(fence, later, Duration::ZERO, "late").await.unwrap(),
+        FenceOutcome::Lost
+    );
+    let mut attempt = repo.begin_attempt(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(attempt.mark_processed(fence, later).await.unwrap(), FenceOutcome::Lost);
+    attempt.rollback().await.unwrap();
+    let row = repo.get_event(ids[0]).await.unwrap().unwrap();
+    assert_eq!(row.status, EventStatus::Processing);
+    assert_eq!(row.last_modified_date, second.fence.last_written);
+
+    // The new holder finishes normally.
+    assert_eq!(
+        repo.update_status(second.fence, Terminal::Processed, at(later, 1), None).await.unwrap(),
+        FenceOutcome::Written
+    );
+    assert_eq!(repo.get_event(ids[0]).await.unwrap().unwrap().status, EventStatus::Processed);
+}
+
+async fn insert_side_effect(tx: &mut Tx) {
+    match tx {
+        Tx::Postgres(tx) => {
+            sqlx::query("INSERT INTO side_effect VALUES (1)").execute(&mut **tx).await.unwrap();
+        }
+        Tx::Sqlite(tx) => {
+            sqlx::query("INSERT INTO side_effect VALUES (1)").execute(&mut **tx).await.unwrap();
+        }
+        _ => unreachable!("a new backend"),
+    }
+}
+
+/// Side effects of the attempt roll back to the savepoint; bookkeeping in the same
+/// transaction survives; `RetryCount` counts every failure, `failed` included.
+async fn attempt_savepoint_and_retry_counting(db: TestDb) {
+    let repo = db.repository();
+    db.execute("CREATE TABLE side_effect (v INTEGER NOT NULL)").await;
+    let t0 = base();
+    let ids = enqueue(&repo, &[NewEvent::new("t", lead("sp"))], t0).await;
+
+
+    // Attempt 1 fails: effect rolled back, retry recorded.
+    let claim = repo.claim_next(cutoffs(t0)).await.unwrap().unwrap();
+    let mut attempt = repo.begin_attempt(Duration::from_secs(5)).await.unwrap();
+    insert_side_effect(attempt.tx()).await;
+    attempt.rollback_to_savepoint().await.unwrap();
+    let bookkeeping = FailureBookkeeping::Retry { extra_delay: Duration::from_secs(5) };
+    assert_eq!(
+        attempt.record_failure(claim.fence, t0, bookkeeping, "boom").await.unwrap(),
+        FenceOutcome::Written
+    );
+    attempt.commit().await.unwrap();
+    let row = repo.get_event(ids[0]).await.unwrap().unwrap();
+    assert_eq!((row.status, row.retry_count), (EventStatus::Pending, 1));
+    assert_eq!(row.last_error.as_deref(), Some("boom"));
+    assert_eq!(db.count("SELECT count(*) FROM side_effect").await, 0);
+
+    // Not eligible before base delay + backoff (10 s + 5 s), eligible after.
+    assert!(repo.claim_next(cutoffs(at(t0, 14))).await.unwrap().is_none());
+    let claim = repo.claim_next(cutoffs(at(t0, 16))).await.unwrap().unwrap();
+    assert_eq!(claim.event.retry_count, 1);
+
+    // Attempt 2 fails permanently: failed, counted.
+    let mut attempt = repo.begin_attempt(Duration::from_secs(5)).await.unwrap();
+    attempt.rollback_to_savepoint().await.unwrap();
+    attempt.record_failure(claim.fence, at(t0, 16), FailureBookkeeping::Fail, "fatal").await.unwrap();
+    attempt.commit().await.unwrap();
+    let row = repo.get_event(ids[0]).await.unwrap().unwrap();
+    assert_eq!((row.status, row.retry_count), (EventStatus::Failed, 2));
+
+    // An operator retry returns it to pending with a fresh count; success commits the effect.
+    assert_eq!(repo.retry_failed(RetryFilter::Id(ids[0]), at(t0, 20)).await.unwrap(), 1);
+    assert_eq!(repo.retry_failed(RetryFilter::Id(ids[0]), at(t0, 20)).await.unwrap(), 0);
+    let claim = repo.claim_next(cutoffs(at(t0, 20))).await.unwrap().unwrap();
+    let mut attempt = repo.begin_attempt(Duration::from_secs(5)).await.unwrap();
+    insert_side_effect(attempt.tx()).await;
+    assert_eq!(attempt.mark_processed(claim.fence, at(t0, 21)).await.unwrap(), FenceOutcome::Written);
+    attempt.commit().await.unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM side_effect").await, 1);
+    assert_eq!(repo.get_event(ids[0]).await.unwrap().unwrap().status, EventStatus::Processed);
+
+    // Detached bookkeeping counts too.
+    let ids = enqueue(&repo, &[NewEvent::new("t", lead("detached"))], t0).await;
+    let claim = repo.claim_event(ids[0], cutoffs(at(t0, 30))).await.unwrap().unwrap();
+    repo.increment_retry(claim.fence, at(t0, 30), Duration::ZERO, "lost connection").await.unwrap();
+    let row = repo.get_event(ids[0]).await.unwrap().unwrap();
+    assert_eq!((row.status, row.retry_count), (EventStatus::Pending, 1));
+}
+
+/// Backfill derives exactly what enqueue derives, is resumable and idempotent, and reports what
+/// it cannot derive instead of guessing.
+async fn backfill_matches_enqueue(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    let enqueued = enqueue(&repo, &[NewEvent::new("t", lead("B1"))], now).await;
+    let expected_key = repo.get_event(enqueued[0]).await.unwrap().unwrap().record_key;
+    // Make it a legacy row: same payload, no key.
+    let legacy = RawRow { payload: lead("B1"), ..RawRow::pending(None, at(now, 1)) };
+    let no_record = RawRow { payload: r#"{"kind":"digest"}"#.into(), ..RawRow::pending(None, at(now, 2)) };
+    let broken = RawRow { payload: r#"{"record_id":"x"}"#.into(), ..RawRow::pending(None, at(now, 3)) };
+    let not_json = RawRow { payload: "{oops".into(), ..RawRow::pending(None, at(now, 4)) };
+    let done = RawRow { payload: lead("B9"), status: "processed", ..RawRow::pending(None, at(now, 5)) };
+    for r in [&legacy, &no_record, &broken, &not_json, &done] {
+        db.insert_raw(r).await;
+    }
+    let mut after = None;
+    let mut total = outbox_persistence::BackfillPage::default();
+    let mut pages = 0;
+    loop {
+        let page = repo.backfill_record_keys(after, 2, false).await.unwrap();
+        pages += 1;
+        total.scanned += page.scanned;
+        total.updated += page.updated;
+        total.already_set += page.already_set;
+        total.no_record += page.no_record;
+        total.underivable.extend(page.underivable);
+        after = page.next_after;
+        if after.is_none() {
+            break;
+        }
+    }
+    assert!(pages >= 3, "resumable in pages");
+    assert_eq!(total.scanned, 5, "terminal rows are not scanned");
+    assert_eq!(total.updated, 1);
+    assert_eq!(total.already_set, 1);
+    assert_eq!(total.no_record, 1);
+    let mut underivable: Vec<_> = total.underivable.iter().map(|(id, _)| *id).collect();
+    underivable.sort();
+    let mut expected_bad = vec![broken.id, not_json.id];
+    expected_bad.sort();
+    assert_eq!(underivable, expected_bad);
+    assert_eq!(repo.get_event(legacy.id).await.unwrap().unwrap().record_key, expected_key);
+    assert_eq!(repo.get_event(broken.id).await.unwrap().unwrap().record_key, None);
+    // Idempotent: a second run changes nothing.
+    let again = repo.backfill_record_keys(None, 100, false).await.unwrap();
+    assert_eq!(again.updated, 0);
+    assert_eq!(again.already_set, 2);
+}
+
+/// `stats` counts statuses, stale claims, retries and blocked keys.
+async fn stats_reports_the_queue(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    let rows = [
+        RawRow { status: "processing", last_modified: at(now, -1), ..RawRow::pending(Some("Lead:run"), at(now, -50)) },
+        RawRow::pending(Some("Lead:run"), at(now, -49)),
+        RawRow { status: "processing", last_modified: at(now, -100), ..RawRow::pending(Some("Lead:stale"), at(now, -48)) },
+        RawRow::pending(Some("Lead:stale"), at(now, -47)),
+        RawRow { retry_count: 1, last_modified: at(now, -2), ..RawRow::pending(Some("Lead:retry"), at(now, -46)) },
+        RawRow::pending(Some("Lead:retry"), at(now, -45)),
+        RawRow { status: "failed", ..RawRow::pending(None, at(now, -44)) },
+        RawRow { status: "processed", ..RawRow::pending(None, at(now, -43)) },
+    ];
+    for r in &rows {
+        db.insert_raw(r).await;
+    }
+    let stats = repo.stats(cutoffs(now)).await.unwrap();
+    assert_eq!((stats.pending, stats.processing, stats.processed, stats.failed), (4, 2, 1, 1));
+    assert_eq!(stats.stale_claims, 1);
+    assert_eq!(stats.retrying, 1);
+    assert_eq!(stats.keys_blocked_by_running, 1);
+    assert_eq!(stats.keys_blocked_by_stale, 1);
+    assert_eq!(stats.keys_blocked_by_retry, 1);
+    let age = stats.oldest_pending_age_seconds.unwrap();
+    assert!((48.9..49.1).contains(&age), "oldest pending age {age}");
+}
+
+/// Migrating twice is a no-op, and the schema check passes on a migrated database.
+async fn migrations_are_idempotent(db: TestDb) {
+    db.db.migrate().await.unwrap();
+    db.db.check_schema().await.unwrap();
+}
+
+backend_tests!(
+    eligibility_truth_table,
+    design_query_runs_unchanged,
+    enqueue_orders_and_validates,
+    claim_race_has_one_winner,
+    concurrent_claim_next_respects_keys,
+    heartbeat_fences,
+    attempt_savepoint_and_retry_counting,
+    backfill_matches_enqueue,
+    stats_reports_the_queue,
+    migrations_are_idempotent,
+);
