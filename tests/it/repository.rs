@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox_persistence::{
-    Cutoffs, Database, EventStatus, FailureBookkeeping, FenceOutcome, NewEvent,
-    OutboxRepository, RetryFilter, Terminal, Tx,
+    Cutoffs, Database, EventStatus, FailureBookkeeping, FenceOutcome, NewEvent, OutboxRepository,
+    RetryFilter, Terminal, Tx,
 };
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
@@ -31,7 +31,11 @@ fn lead(id: &str) -> String {
     format!(r#"{{"object":"Lead","record_id":"{id}","snapshot":{{"Status":"Open"}}}}"#)
 }
 
-async fn enqueue(repo: &Arc<dyn OutboxRepository>, events: &[NewEvent], now: DateTime<Utc>) -> Vec<uuid::Uuid> {
+async fn enqueue(
+    repo: &Arc<dyn OutboxRepository>,
+    events: &[NewEvent],
+    now: DateTime<Utc>,
+) -> Vec<uuid::Uuid> {
     let mut tx = repo.begin().await.unwrap();
     let ids = repo.enqueue(&mut tx, events, now).await.unwrap();
     tx.commit().await.unwrap();
@@ -47,7 +51,11 @@ async fn eligibility_truth_table(db: TestDb) {
         t += chrono::Duration::seconds(1);
         t
     };
-    let row = |key: Option<&str>, status: &'static str, retry: i32, created: DateTime<Utc>, modified: DateTime<Utc>| RawRow {
+    let row = |key: Option<&str>,
+               status: &'static str,
+               retry: i32,
+               created: DateTime<Utc>,
+               modified: DateTime<Utc>| RawRow {
         status,
         retry_count: retry,
         last_modified: modified,
@@ -76,7 +84,9 @@ async fn eligibility_truth_table(db: TestDb) {
     let o = row(Some("Lead:d"), "pending", 0, next(), at(now, -100));
     let p = row(None, "processing", 0, next(), at(now, -2));
     let q = row(None, "pending", 2, next(), at(now, -9));
-    for r in [&a, &b, &c, &d, &e, &f, &g, &h, &i, &j, &k, &l, &m, &n, &o, &p, &q] {
+    for r in [
+        &a, &b, &c, &d, &e, &f, &g, &h, &i, &j, &k, &l, &m, &n, &o, &p, &q,
+    ] {
         db.insert_raw(r).await;
     }
     let eligible: Vec<_> = repo
@@ -103,7 +113,10 @@ async fn eligibility_truth_table(db: TestDb) {
     let mut claimed = Vec::new();
     while let Some(claim) = repo.claim_next(cutoffs(now)).await.unwrap() {
         claimed.push(claim.event.id);
-        assert!(claimed.len() <= expected.len(), "claimed more than the eligible rows");
+        assert!(
+            claimed.len() <= expected.len(),
+            "claimed more than the eligible rows"
+        );
     }
     assert_eq!(claimed, expected);
 }
@@ -146,13 +159,14 @@ LIMIT :limit;";
                 .replace(":stale_cutoff", "$1")
                 .replace(":retry_cutoff", "$2")
                 .replace(":limit", "$3");
-            let rows: Vec<(uuid::Uuid, String, String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-                .bind(c.stale_cutoff)
-                .bind(c.retry_cutoff)
-                .bind(10_i64)
-                .fetch_all(pool)
-                .await
-                .unwrap();
+            let rows: Vec<(uuid::Uuid, String, String, i32)> =
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .bind(c.stale_cutoff)
+                    .bind(c.retry_cutoff)
+                    .bind(10_i64)
+                    .fetch_all(pool)
+                    .await
+                    .unwrap();
             rows.into_iter().map(|r| r.0.to_string()).collect()
         }
         Database::Sqlite(pool) => {
@@ -163,12 +177,12 @@ LIMIT :limit;";
                     .replace(":retry_cutoff", "?2")
                     .replace(":limit", "?3"),
             ))
-                .bind(format_ts(c.stale_cutoff))
-                .bind(format_ts(c.retry_cutoff))
-                .bind(10_i64)
-                .fetch_all(pool)
-                .await
-                .unwrap();
+            .bind(format_ts(c.stale_cutoff))
+            .bind(format_ts(c.retry_cutoff))
+            .bind(10_i64)
+            .fetch_all(pool)
+            .await
+            .unwrap();
             rows.into_iter().map(|r| r.0).collect()
         }
     };
@@ -184,14 +198,20 @@ async fn enqueue_orders_and_validates(db: TestDb) {
         .collect();
     let ids = enqueue(&repo, &events, now).await;
     assert_eq!(ids.len(), 200);
-    assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids increase in enqueue order");
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "ids increase in enqueue order"
+    );
     let stored = repo.get_event(ids[3]).await.unwrap().unwrap();
     assert_eq!(stored.record_key.as_deref(), Some("Lead:L3"));
     assert_eq!(stored.status, EventStatus::Pending);
     assert_eq!(stored.created_date, now);
     // Only the head of each of the 7 keys is eligible, oldest first.
     let eligible = repo.get_pending_events(cutoffs(now), 100).await.unwrap();
-    assert_eq!(eligible.iter().map(|e| e.id).collect::<Vec<_>>(), ids[..7].to_vec());
+    assert_eq!(
+        eligible.iter().map(|e| e.id).collect::<Vec<_>>(),
+        ids[..7].to_vec()
+    );
 
     let bad = vec![
         NewEvent::new("lead.updated", lead("ok")),
@@ -199,13 +219,27 @@ async fn enqueue_orders_and_validates(db: TestDb) {
     ];
     let mut tx = repo.begin().await.unwrap();
     let err = repo.enqueue(&mut tx, &bad, now).await.unwrap_err();
-    assert!(matches!(err, outbox_persistence::Error::InvalidPayload(_)), "{err:?}");
+    assert!(
+        matches!(err, outbox_persistence::Error::InvalidPayload(_)),
+        "{err:?}"
+    );
     tx.rollback().await.unwrap();
-    assert_eq!(db.count("SELECT count(*) FROM _System_OutboxEvent").await, 200);
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent").await,
+        200
+    );
 
     // An event about no record is unordered.
-    let ids = enqueue(&repo, &[NewEvent::new("digest", r#"{"kind":"nightly"}"#)], now).await;
-    assert_eq!(repo.get_event(ids[0]).await.unwrap().unwrap().record_key, None);
+    let ids = enqueue(
+        &repo,
+        &[NewEvent::new("digest", r#"{"kind":"nightly"}"#)],
+        now,
+    )
+    .await;
+    assert_eq!(
+        repo.get_event(ids[0]).await.unwrap().unwrap().record_key,
+        None
+    );
 }
 
 /// Many concurrent claims of one row from separate connections: exactly one winner.
@@ -213,7 +247,12 @@ async fn claim_race_has_one_winner(db: TestDb) {
     let repo = db.repository();
     let now = base();
     for round in 0..5 {
-        let ids = enqueue(&repo, &[NewEvent::new("t", lead(&format!("race{round}")))], now).await;
+        let ids = enqueue(
+            &repo,
+            &[NewEvent::new("t", lead(&format!("race{round}")))],
+            now,
+        )
+        .await;
         let mut tasks = Vec::new();
         for _ in 0..12 {
             let repo = repo.clone();
@@ -271,7 +310,11 @@ async fn concurrent_claim_next_respects_keys(db: TestDb) {
             assert!(keys.insert(key.clone()), "two rows of {key:?} in flight");
         }
     }
-    assert_eq!(keys.len(), 20, "one head per key is claimable, and all of them were claimed");
+    assert_eq!(
+        keys.len(),
+        20,
+        "one head per key is claimable, and all of them were claimed"
+    );
 }
 
 /// A live heartbeat keeps a slow claim; a stopped one makes the row reclaimable, and the
@@ -288,30 +331,55 @@ async fn heartbeat_fences(db: TestDb) {
     let mut fence = claim.fence;
     for step in 1..=4 {
         let now = at(t0, 20 * step);
-        fence = repo.heartbeat(fence, now).await.unwrap().expect("still ours");
-        assert!(repo.claim_event(ids[0], cutoffs(at(now, 25))).await.unwrap().is_none());
-        assert!(repo.get_pending_events(cutoffs(at(now, 25)), 10).await.unwrap().is_empty());
+        fence = repo
+            .heartbeat(fence, now)
+            .await
+            .unwrap()
+            .expect("still ours");
+        assert!(
+            repo.claim_event(ids[0], cutoffs(at(now, 25)))
+                .await
+                .unwrap()
+                .is_none()
+        );
+        assert!(
+            repo.get_pending_events(cutoffs(at(now, 25)), 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
     }
 
     // The heartbeat stops; 31 s later another worker reclaims the row.
     let later = at(t0, 80 + 31);
     let eligible = repo.get_pending_events(cutoffs(later), 10).await.unwrap();
     assert_eq!(eligible.len(), 1);
-    let second = repo.claim_event(ids[0], cutoffs(later)).await.unwrap().expect("reclaimable");
+    let second = repo
+        .claim_event(ids[0], cutoffs(later))
+        .await
+        .unwrap()
+        .expect("reclaimable");
     assert!(second.reclaimed);
 
     // The first worker is fenced out everywhere.
     assert_eq!(repo.heartbeat(fence, later).await.unwrap(), None);
     assert_eq!(
-        repo.update_status(fence, Terminal::Processed, later, None).await.unwrap(),
+        repo.update_status(fence, Terminal::Processed, later, None)
+            .await
+            .unwrap(),
         FenceOutcome::Lost
     );
     assert_eq!(
-        repo.increment_retry(fence, later, Duration::ZERO, "late").await.unwrap(),
+        repo.increment_retry(fence, later, Duration::ZERO, "late")
+            .await
+            .unwrap(),
         FenceOutcome::Lost
     );
     let mut attempt = repo.begin_attempt(Duration::from_secs(5)).await.unwrap();
-    assert_eq!(attempt.mark_processed(fence, later).await.unwrap(), FenceOutcome::Lost);
+    assert_eq!(
+        attempt.mark_processed(fence, later).await.unwrap(),
+        FenceOutcome::Lost
+    );
     attempt.rollback().await.unwrap();
     let row = repo.get_event(ids[0]).await.unwrap().unwrap();
     assert_eq!(row.status, EventStatus::Processing);
@@ -319,19 +387,30 @@ async fn heartbeat_fences(db: TestDb) {
 
     // The new holder finishes normally.
     assert_eq!(
-        repo.update_status(second.fence, Terminal::Processed, at(later, 1), None).await.unwrap(),
+        repo.update_status(second.fence, Terminal::Processed, at(later, 1), None)
+            .await
+            .unwrap(),
         FenceOutcome::Written
     );
-    assert_eq!(repo.get_event(ids[0]).await.unwrap().unwrap().status, EventStatus::Processed);
+    assert_eq!(
+        repo.get_event(ids[0]).await.unwrap().unwrap().status,
+        EventStatus::Processed
+    );
 }
 
 async fn insert_side_effect(tx: &mut Tx) {
     match tx {
         Tx::Postgres(tx) => {
-            sqlx::query("INSERT INTO side_effect VALUES (1)").execute(&mut **tx).await.unwrap();
+            sqlx::query("INSERT INTO side_effect VALUES (1)")
+                .execute(&mut **tx)
+                .await
+                .unwrap();
         }
         Tx::Sqlite(tx) => {
-            sqlx::query("INSERT INTO side_effect VALUES (1)").execute(&mut **tx).await.unwrap();
+            sqlx::query("INSERT INTO side_effect VALUES (1)")
+                .execute(&mut **tx)
+                .await
+                .unwrap();
         }
         _ => unreachable!("a new backend"),
     }
@@ -341,19 +420,24 @@ async fn insert_side_effect(tx: &mut Tx) {
 /// transaction survives; `RetryCount` counts every failure, `failed` included.
 async fn attempt_savepoint_and_retry_counting(db: TestDb) {
     let repo = db.repository();
-    db.execute("CREATE TABLE side_effect (v INTEGER NOT NULL)").await;
+    db.execute("CREATE TABLE side_effect (v INTEGER NOT NULL)")
+        .await;
     let t0 = base();
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("sp"))], t0).await;
-
 
     // Attempt 1 fails: effect rolled back, retry recorded.
     let claim = repo.claim_next(cutoffs(t0)).await.unwrap().unwrap();
     let mut attempt = repo.begin_attempt(Duration::from_secs(5)).await.unwrap();
     insert_side_effect(attempt.tx()).await;
     attempt.rollback_to_savepoint().await.unwrap();
-    let bookkeeping = FailureBookkeeping::Retry { extra_delay: Duration::from_secs(5) };
+    let bookkeeping = FailureBookkeeping::Retry {
+        extra_delay: Duration::from_secs(5),
+    };
     assert_eq!(
-        attempt.record_failure(claim.fence, t0, bookkeeping, "boom").await.unwrap(),
+        attempt
+            .record_failure(claim.fence, t0, bookkeeping, "boom")
+            .await
+            .unwrap(),
         FenceOutcome::Written
     );
     attempt.commit().await.unwrap();
@@ -363,33 +447,66 @@ async fn attempt_savepoint_and_retry_counting(db: TestDb) {
     assert_eq!(db.count("SELECT count(*) FROM side_effect").await, 0);
 
     // Not eligible before base delay + backoff (10 s + 5 s), eligible after.
-    assert!(repo.claim_next(cutoffs(at(t0, 14))).await.unwrap().is_none());
+    assert!(
+        repo.claim_next(cutoffs(at(t0, 14)))
+            .await
+            .unwrap()
+            .is_none()
+    );
     let claim = repo.claim_next(cutoffs(at(t0, 16))).await.unwrap().unwrap();
     assert_eq!(claim.event.retry_count, 1);
 
     // Attempt 2 fails permanently: failed, counted.
     let mut attempt = repo.begin_attempt(Duration::from_secs(5)).await.unwrap();
     attempt.rollback_to_savepoint().await.unwrap();
-    attempt.record_failure(claim.fence, at(t0, 16), FailureBookkeeping::Fail, "fatal").await.unwrap();
+    attempt
+        .record_failure(claim.fence, at(t0, 16), FailureBookkeeping::Fail, "fatal")
+        .await
+        .unwrap();
     attempt.commit().await.unwrap();
     let row = repo.get_event(ids[0]).await.unwrap().unwrap();
     assert_eq!((row.status, row.retry_count), (EventStatus::Failed, 2));
 
     // An operator retry returns it to pending with a fresh count; success commits the effect.
-    assert_eq!(repo.retry_failed(RetryFilter::Id(ids[0]), at(t0, 20)).await.unwrap(), 1);
-    assert_eq!(repo.retry_failed(RetryFilter::Id(ids[0]), at(t0, 20)).await.unwrap(), 0);
+    assert_eq!(
+        repo.retry_failed(RetryFilter::Id(ids[0]), at(t0, 20))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        repo.retry_failed(RetryFilter::Id(ids[0]), at(t0, 20))
+            .await
+            .unwrap(),
+        0
+    );
     let claim = repo.claim_next(cutoffs(at(t0, 20))).await.unwrap().unwrap();
     let mut attempt = repo.begin_attempt(Duration::from_secs(5)).await.unwrap();
     insert_side_effect(attempt.tx()).await;
-    assert_eq!(attempt.mark_processed(claim.fence, at(t0, 21)).await.unwrap(), FenceOutcome::Written);
+    assert_eq!(
+        attempt
+            .mark_processed(claim.fence, at(t0, 21))
+            .await
+            .unwrap(),
+        FenceOutcome::Written
+    );
     attempt.commit().await.unwrap();
     assert_eq!(db.count("SELECT count(*) FROM side_effect").await, 1);
-    assert_eq!(repo.get_event(ids[0]).await.unwrap().unwrap().status, EventStatus::Processed);
+    assert_eq!(
+        repo.get_event(ids[0]).await.unwrap().unwrap().status,
+        EventStatus::Processed
+    );
 
     // Detached bookkeeping counts too.
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("detached"))], t0).await;
-    let claim = repo.claim_event(ids[0], cutoffs(at(t0, 30))).await.unwrap().unwrap();
-    repo.increment_retry(claim.fence, at(t0, 30), Duration::ZERO, "lost connection").await.unwrap();
+    let claim = repo
+        .claim_event(ids[0], cutoffs(at(t0, 30)))
+        .await
+        .unwrap()
+        .unwrap();
+    repo.increment_retry(claim.fence, at(t0, 30), Duration::ZERO, "lost connection")
+        .await
+        .unwrap();
     let row = repo.get_event(ids[0]).await.unwrap().unwrap();
     assert_eq!((row.status, row.retry_count), (EventStatus::Pending, 1));
 }
@@ -400,13 +517,34 @@ async fn backfill_matches_enqueue(db: TestDb) {
     let repo = db.repository();
     let now = base();
     let enqueued = enqueue(&repo, &[NewEvent::new("t", lead("B1"))], now).await;
-    let expected_key = repo.get_event(enqueued[0]).await.unwrap().unwrap().record_key;
+    let expected_key = repo
+        .get_event(enqueued[0])
+        .await
+        .unwrap()
+        .unwrap()
+        .record_key;
     // Make it a legacy row: same payload, no key.
-    let legacy = RawRow { payload: lead("B1"), ..RawRow::pending(None, at(now, 1)) };
-    let no_record = RawRow { payload: r#"{"kind":"digest"}"#.into(), ..RawRow::pending(None, at(now, 2)) };
-    let broken = RawRow { payload: r#"{"record_id":"x"}"#.into(), ..RawRow::pending(None, at(now, 3)) };
-    let not_json = RawRow { payload: "{oops".into(), ..RawRow::pending(None, at(now, 4)) };
-    let done = RawRow { payload: lead("B9"), status: "processed", ..RawRow::pending(None, at(now, 5)) };
+    let legacy = RawRow {
+        payload: lead("B1"),
+        ..RawRow::pending(None, at(now, 1))
+    };
+    let no_record = RawRow {
+        payload: r#"{"kind":"digest"}"#.into(),
+        ..RawRow::pending(None, at(now, 2))
+    };
+    let broken = RawRow {
+        payload: r#"{"record_id":"x"}"#.into(),
+        ..RawRow::pending(None, at(now, 3))
+    };
+    let not_json = RawRow {
+        payload: "{oops".into(),
+        ..RawRow::pending(None, at(now, 4))
+    };
+    let done = RawRow {
+        payload: lead("B9"),
+        status: "processed",
+        ..RawRow::pending(None, at(now, 5))
+    };
     for r in [&legacy, &no_record, &broken, &not_json, &done] {
         db.insert_raw(r).await;
     }
@@ -436,8 +574,14 @@ async fn backfill_matches_enqueue(db: TestDb) {
     let mut expected_bad = vec![broken.id, not_json.id];
     expected_bad.sort();
     assert_eq!(underivable, expected_bad);
-    assert_eq!(repo.get_event(legacy.id).await.unwrap().unwrap().record_key, expected_key);
-    assert_eq!(repo.get_event(broken.id).await.unwrap().unwrap().record_key, None);
+    assert_eq!(
+        repo.get_event(legacy.id).await.unwrap().unwrap().record_key,
+        expected_key
+    );
+    assert_eq!(
+        repo.get_event(broken.id).await.unwrap().unwrap().record_key,
+        None
+    );
     // Idempotent: a second run changes nothing.
     let again = repo.backfill_record_keys(None, 100, false).await.unwrap();
     assert_eq!(again.updated, 0);
@@ -449,20 +593,46 @@ async fn stats_reports_the_queue(db: TestDb) {
     let repo = db.repository();
     let now = base();
     let rows = [
-        RawRow { status: "processing", last_modified: at(now, -1), ..RawRow::pending(Some("Lead:run"), at(now, -50)) },
+        RawRow {
+            status: "processing",
+            last_modified: at(now, -1),
+            ..RawRow::pending(Some("Lead:run"), at(now, -50))
+        },
         RawRow::pending(Some("Lead:run"), at(now, -49)),
-        RawRow { status: "processing", last_modified: at(now, -100), ..RawRow::pending(Some("Lead:stale"), at(now, -48)) },
+        RawRow {
+            status: "processing",
+            last_modified: at(now, -100),
+            ..RawRow::pending(Some("Lead:stale"), at(now, -48))
+        },
         RawRow::pending(Some("Lead:stale"), at(now, -47)),
-        RawRow { retry_count: 1, last_modified: at(now, -2), ..RawRow::pending(Some("Lead:retry"), at(now, -46)) },
+        RawRow {
+            retry_count: 1,
+            last_modified: at(now, -2),
+            ..RawRow::pending(Some("Lead:retry"), at(now, -46))
+        },
         RawRow::pending(Some("Lead:retry"), at(now, -45)),
-        RawRow { status: "failed", ..RawRow::pending(None, at(now, -44)) },
-        RawRow { status: "processed", ..RawRow::pending(None, at(now, -43)) },
+        RawRow {
+            status: "failed",
+            ..RawRow::pending(None, at(now, -44))
+        },
+        RawRow {
+            status: "processed",
+            ..RawRow::pending(None, at(now, -43))
+        },
     ];
     for r in &rows {
         db.insert_raw(r).await;
     }
     let stats = repo.stats(cutoffs(now)).await.unwrap();
-    assert_eq!((stats.pending, stats.processing, stats.processed, stats.failed), (4, 2, 1, 1));
+    assert_eq!(
+        (
+            stats.pending,
+            stats.processing,
+            stats.processed,
+            stats.failed
+        ),
+        (4, 2, 1, 1)
+    );
     assert_eq!(stats.stale_claims, 1);
     assert_eq!(stats.retrying, 1);
     assert_eq!(stats.keys_blocked_by_running, 1);

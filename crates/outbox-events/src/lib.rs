@@ -1,1 +1,34 @@
-//! Placeholder.
+//! Outbox workers: independent pull workers (the repair) and the legacy batch dispatcher they
+//! replace, sharing one attempt state machine.
+//!
+//! A pull worker loops: claim the oldest eligible row (committed before any handler work),
+//! run its attempt, repeat. There is no batch barrier: a slow or blocked record holds up its own
+//! successors only. See `docs/state-machine.md` for the row's states and `ARCHITECTURE.md` for
+//! how the pieces fit.
+//!
+//! This crate names no concrete database: it speaks to [`OutboxRepository`] and hands handlers
+//! the attempt's [`Tx`].
+
+mod attempt;
+mod config;
+mod handler;
+mod heartbeat;
+mod legacy;
+mod metrics;
+mod pool;
+
+pub use attempt::{AttemptOutcome, process_claim};
+pub use config::{
+    DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_RETRY_ATTEMPTS,
+    DEFAULT_MAX_RETRY_DELAY, DEFAULT_POLL_INTERVAL, DEFAULT_RETRY_DELAY, DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_STALE_AFTER, DEFAULT_WORKERS, DispatchMode, OUTBOX_PULL_WORKER, WorkerConfig,
+};
+pub use handler::{AttemptContext, Handler, HandlerError, Handlers};
+pub use legacy::slot_for_event;
+pub use metrics::{Metrics, MetricsSnapshot};
+pub use pool::{Clock, Dispatcher, DispatcherHandle, ShutdownReport, SystemClock};
+
+pub use outbox_persistence::{OutboxEvent, OutboxRepository, Tx};
+
+#[cfg(test)]
+mod tests;

@@ -116,11 +116,10 @@ impl Database {
         let known: BTreeSet<i64> = self.migrator().iter().map(|m| m.version).collect();
         let applied: Vec<i64> = match self {
             Database::Postgres(pool) => {
-                let exists: bool = sqlx::query_scalar(
-                    "SELECT to_regclass('_sqlx_migrations') IS NOT NULL",
-                )
-                .fetch_one(pool)
-                .await?;
+                let exists: bool =
+                    sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+                        .fetch_one(pool)
+                        .await?;
                 if !exists {
                     return Err(Error::NotMigrated {
                         missing: known.into_iter().collect(),

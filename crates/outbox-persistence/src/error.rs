@@ -110,9 +110,7 @@ impl From<sqlx::migrate::MigrateError> for Error {
 fn is_lock_code(code: &str) -> bool {
     match code {
         "55P03" | "40P01" | "40001" => true,
-        _ => code
-            .parse::<i32>()
-            .is_ok_and(|c| matches!(c & 0xff, 5 | 6)),
+        _ => code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6)),
     }
 }
 

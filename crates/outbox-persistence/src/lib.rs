@@ -21,7 +21,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, SubsecRound, Utc};
 
-pub use database::{ConnectConfig, Database, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
+pub use database::{ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Database};
 pub use error::Error;
 pub use model::*;
 
@@ -134,7 +134,7 @@ pub trait OutboxRepository: Send + Sync + 'static {
         fence: Fence,
         status: Terminal,
         now: DateTime<Utc>,
-        error: Option<&str>,
+        error: Option<String>,
     ) -> Result<FenceOutcome>;
 
     /// One page of the `RecordKey` backfill over non-terminal rows, in `Id` order after

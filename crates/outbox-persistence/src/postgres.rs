@@ -15,9 +15,9 @@ use sqlx::{PgPool, Row};
 use tokio::sync::{Notify, OnceCell};
 
 use crate::{
-    Attempt, BackfillPage, Claim, Cutoffs, Error, EventId, FailureBookkeeping, Fence,
-    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter,
-    Terminal, Tx, clip_error, new_event_id, truncate_micros,
+    Attempt, BackfillPage, Claim, Cutoffs, Error, EventId, FailureBookkeeping, Fence, FenceOutcome,
+    NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Terminal, Tx,
+    clip_error, new_event_id, truncate_micros,
 };
 
 /// The notification channel the enqueue trigger signals.
@@ -264,8 +264,8 @@ pub async fn enqueue(
     let mut payloads = Vec::with_capacity(events.len());
     let mut keys = Vec::with_capacity(events.len());
     for event in events {
-        let key = record_key::record_key_from_payload(&event.payload)
-            .map_err(Error::InvalidPayload)?;
+        let key =
+            record_key::record_key_from_payload(&event.payload).map_err(Error::InvalidPayload)?;
         ids.push(new_event_id());
         types.push(event.event_type.as_str());
         payloads.push(event.payload.as_str());
@@ -386,7 +386,7 @@ impl OutboxRepository for PgOutbox {
         fence: Fence,
         status: Terminal,
         now: DateTime<Utc>,
-        error: Option<&str>,
+        error: Option<String>,
     ) -> Result<FenceOutcome> {
         let query = match status {
             Terminal::Processed => sqlx::query(MARK_PROCESSED)
@@ -397,7 +397,7 @@ impl OutboxRepository for PgOutbox {
                 .bind(fence.id)
                 .bind(truncate_micros(now))
                 .bind(fence.last_written)
-                .bind(clip_error(error.unwrap_or("failed"))),
+                .bind(clip_error(error.as_deref().unwrap_or("failed"))),
         };
         let rows = query.execute(&self.pool).await?.rows_affected();
         Ok(outcome(rows))
@@ -443,11 +443,10 @@ impl OutboxRepository for PgOutbox {
 
     async fn stats(&self, cutoffs: Cutoffs) -> Result<OutboxStats> {
         let mut stats = OutboxStats::default();
-        let counts = sqlx::query(
-            "SELECT Status, count(*) FROM _System_OutboxEvent GROUP BY Status",
-        )
-        .fetch_all(&self.pool)
-        .await?;
+        let counts =
+            sqlx::query("SELECT Status, count(*) FROM _System_OutboxEvent GROUP BY Status")
+                .fetch_all(&self.pool)
+                .await?;
         for row in counts {
             let status: String = row.try_get(0)?;
             let n: i64 = row.try_get(1)?;
@@ -618,6 +617,10 @@ impl Attempt for PgAttempt {
     }
 
     async fn rollback(&mut self) -> Result<()> {
-        self.tx.take().ok_or(Error::AttemptFinished)?.rollback().await
+        self.tx
+            .take()
+            .ok_or(Error::AttemptFinished)?
+            .rollback()
+            .await
     }
 }

@@ -16,9 +16,9 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use crate::{
-    Attempt, BackfillPage, Claim, Cutoffs, Error, EventId, EventStatus, FailureBookkeeping,
-    Fence, FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result,
-    RetryFilter, Terminal, Tx, clip_error, new_event_id, truncate_micros,
+    Attempt, BackfillPage, Claim, Cutoffs, Error, EventId, EventStatus, FailureBookkeeping, Fence,
+    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter,
+    Terminal, Tx, clip_error, new_event_id, truncate_micros,
 };
 
 /// The design's eligible-event query, as written in the design (SQLite placeholders).
@@ -73,7 +73,11 @@ pub fn format_ts(t: DateTime<Utc>) -> String {
 fn parse_ts(s: &str) -> Result<DateTime<Utc>> {
     DateTime::parse_from_rfc3339(s)
         .map(|t| t.with_timezone(&Utc))
-        .map_err(|e| Error::Database(sqlx::Error::Decode(format!("bad timestamp {s:?}: {e}").into())))
+        .map_err(|e| {
+            Error::Database(sqlx::Error::Decode(
+                format!("bad timestamp {s:?}: {e}").into(),
+            ))
+        })
 }
 
 fn parse_id(s: &str) -> Result<EventId> {
@@ -124,8 +128,8 @@ pub async fn enqueue(
     let now = format_ts(truncate_micros(now));
     let mut rows = Vec::with_capacity(events.len());
     for event in events {
-        let key = record_key::record_key_from_payload(&event.payload)
-            .map_err(Error::InvalidPayload)?;
+        let key =
+            record_key::record_key_from_payload(&event.payload).map_err(Error::InvalidPayload)?;
         rows.push((new_event_id(), key.map(record_key::RecordKey::into_string)));
     }
     for (event, (id, key)) in events.iter().zip(&rows) {
@@ -208,7 +212,13 @@ impl SqliteOutbox {
         &self.pool
     }
 
-    async fn fenced(&self, sql: &'static str, fence: Fence, written: DateTime<Utc>, error: Option<&str>) -> Result<FenceOutcome> {
+    async fn fenced(
+        &self,
+        sql: &'static str,
+        fence: Fence,
+        written: DateTime<Utc>,
+        error: Option<&str>,
+    ) -> Result<FenceOutcome> {
         let rows = sqlx::query(sql)
             .bind(fence.id.to_string())
             .bind(format_ts(written))
@@ -311,7 +321,9 @@ impl OutboxRepository for SqliteOutbox {
     async fn begin_attempt(&self, _lock_timeout: Duration) -> Result<Box<dyn Attempt>> {
         // The busy timeout of the pool's connections bounds lock waits on SQLite.
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        sqlx::query("SAVEPOINT outbox_claimed").execute(&mut *tx).await?;
+        sqlx::query("SAVEPOINT outbox_claimed")
+            .execute(&mut *tx)
+            .await?;
         Ok(Box::new(SqliteAttempt {
             tx: Some(Tx::Sqlite(tx)),
         }))
@@ -333,14 +345,19 @@ impl OutboxRepository for SqliteOutbox {
         fence: Fence,
         status: Terminal,
         now: DateTime<Utc>,
-        error: Option<&str>,
+        error: Option<String>,
     ) -> Result<FenceOutcome> {
         let written = next_written(now, fence.last_written);
         match status {
             Terminal::Processed => self.fenced(FENCED_PROCESSED, fence, written, None).await,
             Terminal::Failed => {
-                self.fenced(FENCED_FAILED, fence, written, Some(error.unwrap_or("failed")))
-                    .await
+                self.fenced(
+                    FENCED_FAILED,
+                    fence,
+                    written,
+                    Some(error.as_deref().unwrap_or("failed")),
+                )
+                .await
             }
         }
     }
@@ -392,9 +409,10 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn stats(&self, cutoffs: Cutoffs) -> Result<OutboxStats> {
         let mut stats = OutboxStats::default();
-        let counts = sqlx::query("SELECT Status, count(*) FROM _System_OutboxEvent GROUP BY Status")
-            .fetch_all(&self.pool)
-            .await?;
+        let counts =
+            sqlx::query("SELECT Status, count(*) FROM _System_OutboxEvent GROUP BY Status")
+                .fetch_all(&self.pool)
+                .await?;
         for row in counts {
             let status: String = row.try_get(0)?;
             let n = row.try_get::<i64, _>(1)? as u64;
@@ -420,7 +438,8 @@ impl OutboxRepository for SqliteOutbox {
         let oldest: Option<String> = row.try_get(0)?;
         if let Some(oldest) = oldest {
             let age = cutoffs.now - parse_ts(&oldest)?;
-            stats.oldest_pending_age_seconds = Some(age.num_microseconds().unwrap_or(0) as f64 / 1e6);
+            stats.oldest_pending_age_seconds =
+                Some(age.num_microseconds().unwrap_or(0) as f64 / 1e6);
         }
         stats.stale_claims = row.try_get::<i64, _>(1)? as u64;
         stats.retrying = row.try_get::<i64, _>(2)? as u64;
@@ -509,7 +528,13 @@ impl SqliteAttempt {
         }
     }
 
-    async fn fenced(&mut self, sql: &'static str, fence: Fence, written: DateTime<Utc>, error: Option<&str>) -> Result<FenceOutcome> {
+    async fn fenced(
+        &mut self,
+        sql: &'static str,
+        fence: Fence,
+        written: DateTime<Utc>,
+        error: Option<&str>,
+    ) -> Result<FenceOutcome> {
         let rows = sqlx::query(sql)
             .bind(fence.id.to_string())
             .bind(format_ts(written))
@@ -556,7 +581,8 @@ impl Attempt for SqliteAttempt {
             }
             FailureBookkeeping::Fail => {
                 let written = next_written(now, fence.last_written);
-                self.fenced(FENCED_FAILED, fence, written, Some(error)).await
+                self.fenced(FENCED_FAILED, fence, written, Some(error))
+                    .await
             }
         }
     }
@@ -566,6 +592,10 @@ impl Attempt for SqliteAttempt {
     }
 
     async fn rollback(&mut self) -> Result<()> {
-        self.tx.take().ok_or(Error::AttemptFinished)?.rollback().await
+        self.tx
+            .take()
+            .ok_or(Error::AttemptFinished)?
+            .rollback()
+            .await
     }
 }

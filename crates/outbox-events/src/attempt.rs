@@ -1,0 +1,387 @@
+//! The attempt state machine of one claimed row (see `docs/state-machine.md`):
+//!
+//! 1. begin the attempt transaction, set its lock timeout, take the post-claim savepoint;
+//! 2. run the handler in it;
+//! 3. success: write `processed` (fenced) and commit;
+//! 4. handler error or lock timeout: roll back to the savepoint, write the retry or `failed`
+//!    state (fenced) and commit, and only then release the attempt;
+//! 5. if the attempt transaction itself fails (lost connection, commit error, restart), the
+//!    heartbeat keeps the claim alive while the same bookkeeping lands on a connection of its
+//!    own, retried with backoff; a worker that gives up lets the row go stale, to be reclaimed;
+//! 6. a claim found lost (reclaimed, or finished elsewhere) is abandoned: roll back, write
+//!    nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_persistence::{
+    Attempt, Claim, FailureBookkeeping, FenceOutcome, OutboxRepository, Terminal,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, field};
+
+use crate::config::WorkerConfig;
+use crate::handler::{AttemptContext, HandlerError, Handlers};
+use crate::heartbeat::{FenceCell, HeartbeatGuard};
+use crate::metrics::Metrics;
+use crate::pool::Clock;
+
+/// How an attempt ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// `processed`, committed with the handler's effects.
+    Processed,
+    /// Back to `pending` for another attempt.
+    Retried,
+    /// `failed`: a permanent error or the last allowed attempt.
+    Failed,
+    /// The claim was no longer this worker's; nothing was written.
+    LostClaim,
+    /// A hard shutdown cancelled the attempt; rolled back and left to stale reclaim.
+    Cancelled,
+    /// The detached bookkeeping could not land; the row will go stale and be reclaimed.
+    Abandoned,
+}
+
+impl AttemptOutcome {
+    fn as_str(&self) -> &'static str {
+        match self {
+            AttemptOutcome::Processed => "processed",
+            AttemptOutcome::Retried => "retried",
+            AttemptOutcome::Failed => "failed",
+            AttemptOutcome::LostClaim => "lost_claim",
+            AttemptOutcome::Cancelled => "cancelled",
+            AttemptOutcome::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// What the worker needs to run attempts.
+pub(crate) struct AttemptEnv {
+    pub repo: Arc<dyn OutboxRepository>,
+    pub handlers: Handlers,
+    pub config: WorkerConfig,
+    pub clock: Arc<dyn Clock>,
+    pub metrics: Arc<Metrics>,
+    /// Cancelled at hard shutdown: in-flight attempts roll back.
+    pub hard_stop: CancellationToken,
+}
+
+/// The failure to record, decided from the handler's error and the row's retry count.
+struct Failure {
+    bookkeeping: FailureBookkeeping,
+    message: String,
+}
+
+impl AttemptEnv {
+    fn failure(&self, claim: &Claim, retryable: bool, message: String) -> Failure {
+        let failures = claim.event.retry_count.saturating_add(1);
+        let bookkeeping = if retryable && failures < self.config.max_retry_attempts {
+            FailureBookkeeping::Retry {
+                extra_delay: self.config.extra_retry_delay(failures),
+            }
+        } else {
+            FailureBookkeeping::Fail
+        };
+        Failure {
+            bookkeeping,
+            message,
+        }
+    }
+}
+
+/// Runs the attempt of one claimed row to its end. Public for embedding applications that
+/// claim rows themselves; the dispatchers call it for every claim.
+pub async fn process_claim(
+    repo: Arc<dyn OutboxRepository>,
+    handlers: Handlers,
+    config: WorkerConfig,
+    clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
+    hard_stop: CancellationToken,
+    claim: Claim,
+) -> AttemptOutcome {
+    let env = AttemptEnv {
+        repo,
+        handlers,
+        config,
+        clock,
+        metrics,
+        hard_stop,
+    };
+    run(&env, claim).await
+}
+
+pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
+    let span = tracing::info_span!(
+        "outbox.attempt",
+        event_id = %claim.event.id,
+        event_type = %claim.event.event_type,
+        record_key = claim.event.record_key.as_deref().unwrap_or(""),
+        attempt = claim.event.retry_count + 1,
+        reclaimed = claim.reclaimed,
+        outcome = field::Empty,
+    );
+    async move {
+        env.metrics.inc_claimed();
+        if claim.reclaimed {
+            env.metrics.inc_stale_reclaims();
+        }
+        let fence = FenceCell::new(claim.fence);
+        let lost = CancellationToken::new();
+        let heartbeat = HeartbeatGuard::start(
+            env.repo.clone(),
+            fence.clone(),
+            env.config.heartbeat_interval,
+            env.clock.clone(),
+            lost.clone(),
+        );
+        let outcome = attempt(env, &claim, &fence, &lost).await;
+        drop(heartbeat);
+        match outcome {
+            AttemptOutcome::Processed => env.metrics.inc_processed(),
+            AttemptOutcome::Retried => env.metrics.inc_retried(),
+            AttemptOutcome::Failed => env.metrics.inc_failed(),
+            AttemptOutcome::LostClaim => env.metrics.inc_lost_claims(),
+            AttemptOutcome::Cancelled => env.metrics.inc_cancelled(),
+            AttemptOutcome::Abandoned => {}
+        }
+        tracing::Span::current().record("outcome", outcome.as_str());
+        tracing::debug!("attempt finished");
+        outcome
+    }
+    .instrument(span)
+    .await
+}
+
+async fn attempt(
+    env: &AttemptEnv,
+    claim: &Claim,
+    fence: &FenceCell,
+    lost: &CancellationToken,
+) -> AttemptOutcome {
+    let mut tx = match env.repo.begin_attempt(env.config.lock_timeout).await {
+        Ok(tx) => tx,
+        Err(e) => {
+            if e.is_lock_timeout() {
+                env.metrics.inc_lock_timeouts();
+            }
+            let failure = env.failure(
+                claim,
+                true,
+                format!("could not begin the attempt: {}", e.chain()),
+            );
+            return detached(env, fence, lost, failure).await;
+        }
+    };
+
+    let handler = env.handlers.get(&claim.event.event_type).cloned();
+    let result = match handler {
+        None => Ok(Err(HandlerError::Permanent(format!(
+            "no handler registered for event type {:?}",
+            claim.event.event_type
+        )))),
+        Some(handler) => {
+            let mut ctx = AttemptContext::new(tx.as_mut());
+            tokio::select! {
+                biased;
+                _ = lost.cancelled() => Err(AttemptOutcome::LostClaim),
+                _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
+                result = handler.handle(&claim.event, &mut ctx) => Ok(result),
+            }
+        }
+    };
+    let result = match result {
+        Ok(result) => result,
+        Err(interrupted) => {
+            rollback_quietly(tx.as_mut()).await;
+            if interrupted == AttemptOutcome::Cancelled {
+                tracing::warn!("attempt cancelled by shutdown; the row is left to stale reclaim");
+            }
+            return interrupted;
+        }
+    };
+
+    match result {
+        Ok(()) => finish_success(env, claim, fence, lost, tx).await,
+        Err(error) => {
+            if error.is_lock_timeout() {
+                env.metrics.inc_lock_timeouts();
+            }
+            let failure = env.failure(claim, error.is_retryable(), error.to_string());
+            tracing::info!(error = %failure.message, "handler failed");
+            finish_failure(env, fence, lost, tx, failure).await
+        }
+    }
+}
+
+async fn finish_success(
+    env: &AttemptEnv,
+    claim: &Claim,
+    fence: &FenceCell,
+    lost: &CancellationToken,
+    mut tx: Box<dyn Attempt>,
+) -> AttemptOutcome {
+    let state = fence.lock().await;
+    if state.lost {
+        drop(state);
+        rollback_quietly(tx.as_mut()).await;
+        return AttemptOutcome::LostClaim;
+    }
+    let written = tx.mark_processed(state.fence, env.clock.now()).await;
+    match written {
+        Ok(FenceOutcome::Written) => match tx.commit().await {
+            Ok(()) => AttemptOutcome::Processed,
+            Err(e) => {
+                drop(state);
+                // The effects did not commit (or the outcome is unknown): record a retry on
+                // the side. If the commit did land, the row is `processed` and the fenced
+                // write finds nothing to change.
+                let failure = env.failure(claim, true, format!("commit failed: {}", e.chain()));
+                detached(env, fence, lost, failure).await
+            }
+        },
+        Ok(FenceOutcome::Lost) => {
+            drop(state);
+            rollback_quietly(tx.as_mut()).await;
+            AttemptOutcome::LostClaim
+        }
+        Err(e) => {
+            drop(state);
+            rollback_quietly(tx.as_mut()).await;
+            if e.is_lock_timeout() {
+                env.metrics.inc_lock_timeouts();
+            }
+            let failure = env.failure(
+                claim,
+                true,
+                format!("could not mark processed: {}", e.chain()),
+            );
+            detached(env, fence, lost, failure).await
+        }
+    }
+}
+
+async fn finish_failure(
+    env: &AttemptEnv,
+    fence: &FenceCell,
+    lost: &CancellationToken,
+    mut tx: Box<dyn Attempt>,
+    failure: Failure,
+) -> AttemptOutcome {
+    if let Err(e) = tx.rollback_to_savepoint().await {
+        tracing::warn!(error = %e.chain(), "rollback to the post-claim savepoint failed; recording the failure on the side");
+        rollback_quietly(tx.as_mut()).await;
+        return detached(env, fence, lost, failure).await;
+    }
+    let state = fence.lock().await;
+    if state.lost {
+        drop(state);
+        rollback_quietly(tx.as_mut()).await;
+        return AttemptOutcome::LostClaim;
+    }
+    let written = tx
+        .record_failure(
+            state.fence,
+            env.clock.now(),
+            failure.bookkeeping,
+            &failure.message,
+        )
+        .await;
+    match written {
+        Ok(FenceOutcome::Written) => match tx.commit().await {
+            Ok(()) => failure_outcome(&failure),
+            Err(e) => {
+                drop(state);
+                tracing::warn!(error = %e.chain(), "commit of the failure bookkeeping failed; recording it on the side");
+                detached(env, fence, lost, failure).await
+            }
+        },
+        Ok(FenceOutcome::Lost) => {
+            drop(state);
+            rollback_quietly(tx.as_mut()).await;
+            AttemptOutcome::LostClaim
+        }
+        Err(e) => {
+            drop(state);
+            tracing::warn!(error = %e.chain(), "failure bookkeeping in the attempt failed; recording it on the side");
+            rollback_quietly(tx.as_mut()).await;
+            detached(env, fence, lost, failure).await
+        }
+    }
+}
+
+fn failure_outcome(failure: &Failure) -> AttemptOutcome {
+    match failure.bookkeeping {
+        FailureBookkeeping::Retry { .. } => AttemptOutcome::Retried,
+        FailureBookkeeping::Fail => AttemptOutcome::Failed,
+    }
+}
+
+/// How often, and how long, the detached bookkeeping is tried before the worker gives up.
+const DETACHED_FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const DETACHED_MAX_BACKOFF: Duration = Duration::from_secs(5);
+const DETACHED_MAX_TRIES: u32 = 12;
+
+/// The attempt transaction is gone: land the failure bookkeeping on connections of its own
+/// while the heartbeat (still running) keeps the claim alive.
+async fn detached(
+    env: &AttemptEnv,
+    fence: &FenceCell,
+    lost: &CancellationToken,
+    failure: Failure,
+) -> AttemptOutcome {
+    env.metrics.inc_detached_bookkeeping();
+    let mut backoff = DETACHED_FIRST_BACKOFF;
+    for attempt in 1..=DETACHED_MAX_TRIES {
+        {
+            let state = fence.lock().await;
+            if state.lost {
+                return AttemptOutcome::LostClaim;
+            }
+            let now = env.clock.now();
+            let written = match failure.bookkeeping {
+                FailureBookkeeping::Retry { extra_delay } => {
+                    env.repo
+                        .increment_retry(state.fence, now, extra_delay, &failure.message)
+                        .await
+                }
+                FailureBookkeeping::Fail => {
+                    env.repo
+                        .update_status(
+                            state.fence,
+                            Terminal::Failed,
+                            now,
+                            Some(failure.message.clone()),
+                        )
+                        .await
+                }
+            };
+            match written {
+                Ok(FenceOutcome::Written) => return failure_outcome(&failure),
+                Ok(FenceOutcome::Lost) => return AttemptOutcome::LostClaim,
+                Err(e) => tracing::warn!(
+                    error = %e.chain(),
+                    try_number = attempt,
+                    "detached bookkeeping failed; the heartbeat keeps the claim while it retries"
+                ),
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = lost.cancelled() => return AttemptOutcome::LostClaim,
+            _ = env.hard_stop.cancelled() => return AttemptOutcome::Cancelled,
+        }
+        backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
+    }
+    tracing::error!(
+        "giving up on the detached bookkeeping; the row goes stale and will be reclaimed"
+    );
+    AttemptOutcome::Abandoned
+}
+
+async fn rollback_quietly(tx: &mut dyn Attempt) {
+    if let Err(e) = tx.rollback().await {
+        tracing::debug!(error = %e.chain(), "rollback failed (the transaction is gone with its connection)");
+    }
+}

@@ -1,0 +1,206 @@
+//! Worker configuration with named defaults, and the `OUTBOX_PULL_WORKER` switch.
+
+use std::time::Duration;
+
+/// The environment variable that selects the pull workers (`true`) over the legacy
+/// dispatcher. The rollout gate decides whether it may take effect.
+pub const OUTBOX_PULL_WORKER: &str = "OUTBOX_PULL_WORKER";
+
+/// Default number of concurrent workers.
+pub const DEFAULT_WORKERS: usize = 8;
+/// Default longest wait of an idle worker before it looks again (PostgreSQL wakes it sooner
+/// through `LISTEN/NOTIFY`).
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// Default interval between heartbeats of a running attempt.
+pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+/// Default age of the last heartbeat after which a `processing` row counts as stale.
+pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(30);
+/// Default base delay before a failed row is retried.
+pub const DEFAULT_RETRY_DELAY: Duration = Duration::from_secs(1);
+/// Default cap of the exponential retry backoff.
+pub const DEFAULT_MAX_RETRY_DELAY: Duration = Duration::from_secs(300);
+/// Default `MaxRetryAttempts`: failed attempts after which a row is `failed`.
+pub const DEFAULT_MAX_RETRY_ATTEMPTS: i32 = 5;
+/// Default lock timeout of an attempt's transaction.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default time in-flight attempts get to finish at shutdown before they are cancelled.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Which dispatcher runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DispatchMode {
+    /// Independent pull workers (the repair).
+    Pull,
+    /// The legacy batch dispatcher: fetch a batch, hash records into slots, wait for the whole
+    /// batch before the next fetch.
+    Legacy,
+}
+
+impl DispatchMode {
+    /// The mode `OUTBOX_PULL_WORKER` asks for: `Pull` for `true`/`1`/`yes`/`on`, `Legacy`
+    /// otherwise (also when unset).
+    pub fn from_env() -> Self {
+        match std::env::var(OUTBOX_PULL_WORKER) {
+            Ok(v) if matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes" | "on") => {
+                DispatchMode::Pull
+            }
+            _ => DispatchMode::Legacy,
+        }
+    }
+}
+
+/// How the workers run. Build with [`WorkerConfig::default`] and the `with_*` methods.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerConfig {
+    /// Pull workers, or legacy slots.
+    pub mode: DispatchMode,
+    /// Concurrent workers (pull) or slots (legacy).
+    pub workers: usize,
+    /// Longest wait of an idle worker before it looks again.
+    pub poll_interval: Duration,
+    /// Interval between heartbeats of a running attempt.
+    pub heartbeat_interval: Duration,
+    /// Age of the last heartbeat after which a claim is stale and may be reclaimed.
+    pub stale_after: Duration,
+    /// Base delay before a failed row is retried; doubled per failure.
+    pub retry_delay: Duration,
+    /// Cap of the retry backoff.
+    pub max_retry_delay: Duration,
+    /// `MaxRetryAttempts`: the failure that reaches this count ends the row `failed`.
+    pub max_retry_attempts: i32,
+    /// Lock timeout of the attempt transaction (PostgreSQL `lock_timeout`).
+    pub lock_timeout: Duration,
+    /// Time in-flight attempts get at shutdown before they are cancelled.
+    pub shutdown_timeout: Duration,
+    /// Legacy dispatcher: rows fetched per batch.
+    pub legacy_batch_size: u32,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            mode: DispatchMode::Pull,
+            workers: DEFAULT_WORKERS,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
+            stale_after: DEFAULT_STALE_AFTER,
+            retry_delay: DEFAULT_RETRY_DELAY,
+            max_retry_delay: DEFAULT_MAX_RETRY_DELAY,
+            max_retry_attempts: DEFAULT_MAX_RETRY_ATTEMPTS,
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            legacy_batch_size: 100,
+        }
+    }
+}
+
+impl WorkerConfig {
+    /// Sets the dispatch mode.
+    pub fn with_mode(mut self, mode: DispatchMode) -> Self {
+        self.mode = mode;
+        self
+    }
+    /// Sets the number of workers.
+    pub fn with_workers(mut self, workers: usize) -> Self {
+        self.workers = workers.max(1);
+        self
+    }
+    /// Sets the idle poll interval.
+    pub fn with_poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d;
+        self
+    }
+    /// Sets the heartbeat interval.
+    pub fn with_heartbeat_interval(mut self, d: Duration) -> Self {
+        self.heartbeat_interval = d;
+        self
+    }
+    /// Sets the stale-after age.
+    pub fn with_stale_after(mut self, d: Duration) -> Self {
+        self.stale_after = d;
+        self
+    }
+    /// Sets the base retry delay.
+    pub fn with_retry_delay(mut self, d: Duration) -> Self {
+        self.retry_delay = d;
+        self
+    }
+    /// Sets the cap of the retry backoff.
+    pub fn with_max_retry_delay(mut self, d: Duration) -> Self {
+        self.max_retry_delay = d;
+        self
+    }
+    /// Sets `MaxRetryAttempts`.
+    pub fn with_max_retry_attempts(mut self, n: i32) -> Self {
+        self.max_retry_attempts = n.max(1);
+        self
+    }
+    /// Sets the attempt lock timeout.
+    pub fn with_lock_timeout(mut self, d: Duration) -> Self {
+        self.lock_timeout = d;
+        self
+    }
+    /// Sets the shutdown timeout.
+    pub fn with_shutdown_timeout(mut self, d: Duration) -> Self {
+        self.shutdown_timeout = d;
+        self
+    }
+    /// Sets the legacy batch size.
+    pub fn with_legacy_batch_size(mut self, n: u32) -> Self {
+        self.legacy_batch_size = n.max(1);
+        self
+    }
+
+    /// The backoff beyond the base retry delay after the `failures`-th failure:
+    /// `retry_delay * 2^(failures-1)`, capped at `max_retry_delay`, minus the base delay.
+    pub fn extra_retry_delay(&self, failures: i32) -> Duration {
+        let exponent = failures.saturating_sub(1).clamp(0, 20) as u32;
+        let total = self
+            .retry_delay
+            .saturating_mul(1u32 << exponent)
+            .min(self.max_retry_delay.max(self.retry_delay));
+        total.saturating_sub(self.retry_delay)
+    }
+
+    /// Checks the settings fit together: a stale-after shorter than three heartbeats would
+    /// reclaim live work.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.heartbeat_interval.is_zero() {
+            return Err("heartbeat interval must be positive".into());
+        }
+        if self.stale_after < self.heartbeat_interval * 3 {
+            return Err(format!(
+                "stale-after ({:?}) must be at least three heartbeat intervals ({:?})",
+                self.stale_after, self.heartbeat_interval
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let c = WorkerConfig::default()
+            .with_retry_delay(Duration::from_secs(1))
+            .with_max_retry_delay(Duration::from_secs(10));
+        assert_eq!(c.extra_retry_delay(1), Duration::ZERO);
+        assert_eq!(c.extra_retry_delay(2), Duration::from_secs(1));
+        assert_eq!(c.extra_retry_delay(3), Duration::from_secs(3));
+        assert_eq!(c.extra_retry_delay(4), Duration::from_secs(7));
+        assert_eq!(c.extra_retry_delay(5), Duration::from_secs(9));
+        assert_eq!(c.extra_retry_delay(50), Duration::from_secs(9));
+    }
+
+    #[test]
+    fn stale_after_must_cover_heartbeats() {
+        let c = WorkerConfig::default()
+            .with_heartbeat_interval(Duration::from_secs(2))
+            .with_stale_after(Duration::from_secs(5));
+        assert!(c.validate().is_err());
+        assert!(WorkerConfig::default().validate().is_ok());
+    }
+}

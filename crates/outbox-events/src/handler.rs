@@ -1,0 +1,111 @@
+//! The handler contract: one handler per `EventType`, running inside the attempt transaction.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use outbox_persistence::{Attempt, OutboxEvent, Tx};
+
+/// What a handler's failure means for the row.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandlerError {
+    /// Try again later (up to `MaxRetryAttempts`).
+    #[error("retryable: {0}")]
+    Retryable(String),
+    /// Retrying cannot help (for example a payload the handler cannot read): `failed` now.
+    #[error("permanent: {0}")]
+    Permanent(String),
+    /// A database error from the handler's own statements; a lock timeout or a lost connection
+    /// is retried like [`HandlerError::Retryable`].
+    #[error("database: {}", .0.chain())]
+    Database(#[from] outbox_persistence::Error),
+}
+
+impl HandlerError {
+    /// A database error from the handler's statements (`sqlx::Error` converts into
+    /// `outbox_persistence::Error`, which classifies lock timeouts and lost connections).
+    pub fn db(e: impl Into<outbox_persistence::Error>) -> Self {
+        HandlerError::Database(e.into())
+    }
+
+    /// Whether this failure is a database lock timeout.
+    pub fn is_lock_timeout(&self) -> bool {
+        matches!(self, HandlerError::Database(e) if e.is_lock_timeout())
+    }
+
+    /// Whether the row should be retried (as opposed to failed at once).
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, HandlerError::Permanent(_))
+    }
+}
+
+/// What a handler may touch during its attempt: the attempt transaction.
+pub struct AttemptContext<'a> {
+    attempt: &'a mut dyn Attempt,
+}
+
+impl<'a> AttemptContext<'a> {
+    pub(crate) fn new(attempt: &'a mut dyn Attempt) -> Self {
+        Self { attempt }
+    }
+
+    /// The attempt transaction: the handler's database effects go here, so they commit
+    /// atomically with `processed` and roll back with a failure.
+    pub fn tx(&mut self) -> &mut Tx {
+        self.attempt.tx()
+    }
+}
+
+/// Handles the events of one `EventType`.
+#[async_trait]
+pub trait Handler: Send + Sync + 'static {
+    /// Runs the event's effects in `ctx`'s transaction. Must be safe to run again for the same
+    /// event (redelivery): see the `create-action` crate.
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError>;
+}
+
+/// The registered handlers, by `EventType`.
+#[derive(Clone, Default)]
+pub struct Handlers {
+    by_type: HashMap<String, Arc<dyn Handler>>,
+}
+
+impl Handlers {
+    /// No handlers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `handler` for `event_type`, replacing an earlier one.
+    pub fn register(mut self, event_type: impl Into<String>, handler: impl Handler) -> Self {
+        self.by_type.insert(event_type.into(), Arc::new(handler));
+        self
+    }
+
+    /// Registers a shared handler for `event_type`.
+    pub fn register_arc(
+        mut self,
+        event_type: impl Into<String>,
+        handler: Arc<dyn Handler>,
+    ) -> Self {
+        self.by_type.insert(event_type.into(), handler);
+        self
+    }
+
+    /// The handler of `event_type`.
+    pub fn get(&self, event_type: &str) -> Option<&Arc<dyn Handler>> {
+        self.by_type.get(event_type)
+    }
+
+    /// The registered event types, sorted.
+    pub fn event_types(&self) -> Vec<&str> {
+        let mut types: Vec<&str> = self.by_type.keys().map(String::as_str).collect();
+        types.sort_unstable();
+        types
+    }
+}

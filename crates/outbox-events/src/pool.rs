@@ -1,0 +1,218 @@
+//! The dispatcher: starts the pull workers (or the legacy batch loop), and shuts them down in
+//! three steps: stop claiming, let in-flight attempts finish within the shutdown timeout, then
+//! cancel what is left (rolled back, left to stale reclaim).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_persistence::{Cutoffs, OutboxRepository};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::attempt::{self, AttemptEnv};
+use crate::config::{DispatchMode, WorkerConfig};
+use crate::handler::Handlers;
+use crate::legacy;
+use crate::metrics::{Metrics, MetricsSnapshot};
+
+/// Where workers take the time from. Tests pass their own.
+pub trait Clock: Send + Sync + 'static {
+    /// Now.
+    fn now(&self) -> DateTime<Utc>;
+}
+
+/// The system clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> DateTime<Utc> {
+        Utc::now()
+    }
+}
+
+/// The first wait of a worker that found nothing to claim; it doubles up to the poll interval.
+const FIRST_IDLE_WAIT: Duration = Duration::from_millis(10);
+/// The first wait after a failed claim (database down); it doubles up to five seconds.
+const FIRST_ERROR_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Runs outbox workers over a repository.
+pub struct Dispatcher {
+    repo: Arc<dyn OutboxRepository>,
+    handlers: Handlers,
+    config: WorkerConfig,
+    clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
+}
+
+impl Dispatcher {
+    /// A dispatcher with the system clock.
+    pub fn new(repo: Arc<dyn OutboxRepository>, handlers: Handlers, config: WorkerConfig) -> Self {
+        Self {
+            repo,
+            handlers,
+            config,
+            clock: Arc::new(SystemClock),
+            metrics: Arc::default(),
+        }
+    }
+
+    /// Uses `clock` instead of the system clock.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Starts the workers of the configured mode.
+    pub fn start(self) -> DispatcherHandle {
+        let stop = CancellationToken::new();
+        let hard_stop = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let env = Arc::new(AttemptEnv {
+            repo: self.repo,
+            handlers: self.handlers,
+            config: self.config.clone(),
+            clock: self.clock,
+            metrics: self.metrics.clone(),
+            hard_stop: hard_stop.clone(),
+        });
+        tracing::info!(
+            mode = ?self.config.mode,
+            workers = self.config.workers,
+            backend = env.repo.backend_name(),
+            "outbox dispatcher starting"
+        );
+        match self.config.mode {
+            DispatchMode::Pull => {
+                for worker in 0..self.config.workers {
+                    tracker.spawn(pull_worker(env.clone(), stop.clone(), worker));
+                }
+            }
+            DispatchMode::Legacy => {
+                tracker.spawn(legacy::run(env.clone(), stop.clone()));
+            }
+        }
+        DispatcherHandle {
+            stop,
+            hard_stop,
+            tracker,
+            metrics: self.metrics,
+            shutdown_timeout: self.config.shutdown_timeout,
+        }
+    }
+}
+
+/// The cutoffs for a claim now.
+pub(crate) fn cutoffs(env: &AttemptEnv) -> Cutoffs {
+    Cutoffs::at(
+        env.clock.now(),
+        env.config.stale_after,
+        env.config.retry_delay,
+    )
+}
+
+/// Waits for work or for `stop`, whichever comes first.
+pub(crate) async fn idle(env: &AttemptEnv, stop: &CancellationToken, wait: Duration) {
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        result = env.repo.wait_for_work(wait) => {
+            if let Err(e) = result {
+                tracing::debug!(error = %e.chain(), "waiting for work failed");
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Sleeps after a failed claim, unless `stop` comes first.
+pub(crate) async fn back_off(stop: &CancellationToken, backoff: &mut Duration) {
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = tokio::time::sleep(*backoff) => {}
+    }
+    *backoff = (*backoff * 2).min(MAX_ERROR_BACKOFF);
+}
+
+async fn pull_worker(env: Arc<AttemptEnv>, stop: CancellationToken, worker: usize) {
+    let mut idle_wait = FIRST_IDLE_WAIT;
+    let mut error_backoff = FIRST_ERROR_BACKOFF;
+    while !stop.is_cancelled() {
+        match env.repo.claim_next(cutoffs(&env)).await {
+            Ok(Some(claim)) => {
+                idle_wait = FIRST_IDLE_WAIT;
+                error_backoff = FIRST_ERROR_BACKOFF;
+                attempt::run(&env, claim).await;
+            }
+            Ok(None) => {
+                idle(&env, &stop, idle_wait).await;
+                idle_wait = (idle_wait * 2).min(env.config.poll_interval);
+            }
+            Err(e) => {
+                // A database that is down, or a lock timeout on the claim: nothing was
+                // claimed, so nothing is lost; try again after a pause.
+                tracing::warn!(worker, error = %e.chain(), "claiming failed; backing off");
+                back_off(&stop, &mut error_backoff).await;
+            }
+        }
+    }
+    tracing::debug!(worker, "pull worker stopped");
+}
+
+/// A running dispatcher.
+pub struct DispatcherHandle {
+    stop: CancellationToken,
+    hard_stop: CancellationToken,
+    tracker: TaskTracker,
+    metrics: Arc<Metrics>,
+    shutdown_timeout: Duration,
+}
+
+/// How a shutdown went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Whether every in-flight attempt finished within the shutdown timeout.
+    pub graceful: bool,
+    /// The counters at the end.
+    pub metrics: MetricsSnapshot,
+}
+
+impl DispatcherHandle {
+    /// The counters now.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.metrics.snapshot()
+    }
+
+    /// The shared counters.
+    pub fn metrics_handle(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// A token that stops claiming when cancelled (the first step of shutdown).
+    pub fn stop_token(&self) -> CancellationToken {
+        self.stop.clone()
+    }
+
+    /// Stops claiming, waits up to the shutdown timeout for in-flight attempts, then cancels
+    /// the rest.
+    pub async fn shutdown(self) -> ShutdownReport {
+        self.stop.cancel();
+        self.tracker.close();
+        let graceful = tokio::time::timeout(self.shutdown_timeout, self.tracker.wait())
+            .await
+            .is_ok();
+        if !graceful {
+            tracing::warn!("shutdown timeout passed; cancelling in-flight attempts");
+            self.hard_stop.cancel();
+            self.tracker.wait().await;
+        }
+        ShutdownReport {
+            graceful,
+            metrics: self.metrics.snapshot(),
+        }
+    }
+}

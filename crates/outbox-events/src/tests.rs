@@ -1,0 +1,446 @@
+//! Unit tests of the attempt state machine over mocked repositories, under paused time.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::Utc;
+use outbox_persistence::{
+    Attempt, Claim, Error, EventStatus, FailureBookkeeping, Fence, FenceOutcome, MockAttempt,
+    MockOutboxRepository, OutboxEvent,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    AttemptContext, AttemptOutcome, Handler, HandlerError, Handlers, Metrics, SystemClock,
+    WorkerConfig, process_claim,
+};
+
+fn claim(event_type: &str, retry_count: i32) -> Claim {
+    let now = outbox_persistence::truncate_micros(Utc::now());
+    let id = outbox_persistence::new_event_id();
+    Claim {
+        event: OutboxEvent {
+            id,
+            event_type: event_type.into(),
+            payload: "{}".into(),
+            status: EventStatus::Processing,
+            retry_count,
+            record_key: Some("Lead:1".into()),
+            created_date: now,
+            last_modified_date: now,
+            last_error: None,
+        },
+        fence: Fence {
+            id,
+            last_written: now,
+        },
+        reclaimed: false,
+    }
+}
+
+/// A handler that waits `delay` (paused time) and then returns what `result` makes.
+struct TestHandler {
+    delay: Duration,
+    result: fn() -> Result<(), HandlerError>,
+}
+
+#[async_trait]
+impl Handler for TestHandler {
+    async fn handle(
+        &self,
+        _: &OutboxEvent,
+        _: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        (self.result)()
+    }
+}
+
+fn handlers(delay: Duration, result: fn() -> Result<(), HandlerError>) -> Handlers {
+    Handlers::new().register("t", TestHandler { delay, result })
+}
+
+fn config() -> WorkerConfig {
+    WorkerConfig::default()
+        .with_heartbeat_interval(Duration::from_secs(1))
+        .with_stale_after(Duration::from_secs(10))
+        .with_max_retry_attempts(5)
+}
+
+fn lock_timeout() -> Error {
+    Error::LockTimeout(sqlx::Error::PoolTimedOut)
+}
+
+fn unavailable() -> Error {
+    Error::Unavailable(sqlx::Error::PoolClosed)
+}
+
+/// A repository whose heartbeats always succeed, logging each one in `log`.
+fn repo_with(attempt: MockAttempt, log: Arc<Mutex<Vec<&'static str>>>) -> MockOutboxRepository {
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_backend_name().return_const("mock");
+    repo.expect_begin_attempt()
+        .times(1)
+        .return_once(move |_| Ok(Box::new(attempt) as Box<dyn Attempt>));
+    repo.expect_heartbeat().returning(move |fence, now| {
+        log.lock().unwrap().push("heartbeat");
+        Ok(Some(Fence {
+            id: fence.id,
+            last_written: outbox_persistence::truncate_micros(now),
+        }))
+    });
+    repo
+}
+
+async fn run(
+    repo: MockOutboxRepository,
+    handlers: Handlers,
+    claim: Claim,
+    stop: CancellationToken,
+) -> (AttemptOutcome, Arc<Metrics>) {
+    let metrics = Arc::new(Metrics::default());
+    let outcome = process_claim(
+        Arc::new(repo),
+        handlers,
+        config(),
+        Arc::new(SystemClock),
+        metrics.clone(),
+        stop,
+        claim,
+    )
+    .await;
+    (outcome, metrics)
+}
+
+#[tokio::test(start_paused = true)]
+async fn success_marks_processed_and_commits() {
+    let c = claim("t", 0);
+    let fence = c.fence;
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .withf(move |f, _| *f == fence)
+        .times(1)
+        .returning(|_, _| Ok(FenceOutcome::Written));
+    attempt.expect_commit().times(1).returning(|| Ok(()));
+    attempt.expect_rollback_to_savepoint().never();
+    let log = Arc::default();
+    let repo = repo_with(attempt, Arc::clone(&log));
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::ZERO, || Ok(())),
+        c,
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Processed);
+    let m = metrics.snapshot();
+    assert_eq!((m.claimed, m.processed), (1, 1));
+    assert!(
+        log.lock().unwrap().is_empty(),
+        "no heartbeat for an attempt shorter than one interval"
+    );
+}
+
+fn expect_failure(
+    attempt: &mut MockAttempt,
+    want: fn(&FailureBookkeeping) -> bool,
+    message: &'static str,
+) {
+    attempt
+        .expect_rollback_to_savepoint()
+        .times(1)
+        .returning(|| Ok(()));
+    attempt
+        .expect_record_failure()
+        .withf(move |_, _, bookkeeping, error| want(bookkeeping) && error.contains(message))
+        .times(1)
+        .returning(|_, _, _, _| Ok(FenceOutcome::Written));
+    attempt.expect_commit().times(1).returning(|| Ok(()));
+    attempt.expect_mark_processed().never();
+}
+
+#[tokio::test(start_paused = true)]
+async fn handler_error_rolls_back_to_savepoint_and_retries() {
+    let mut attempt = MockAttempt::new();
+    expect_failure(
+        &mut attempt,
+        |b| matches!(b, FailureBookkeeping::Retry { .. }),
+        "boom",
+    );
+    let repo = repo_with(attempt, Arc::default());
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::ZERO, || {
+            Err(HandlerError::Retryable("boom".into()))
+        }),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Retried);
+    assert_eq!(metrics.snapshot().retried, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn lock_timeout_is_retried_and_counted() {
+    let mut attempt = MockAttempt::new();
+    expect_failure(
+        &mut attempt,
+        |b| matches!(b, FailureBookkeeping::Retry { .. }),
+        "lock timeout",
+    );
+    let repo = repo_with(attempt, Arc::default());
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::ZERO, || {
+            Err(HandlerError::Database(lock_timeout()))
+        }),
+        claim("t", 1),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Retried);
+    let m = metrics.snapshot();
+    assert_eq!((m.retried, m.lock_timeouts), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn retries_exhausted_ends_failed() {
+    let mut attempt = MockAttempt::new();
+    expect_failure(&mut attempt, |b| *b == FailureBookkeeping::Fail, "boom");
+    let repo = repo_with(attempt, Arc::default());
+    // The fifth failure with MaxRetryAttempts = 5.
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::ZERO, || {
+            Err(HandlerError::Retryable("boom".into()))
+        }),
+        claim("t", 4),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Failed);
+    assert_eq!(metrics.snapshot().failed, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn permanent_error_fails_at_once() {
+    let mut attempt = MockAttempt::new();
+    expect_failure(
+        &mut attempt,
+        |b| *b == FailureBookkeeping::Fail,
+        "unreadable payload",
+    );
+    let repo = repo_with(attempt, Arc::default());
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || {
+            Err(HandlerError::Permanent("unreadable payload".into()))
+        }),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Failed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unknown_event_type_fails_with_a_clear_error() {
+    let mut attempt = MockAttempt::new();
+    expect_failure(
+        &mut attempt,
+        |b| *b == FailureBookkeeping::Fail,
+        "no handler registered for event type \"nobody.handles.this\"",
+    );
+    let repo = repo_with(attempt, Arc::default());
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || Ok(())),
+        claim("nobody.handles.this", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Failed);
+}
+
+/// The commit of the attempt fails: the retry lands on the detached path, tried again while
+/// the heartbeat keeps beating, and the heartbeat stops once it landed.
+#[tokio::test(start_paused = true)]
+async fn failed_attempt_transaction_lands_bookkeeping_detached_with_heartbeat() {
+    let log: Arc<Mutex<Vec<&'static str>>> = Arc::default();
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_, _| Ok(FenceOutcome::Written));
+    attempt
+        .expect_commit()
+        .times(1)
+        .returning(|| Err(unavailable()));
+    let mut repo = repo_with(attempt, Arc::clone(&log));
+    let tries = Arc::new(Mutex::new(0));
+    let (l, t) = (Arc::clone(&log), Arc::clone(&tries));
+    repo.expect_increment_retry()
+        .withf(|_, _, _, error| error.contains("commit failed"))
+        .times(4)
+        .returning(move |_, _, _, _| {
+            let mut t = t.lock().unwrap();
+            *t += 1;
+            if *t < 4 {
+                l.lock().unwrap().push("bookkeeping failed");
+                Err(unavailable())
+            } else {
+                l.lock().unwrap().push("bookkeeping landed");
+                Ok(FenceOutcome::Written)
+            }
+        });
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::from_millis(500), || Ok(())),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Retried);
+    assert_eq!(metrics.snapshot().detached_bookkeeping, 1);
+    // Let any heartbeat that would outlive the attempt show itself.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let log = log.lock().unwrap().clone();
+    let first_failure = log.iter().position(|e| *e == "bookkeeping failed").unwrap();
+    let landed = log.iter().position(|e| *e == "bookkeeping landed").unwrap();
+    assert!(
+        log[first_failure..landed].contains(&"heartbeat"),
+        "the heartbeat keeps the claim while the bookkeeping retries: {log:?}"
+    );
+    assert!(
+        !log[landed..].contains(&"heartbeat"),
+        "the heartbeat stops once the bookkeeping landed: {log:?}"
+    );
+}
+
+/// The heartbeat finds the row taken over: the attempt is abandoned, rolled back, and nothing
+/// is written.
+#[tokio::test(start_paused = true)]
+async fn lost_claim_abandons_the_attempt() {
+    let mut attempt = MockAttempt::new();
+    attempt.expect_rollback().times(1).returning(|| Ok(()));
+    attempt.expect_mark_processed().never();
+    attempt.expect_record_failure().never();
+    attempt.expect_commit().never();
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_begin_attempt()
+        .times(1)
+        .return_once(move |_| Ok(Box::new(attempt) as Box<dyn Attempt>));
+    repo.expect_heartbeat().times(1).returning(|_, _| Ok(None));
+    repo.expect_increment_retry().never();
+    repo.expect_update_status().never();
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::from_secs(60), || Ok(())),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::LostClaim);
+    assert_eq!(metrics.snapshot().lost_claims, 1);
+}
+
+/// A heartbeat that fails transiently is not a lost claim.
+#[tokio::test(start_paused = true)]
+async fn a_failed_heartbeat_is_not_a_lost_claim() {
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_, _| Ok(FenceOutcome::Written));
+    attempt.expect_commit().times(1).returning(|| Ok(()));
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_begin_attempt()
+        .times(1)
+        .return_once(move |_| Ok(Box::new(attempt) as Box<dyn Attempt>));
+    repo.expect_heartbeat()
+        .times(2)
+        .returning(|_, _| Err(unavailable()));
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::from_millis(2500), || Ok(())),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Processed);
+}
+
+/// The final write finds the fence moved (the row was reclaimed between beats): roll back.
+#[tokio::test(start_paused = true)]
+async fn fenced_out_final_write_rolls_back() {
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_, _| Ok(FenceOutcome::Lost));
+    attempt.expect_rollback().times(1).returning(|| Ok(()));
+    attempt.expect_commit().never();
+    let repo = repo_with(attempt, Arc::default());
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || Ok(())),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::LostClaim);
+}
+
+/// A hard shutdown mid-attempt rolls back and leaves the row to stale reclaim.
+#[tokio::test(start_paused = true)]
+async fn shutdown_mid_attempt_rolls_back() {
+    let mut attempt = MockAttempt::new();
+    attempt.expect_rollback().times(1).returning(|| Ok(()));
+    attempt.expect_mark_processed().never();
+    attempt.expect_commit().never();
+    let mut repo = repo_with(attempt, Arc::default());
+    repo.expect_increment_retry().never();
+    let stop = CancellationToken::new();
+    let trigger = stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        trigger.cancel();
+    });
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::from_secs(60), || Ok(())),
+        claim("t", 0),
+        stop,
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Cancelled);
+    assert_eq!(metrics.snapshot().cancelled, 1);
+}
+
+/// The attempt transaction cannot even begin (database down): the retry is recorded on the
+/// detached path.
+#[tokio::test(start_paused = true)]
+async fn attempt_that_cannot_begin_is_retried_detached() {
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_begin_attempt()
+        .times(1)
+        .returning(|_| Err(unavailable()));
+    repo.expect_heartbeat().returning(|f, _| Ok(Some(f)));
+    repo.expect_increment_retry()
+        .withf(|_, _, _, e| e.contains("could not begin"))
+        .times(1)
+        .returning(|_, _, _, _| Ok(FenceOutcome::Written));
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || Ok(())),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Retried);
+}
