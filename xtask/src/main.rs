@@ -1,2 +1,123 @@
-//! Project automation.
-fn main() {}
+//! Project automation, run as `cargo xtask <command>`: the CI pipeline, the test run on every
+//! reachable backend, and the dependency-direction check.
+//!
+//! xtask depends on no workspace crate, so it builds (and `cargo xtask deps` runs) even while the
+//! rest of the workspace does not compile.
+
+mod ci;
+mod cmd;
+mod deps;
+mod postgres;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  ci               run what CI runs: fmt, clippy, deps, doc, then the tests
+  test [-- ARGS]   run `cargo test --workspace` on SQLite and, when reachable, PostgreSQL
+                   (ARGS are passed to `cargo test`)
+  deps             check the direction of dependencies between workspace crates
+  help             print this message
+
+environment:
+  DATABASE_URL     the PostgreSQL server for tests (default postgres://root@127.0.0.1:5432/test)
+  CI=true          an unreachable PostgreSQL is a failure instead of a skip";
+
+fn main() -> ExitCode {
+    match run(std::env::args().skip(1).collect()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("xtask: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Vec<String>) -> Result<()> {
+    let Some((command, rest)) = args.split_first() else {
+        bail!("no command given\n\n{USAGE}");
+    };
+    match command.as_str() {
+        "ci" => {
+            no_arguments(command, rest)?;
+            ci::run()
+        }
+        "test" => ci::test(test_arguments(rest)?),
+        "deps" => {
+            no_arguments(command, rest)?;
+            deps::run()
+        }
+        "help" | "-h" | "--help" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown command `{other}`\n\n{USAGE}"),
+    }
+}
+
+fn no_arguments(command: &str, rest: &[String]) -> Result<()> {
+    if let Some(extra) = rest.first() {
+        bail!("`cargo xtask {command}` takes no arguments, got `{extra}`\n\n{USAGE}");
+    }
+    Ok(())
+}
+
+/// The arguments after `--` in `cargo xtask test -- ARGS`, which go to `cargo test`.
+fn test_arguments(rest: &[String]) -> Result<&[String]> {
+    match rest.split_first() {
+        None => Ok(&[]),
+        Some((separator, passed_on)) if separator == "--" => Ok(passed_on),
+        Some((other, _)) => {
+            bail!(
+                "unexpected argument `{other}`; pass arguments to cargo test after `--`\n\n{USAGE}"
+            )
+        }
+    }
+}
+
+/// The workspace root, so that `cargo xtask` works from any directory inside it.
+fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+/// Whether this run is CI's, read the same way as the test harness in `tests/src/lib.rs` does.
+fn is_ci() -> bool {
+    std::env::var("CI").is_ok_and(|value| value == "true" || value == "1")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|arg| arg.to_string()).collect()
+    }
+
+    #[test]
+    fn test_arguments_after_the_separator_go_to_cargo_test() {
+        let args = strings(&["--", "--test", "it", "claim"]);
+        assert_eq!(test_arguments(&args).unwrap(), &args[1..]);
+        assert!(test_arguments(&[]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn test_arguments_without_the_separator_are_refused() {
+        let error = test_arguments(&strings(&["claim"])).unwrap_err();
+        assert!(error.to_string().contains("unexpected argument `claim`"));
+    }
+
+    #[test]
+    fn unknown_commands_and_stray_arguments_are_refused() {
+        assert!(run(strings(&["frobnicate"])).is_err());
+        assert!(run(strings(&["deps", "--fix"])).is_err());
+        assert!(run(Vec::new()).is_err());
+    }
+}

@@ -1,0 +1,601 @@
+//! `cargo xtask deps`: checks, over `cargo metadata`, that dependencies between workspace crates
+//! point only in the directions [`RULES`] allows, and that no crate depends on an external crate
+//! its rule forbids.
+//!
+//! Dev-dependencies are not edges: a test may use anything. Build-dependencies are, since they are
+//! code the crate cannot build without.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::cmd::Cmd;
+
+/// Which workspace crates a workspace crate may depend on.
+enum WorkspaceDeps {
+    /// Only these (an empty list: none).
+    Only(&'static [&'static str]),
+    /// Any workspace crate: the binary and the integration tests put the pieces together.
+    Any,
+}
+
+/// The dependency rule for one workspace crate.
+struct Rule {
+    /// The crate the rule is for.
+    krate: &'static str,
+    /// The workspace crates it may depend on.
+    workspace: WorkspaceDeps,
+    /// External crates it must not name in its own manifest.
+    forbidden_direct: &'static [&'static str],
+    /// External crates it must not reach through normal dependencies at any depth.
+    forbidden_transitive: &'static [&'static str],
+}
+
+/// Async runtimes, and sqlx (which brings one): what a crate with no I/O and no async must not
+/// reach. A name also stands for its family, so `sqlx` covers `sqlx-core` and `tokio` covers
+/// `tokio-util`.
+const ASYNC_AND_IO: &[&str] = &[
+    "sqlx",
+    "tokio",
+    "async-std",
+    "smol",
+    "async-executor",
+    "async-global-executor",
+    "futures-executor",
+    "glommio",
+    "monoio",
+];
+
+/// The direction of dependencies in this workspace, one row per workspace crate; ARCHITECTURE.md
+/// states the same rules in prose. A workspace crate without a row is itself a violation, so that
+/// a new crate's place in the direction is decided when it is added.
+const RULES: &[Rule] = &[
+    Rule {
+        krate: "record-key",
+        workspace: WorkspaceDeps::Only(&[]),
+        forbidden_direct: &[],
+        forbidden_transitive: ASYNC_AND_IO,
+    },
+    Rule {
+        krate: "outbox-persistence",
+        workspace: WorkspaceDeps::Only(&["record-key"]),
+        forbidden_direct: &[],
+        forbidden_transitive: &[],
+    },
+    Rule {
+        krate: "create-action",
+        workspace: WorkspaceDeps::Only(&["record-key"]),
+        forbidden_direct: &[],
+        forbidden_transitive: &[],
+    },
+    Rule {
+        krate: "outbox-events",
+        workspace: WorkspaceDeps::Only(&["outbox-persistence"]),
+        // The workers see the repository trait only and never name `PgPool` or `SqlitePool`.
+        forbidden_direct: &["sqlx"],
+        forbidden_transitive: &[],
+    },
+    Rule {
+        krate: "outbox-cli",
+        workspace: WorkspaceDeps::Any,
+        forbidden_direct: &[],
+        forbidden_transitive: &[],
+    },
+    Rule {
+        krate: "outbox-tests",
+        workspace: WorkspaceDeps::Any,
+        forbidden_direct: &[],
+        forbidden_transitive: &[],
+    },
+    Rule {
+        krate: "xtask",
+        workspace: WorkspaceDeps::Only(&[]),
+        forbidden_direct: &[],
+        forbidden_transitive: &[],
+    },
+];
+
+/// Runs `cargo metadata`, checks it against [`RULES`], and prints each violation or the number of
+/// edges checked.
+pub fn run() -> Result<()> {
+    let stdout = Cmd::cargo(&["metadata", "--format-version", "1"]).output()?;
+    let metadata: Value =
+        serde_json::from_slice(&stdout).context("`cargo metadata` printed invalid JSON")?;
+    let report = check(&metadata)?;
+    if report.violations.is_empty() {
+        println!(
+            "dependency direction: ok ({} edges checked)",
+            report.edges_checked
+        );
+        return Ok(());
+    }
+    for violation in &report.violations {
+        println!("dependency direction violation: {violation}");
+    }
+    bail!(
+        "{} dependency direction violation(s); the rules are the RULES table in xtask/src/deps.rs",
+        report.violations.len()
+    )
+}
+
+/// What [`check`] found.
+#[derive(Debug)]
+pub struct Report {
+    /// One sentence per broken rule.
+    pub violations: Vec<String>,
+    /// How many dependency edges were compared with the rules: every non-dev edge out of a
+    /// workspace crate, and every edge walked for a transitive rule.
+    pub edges_checked: usize,
+}
+
+/// A package as far as the check needs it.
+struct Package {
+    name: String,
+    /// The names of the packages it declares as normal or build dependencies (optional ones too).
+    declared: BTreeSet<String>,
+}
+
+/// Checks `cargo metadata --format-version 1` output against [`RULES`]. Fails only when the JSON
+/// is not shaped like cargo's; broken rules are reported in the [`Report`].
+///
+/// The transitive walk uses cargo's resolve graph, which unifies features across the workspace, so
+/// it can report a dependency that only another crate's features switch on. That errs on the side
+/// of a false alarm, never of a missed edge.
+pub fn check(metadata: &Value) -> Result<Report> {
+    let packages = packages(metadata)?;
+    let members = string_array(&metadata["workspace_members"], "workspace_members")?;
+    let workspace: BTreeMap<&str, &str> = members
+        .iter()
+        .map(|id| {
+            let package = packages
+                .get(*id)
+                .with_context(|| format!("workspace member `{id}` is not among the packages"))?;
+            Ok((package.name.as_str(), *id))
+        })
+        .collect::<Result<_>>()?;
+    let resolve = resolve_graph(metadata)?;
+
+    let mut report = Report {
+        violations: Vec::new(),
+        edges_checked: 0,
+    };
+    for (&name, &id) in &workspace {
+        let Some(rule) = RULES.iter().find(|rule| rule.krate == name) else {
+            report.violations.push(format!(
+                "workspace crate `{name}` has no rule; add its allowed dependencies to RULES"
+            ));
+            continue;
+        };
+        for dependency in &packages[id].declared {
+            report.edges_checked += 1;
+            let in_workspace = workspace.contains_key(dependency.as_str());
+            report
+                .violations
+                .extend(check_direct_edge(rule, dependency, in_workspace));
+        }
+        if !rule.forbidden_transitive.is_empty() {
+            check_transitive(rule, id, &packages, &resolve, &mut report);
+        }
+    }
+    Ok(report)
+}
+
+/// The violation, if any, of the edge `rule.krate -> dependency`.
+fn check_direct_edge(rule: &Rule, dependency: &str, in_workspace: bool) -> Option<String> {
+    let krate = rule.krate;
+    if in_workspace {
+        return match rule.workspace {
+            WorkspaceDeps::Any => None,
+            WorkspaceDeps::Only(allowed) if allowed.contains(&dependency) => None,
+            WorkspaceDeps::Only([]) => Some(format!(
+                "`{krate} -> {dependency}`: {krate} may depend on no workspace crate"
+            )),
+            WorkspaceDeps::Only(allowed) => Some(format!(
+                "`{krate} -> {dependency}`: {krate} may depend only on {}",
+                allowed.join(", ")
+            )),
+        };
+    }
+    let forbidden = rule
+        .forbidden_direct
+        .iter()
+        .chain(rule.forbidden_transitive)
+        .find(|family| in_family(dependency, family))?;
+    Some(format!(
+        "`{krate} -> {dependency}`: {krate} must not depend on {forbidden}"
+    ))
+}
+
+/// Walks the normal dependencies of workspace member `id` breadth-first and reports each
+/// forbidden crate it reaches, with the path that reaches it.
+fn check_transitive(
+    rule: &Rule,
+    id: &str,
+    packages: &BTreeMap<String, Package>,
+    resolve: &BTreeMap<String, Vec<String>>,
+    report: &mut Report,
+) {
+    let mut parent: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut queue = VecDeque::from([id]);
+    while let Some(current) = queue.pop_front() {
+        for next in resolve.get(current).into_iter().flatten() {
+            report.edges_checked += 1;
+            if next == id || parent.contains_key(next.as_str()) {
+                continue;
+            }
+            parent.insert(next, current);
+            let name = packages
+                .get(next)
+                .map_or(next.as_str(), |p| p.name.as_str());
+            if let Some(family) = rule
+                .forbidden_transitive
+                .iter()
+                .find(|family| in_family(name, family))
+            {
+                // The forbidden crate's own dependencies would only repeat the finding, and a
+                // direct one is already reported from the manifest.
+                if current == id {
+                    continue;
+                }
+                let mut path = vec![name];
+                let mut step = current;
+                while step != id {
+                    path.push(packages.get(step).map_or(step, |p| p.name.as_str()));
+                    step = parent[step];
+                }
+                path.push(rule.krate);
+                path.reverse();
+                report.violations.push(format!(
+                    "`{}`: {} must not depend on {family}, even through other crates",
+                    path.join(" -> "),
+                    rule.krate
+                ));
+                continue;
+            }
+            queue.push_back(next);
+        }
+    }
+}
+
+/// Whether `name` is `family` or one of its crates (`family-*`).
+fn in_family(name: &str, family: &str) -> bool {
+    name.strip_prefix(family)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
+}
+
+/// Every package in the metadata, by package id.
+fn packages(metadata: &Value) -> Result<BTreeMap<String, Package>> {
+    let list = metadata["packages"]
+        .as_array()
+        .context("cargo metadata has no `packages` array")?;
+    list.iter()
+        .map(|package| {
+            let id = str_field(package, "id")?;
+            let name = str_field(package, "name")?;
+            let dependencies = package["dependencies"]
+                .as_array()
+                .with_context(|| format!("package `{name}` has no `dependencies` array"))?;
+            let declared = dependencies
+                .iter()
+                .filter(|dependency| dependency["kind"].as_str() != Some("dev"))
+                .map(|dependency| str_field(dependency, "name").map(str::to_string))
+                .collect::<Result<_>>()?;
+            Ok((
+                id.to_string(),
+                Package {
+                    name: name.to_string(),
+                    declared,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// The resolve graph restricted to normal dependencies: package id to the ids it depends on.
+fn resolve_graph(metadata: &Value) -> Result<BTreeMap<String, Vec<String>>> {
+    let nodes = metadata["resolve"]["nodes"]
+        .as_array()
+        .context("cargo metadata has no resolve graph (was it run with --no-deps?)")?;
+    nodes
+        .iter()
+        .map(|node| {
+            let id = str_field(node, "id")?;
+            let deps = node["deps"]
+                .as_array()
+                .with_context(|| format!("resolve node `{id}` has no `deps` array"))?;
+            let normal = deps
+                .iter()
+                .filter(|dep| {
+                    dep["dep_kinds"]
+                        .as_array()
+                        .is_some_and(|kinds| kinds.iter().any(|kind| kind["kind"].is_null()))
+                })
+                .map(|dep| str_field(dep, "pkg").map(str::to_string))
+                .collect::<Result<_>>()?;
+            Ok((id.to_string(), normal))
+        })
+        .collect()
+}
+
+fn str_field<'a>(value: &'a Value, field: &str) -> Result<&'a str> {
+    value[field]
+        .as_str()
+        .with_context(|| format!("expected a string `{field}` in cargo metadata, in {value}"))
+}
+
+fn string_array<'a>(value: &'a Value, what: &str) -> Result<Vec<&'a str>> {
+    value
+        .as_array()
+        .with_context(|| format!("cargo metadata has no `{what}` array"))?
+        .iter()
+        .map(|item| {
+            item.as_str()
+                .with_context(|| format!("a non-string in `{what}`"))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// A small workspace in cargo's own metadata format, with the real crates' names and the
+    /// direction the rules allow.
+    const SMALL_WORKSPACE: &str = r#"{
+      "packages": [
+        { "id": "path+file:///ws/crates/record-key#0.1.0", "name": "record-key",
+          "dependencies": [
+            { "name": "serde_json", "kind": null, "optional": false },
+            { "name": "tokio", "kind": "dev", "optional": false }
+          ] },
+        { "id": "path+file:///ws/crates/outbox-persistence#0.1.0", "name": "outbox-persistence",
+          "dependencies": [
+            { "name": "record-key", "kind": null, "optional": false },
+            { "name": "sqlx", "kind": null, "optional": false }
+          ] },
+        { "id": "path+file:///ws/crates/outbox-events#0.1.0", "name": "outbox-events",
+          "dependencies": [
+            { "name": "outbox-persistence", "kind": null, "optional": false },
+            { "name": "tokio", "kind": null, "optional": false }
+          ] },
+        { "id": "path+file:///ws/xtask#0.1.0", "name": "xtask",
+          "dependencies": [ { "name": "serde_json", "kind": null, "optional": false } ] },
+        { "id": "registry+https://github.com/rust-lang/crates.io-index#serde_json@1.0.140",
+          "name": "serde_json", "dependencies": [] },
+        { "id": "registry+https://github.com/rust-lang/crates.io-index#sqlx@0.9.0",
+          "name": "sqlx", "dependencies": [ { "name": "tokio", "kind": null, "optional": false } ] },
+        { "id": "registry+https://github.com/rust-lang/crates.io-index#tokio@1.45.0",
+          "name": "tokio", "dependencies": [] }
+      ],
+      "workspace_members": [
+        "path+file:///ws/crates/record-key#0.1.0",
+        "path+file:///ws/crates/outbox-persistence#0.1.0",
+        "path+file:///ws/crates/outbox-events#0.1.0",
+        "path+file:///ws/xtask#0.1.0"
+      ],
+      "resolve": { "root": null, "nodes": [
+        { "id": "path+file:///ws/crates/record-key#0.1.0", "deps": [
+          { "name": "serde_json",
+            "pkg": "registry+https://github.com/rust-lang/crates.io-index#serde_json@1.0.140",
+            "dep_kinds": [ { "kind": null, "target": null } ] },
+          { "name": "tokio",
+            "pkg": "registry+https://github.com/rust-lang/crates.io-index#tokio@1.45.0",
+            "dep_kinds": [ { "kind": "dev", "target": null } ] } ] },
+        { "id": "path+file:///ws/crates/outbox-persistence#0.1.0", "deps": [
+          { "name": "record_key", "pkg": "path+file:///ws/crates/record-key#0.1.0",
+            "dep_kinds": [ { "kind": null, "target": null } ] },
+          { "name": "sqlx",
+            "pkg": "registry+https://github.com/rust-lang/crates.io-index#sqlx@0.9.0",
+            "dep_kinds": [ { "kind": null, "target": null } ] } ] },
+        { "id": "path+file:///ws/crates/outbox-events#0.1.0", "deps": [
+          { "name": "outbox_persistence", "pkg": "path+file:///ws/crates/outbox-persistence#0.1.0",
+            "dep_kinds": [ { "kind": null, "target": null } ] },
+          { "name": "tokio",
+            "pkg": "registry+https://github.com/rust-lang/crates.io-index#tokio@1.45.0",
+            "dep_kinds": [ { "kind": null, "target": null } ] } ] },
+        { "id": "path+file:///ws/xtask#0.1.0", "deps": [
+          { "name": "serde_json",
+            "pkg": "registry+https://github.com/rust-lang/crates.io-index#serde_json@1.0.140",
+            "dep_kinds": [ { "kind": null, "target": null } ] } ] },
+        { "id": "registry+https://github.com/rust-lang/crates.io-index#serde_json@1.0.140",
+          "deps": [] },
+        { "id": "registry+https://github.com/rust-lang/crates.io-index#sqlx@0.9.0", "deps": [
+          { "name": "tokio",
+            "pkg": "registry+https://github.com/rust-lang/crates.io-index#tokio@1.45.0",
+            "dep_kinds": [ { "kind": null, "target": null } ] } ] },
+        { "id": "registry+https://github.com/rust-lang/crates.io-index#tokio@1.45.0", "deps": [] }
+      ] }
+    }"#;
+
+    fn small_workspace() -> Value {
+        serde_json::from_str(SMALL_WORKSPACE).expect("the fixture is valid JSON")
+    }
+
+    /// The package named `name` in `metadata`.
+    fn package<'a>(metadata: &'a mut Value, name: &str) -> &'a mut Value {
+        metadata["packages"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .find(|package| package["name"] == name)
+            .unwrap()
+    }
+
+    /// The resolve node of the package whose id contains `id_part`.
+    fn node<'a>(metadata: &'a mut Value, id_part: &str) -> &'a mut Value {
+        metadata["resolve"]["nodes"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .find(|node| node["id"].as_str().unwrap().contains(id_part))
+            .unwrap()
+    }
+
+    /// Adds the edge `from -> to` (package names, `to` already present) as kind `kind`, both to
+    /// `from`'s manifest and to the resolve graph.
+    fn add_edge(metadata: &mut Value, from: &str, to: &str, kind: Option<&str>) {
+        package(metadata, from)["dependencies"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({ "name": to, "kind": kind, "optional": false }));
+        let to_id = package(metadata, to)["id"].clone();
+        let from_id = package(metadata, from)["id"].as_str().unwrap().to_string();
+        node(metadata, &from_id)["deps"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({
+                "name": to.replace('-', "_"),
+                "pkg": to_id,
+                "dep_kinds": [ { "kind": kind, "target": null } ],
+            }));
+    }
+
+    /// Adds an external package `name` with no dependencies.
+    fn add_external(metadata: &mut Value, name: &str) {
+        let id = format!("registry+https://github.com/rust-lang/crates.io-index#{name}@1.0.0");
+        metadata["packages"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({ "id": id, "name": name, "dependencies": [] }));
+        metadata["resolve"]["nodes"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({ "id": id, "deps": [] }));
+    }
+
+    #[test]
+    fn the_allowed_direction_passes_and_every_edge_is_counted() {
+        let report = check(&small_workspace()).unwrap();
+        assert!(report.violations.is_empty(), "{:?}", report.violations);
+        // Declared non-dev edges: record-key 1, outbox-persistence 2, outbox-events 2, xtask 1;
+        // plus record-key's transitive walk: record-key -> serde_json.
+        assert_eq!(report.edges_checked, 7);
+    }
+
+    #[test]
+    fn a_forbidden_workspace_edge_is_caught() {
+        let mut metadata = small_workspace();
+        add_edge(&mut metadata, "record-key", "outbox-persistence", None);
+        let report = check(&metadata).unwrap();
+        assert_eq!(
+            report.violations,
+            [
+                "`record-key -> outbox-persistence`: record-key may depend on no workspace crate",
+                "`record-key -> outbox-persistence -> sqlx`: record-key must not depend on sqlx, \
+                 even through other crates",
+            ]
+        );
+    }
+
+    #[test]
+    fn an_edge_outside_the_allowed_list_names_what_is_allowed() {
+        let mut metadata = small_workspace();
+        add_edge(&mut metadata, "outbox-events", "record-key", None);
+        let report = check(&metadata).unwrap();
+        assert_eq!(
+            report.violations,
+            ["`outbox-events -> record-key`: outbox-events may depend only on outbox-persistence"]
+        );
+    }
+
+    #[test]
+    fn outbox_events_naming_sqlx_directly_is_caught_even_as_a_family_member() {
+        let mut metadata = small_workspace();
+        add_external(&mut metadata, "sqlx-core");
+        add_edge(&mut metadata, "outbox-events", "sqlx-core", None);
+        let report = check(&metadata).unwrap();
+        assert_eq!(
+            report.violations,
+            ["`outbox-events -> sqlx-core`: outbox-events must not depend on sqlx"]
+        );
+    }
+
+    #[test]
+    fn record_key_reaching_an_async_runtime_through_another_crate_is_caught() {
+        let mut metadata = small_workspace();
+        add_edge(&mut metadata, "serde_json", "tokio", None);
+        let report = check(&metadata).unwrap();
+        assert_eq!(
+            report.violations,
+            [
+                "`record-key -> serde_json -> tokio`: record-key must not depend on tokio, even \
+                 through other crates"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_direct_forbidden_dependency_is_reported_once() {
+        let mut metadata = small_workspace();
+        add_edge(&mut metadata, "record-key", "sqlx", None);
+        let report = check(&metadata).unwrap();
+        assert_eq!(
+            report.violations,
+            ["`record-key -> sqlx`: record-key must not depend on sqlx"]
+        );
+    }
+
+    #[test]
+    fn dev_dependencies_are_not_edges() {
+        let mut metadata = small_workspace();
+        add_edge(&mut metadata, "xtask", "record-key", Some("dev"));
+        add_edge(&mut metadata, "outbox-events", "sqlx", Some("dev"));
+        let report = check(&metadata).unwrap();
+        assert!(report.violations.is_empty(), "{:?}", report.violations);
+    }
+
+    #[test]
+    fn build_dependencies_are_edges() {
+        let mut metadata = small_workspace();
+        add_edge(&mut metadata, "xtask", "record-key", Some("build"));
+        let report = check(&metadata).unwrap();
+        assert_eq!(
+            report.violations,
+            ["`xtask -> record-key`: xtask may depend on no workspace crate"]
+        );
+    }
+
+    #[test]
+    fn a_workspace_crate_without_a_rule_is_caught() {
+        let mut metadata = small_workspace();
+        let id = "path+file:///ws/crates/outbox-extra#0.1.0";
+        metadata["packages"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({ "id": id, "name": "outbox-extra", "dependencies": [] }));
+        metadata["workspace_members"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!(id));
+        let report = check(&metadata).unwrap();
+        assert_eq!(
+            report.violations,
+            ["workspace crate `outbox-extra` has no rule; add its allowed dependencies to RULES"]
+        );
+    }
+
+    #[test]
+    fn metadata_without_a_resolve_graph_is_an_error() {
+        let mut metadata = small_workspace();
+        metadata["resolve"] = Value::Null;
+        let error = check(&metadata).unwrap_err();
+        assert!(error.to_string().contains("--no-deps"), "{error}");
+    }
+
+    #[test]
+    fn families_match_whole_name_segments() {
+        assert!(in_family("sqlx", "sqlx"));
+        assert!(in_family("sqlx-postgres", "sqlx"));
+        assert!(!in_family("sqlxmq", "sqlx"));
+        assert!(!in_family("tokio", "tokio-util"));
+    }
+
+    #[test]
+    fn every_rule_names_a_distinct_crate() {
+        let names: BTreeSet<&str> = RULES.iter().map(|rule| rule.krate).collect();
+        assert_eq!(names.len(), RULES.len());
+    }
+}

@@ -1,0 +1,180 @@
+//! Finding the PostgreSQL server the tests use and checking that it accepts connections.
+
+use std::io::ErrorKind;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::process::Command;
+use std::time::Duration;
+
+/// The PostgreSQL server tests use when `DATABASE_URL` is not set; the same as the test harness's
+/// `outbox_tests::DEFAULT_POSTGRES_URL`.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://root@127.0.0.1:5432/test";
+
+/// The port PostgreSQL listens on when a URL names none.
+const DEFAULT_PORT: u16 = 5432;
+
+/// How long the TCP fallback waits for each address to accept a connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The PostgreSQL URL under test: `DATABASE_URL` when it names a PostgreSQL server, else
+/// [`DEFAULT_DATABASE_URL`]. The test harness reads it the same way.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|url| url.starts_with("postgres"))
+        .unwrap_or_else(|| DEFAULT_DATABASE_URL.to_string())
+}
+
+/// The host and port of a PostgreSQL server.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    /// A host name or IP address (without brackets for IPv6).
+    pub host: String,
+    /// The TCP port.
+    pub port: u16,
+}
+
+/// The host and port named by a `postgres://` or `postgresql://` URL. A URL without a host means
+/// `localhost`, one without a port means 5432; of several hosts, the first is used.
+pub fn endpoint(url: &str) -> Result<Endpoint, String> {
+    let rest = url
+        .strip_prefix("postgres://")
+        .or_else(|| url.strip_prefix("postgresql://"))
+        .ok_or_else(|| format!("`{url}` is not a postgres:// URL"))?;
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let hosts = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, hosts)| hosts);
+    let first = hosts.split(',').next().unwrap_or_default();
+    let (host, port) = if let Some(bracketed) = first.strip_prefix('[') {
+        let (host, after) = bracketed
+            .split_once(']')
+            .ok_or_else(|| format!("unclosed `[` in the host of `{url}`"))?;
+        (host, after.strip_prefix(':'))
+    } else {
+        match first.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (first, None),
+        }
+    };
+    let port = match port {
+        None | Some("") => DEFAULT_PORT,
+        Some(port) => port
+            .parse()
+            .map_err(|_| format!("`{port}` is not a port number in `{url}`"))?,
+    };
+    let host = if host.is_empty() { "localhost" } else { host };
+    Ok(Endpoint {
+        host: host.to_string(),
+        port,
+    })
+}
+
+/// `url` with its password, if any, replaced by `***`, for printing.
+pub fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => match userinfo.split_once(':') {
+            Some((user, _password)) => format!("{scheme}://{user}:***@{hosts}{tail}"),
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
+/// Checks that the server at `url` accepts connections: with `pg_isready -h HOST -p PORT` when
+/// that program is installed, else with a TCP connect. The error says why it is unreachable.
+pub fn check_reachable(url: &str) -> Result<(), String> {
+    let Endpoint { host, port } = endpoint(url)?;
+    let pg_isready = Command::new("pg_isready")
+        .args(["-h", &host, "-p", &port.to_string()])
+        .output();
+    match pg_isready {
+        Ok(output) if output.status.success() => Ok(()),
+        Ok(output) => {
+            let said = String::from_utf8_lossy(&output.stdout);
+            let said = said.trim();
+            let said = if said.is_empty() { "no output" } else { said };
+            Err(format!("pg_isready: {said} ({})", output.status))
+        }
+        Err(error) if error.kind() == ErrorKind::NotFound => tcp_connect(&host, port),
+        Err(error) => Err(format!("could not run pg_isready: {error}")),
+    }
+}
+
+/// Whether some address of `host:port` accepts a TCP connection.
+fn tcp_connect(host: &str, port: u16) -> Result<(), String> {
+    let addresses = (host, port)
+        .to_socket_addrs()
+        .map_err(|error| format!("cannot resolve {host}:{port}: {error}"))?;
+    let mut last_error = format!("{host}:{port} resolves to no address");
+    for address in addresses {
+        match TcpStream::connect_timeout(&address, CONNECT_TIMEOUT) {
+            Ok(_) => return Ok(()),
+            Err(error) => last_error = format!("TCP connect to {address}: {error}"),
+        }
+    }
+    Err(last_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint_of(url: &str) -> (String, u16) {
+        let Endpoint { host, port } = endpoint(url).unwrap();
+        (host, port)
+    }
+
+    #[test]
+    fn endpoint_reads_host_and_port_from_the_url() {
+        assert_eq!(
+            endpoint_of(DEFAULT_DATABASE_URL),
+            ("127.0.0.1".into(), 5432)
+        );
+        assert_eq!(
+            endpoint_of("postgresql://u:p%40ss@db.internal:6543/app?sslmode=disable"),
+            ("db.internal".into(), 6543)
+        );
+        assert_eq!(endpoint_of("postgres://[::1]:5433/x"), ("::1".into(), 5433));
+        assert_eq!(endpoint_of("postgres://[::1]/x"), ("::1".into(), 5432));
+        assert_eq!(
+            endpoint_of("postgres://h1:5001,h2:5002/x"),
+            ("h1".into(), 5001)
+        );
+        assert_eq!(endpoint_of("postgres:///test"), ("localhost".into(), 5432));
+        assert_eq!(
+            endpoint_of("postgres://root@localhost"),
+            ("localhost".into(), 5432)
+        );
+    }
+
+    #[test]
+    fn endpoint_refuses_what_is_not_a_postgres_url() {
+        assert!(endpoint("sqlite://outbox.db").is_err());
+        assert!(endpoint("postgres://host:port/db").is_err());
+        assert!(endpoint("postgres://[::1/db").is_err());
+    }
+
+    #[test]
+    fn tcp_connect_tells_a_listening_port_from_a_closed_one() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert_eq!(tcp_connect("127.0.0.1", port), Ok(()));
+        drop(listener);
+        let error = tcp_connect("127.0.0.1", port).unwrap_err();
+        assert!(error.starts_with("TCP connect to 127.0.0.1:"), "{error}");
+    }
+
+    #[test]
+    fn redacted_hides_only_the_password() {
+        assert_eq!(
+            redacted("postgres://app:secret@db:5432/x?sslmode=require"),
+            "postgres://app:***@db:5432/x?sslmode=require"
+        );
+        assert_eq!(redacted(DEFAULT_DATABASE_URL), DEFAULT_DATABASE_URL);
+    }
+}
