@@ -143,7 +143,9 @@ impl TestDb {
 
 fn unreachable_postgres(url: &str, why: &str) -> Option<TestDb> {
     if postgres_required() {
-        panic!("PostgreSQL is required (CI=true or OUTBOX_REQUIRE_POSTGRES=1) but {url} is unreachable: {why}");
+        panic!(
+            "PostgreSQL is required (CI=true or OUTBOX_REQUIRE_POSTGRES=1) but {url} is unreachable: {why}"
+        );
     }
     eprintln!("skipping the PostgreSQL variant: {url} is unreachable ({why})");
     None
@@ -307,7 +309,9 @@ impl TestDb {
                 .bind(row.retry_count)
                 .bind(&row.record_key)
                 .bind(format_ts(outbox_persistence::truncate_micros(row.created)))
-                .bind(format_ts(outbox_persistence::truncate_micros(row.last_modified)))
+                .bind(format_ts(outbox_persistence::truncate_micros(
+                    row.last_modified,
+                )))
                 .execute(pool)
                 .await
                 .expect("insert a raw outbox row");

@@ -129,15 +129,19 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
         }
         let fence = FenceCell::new(claim.fence);
         let lost = CancellationToken::new();
-        let heartbeat = HeartbeatGuard::start(
-            env.repo.clone(),
-            fence.clone(),
-            env.config.heartbeat_interval,
-            env.clock.clone(),
-            lost.clone(),
-        );
-        let outcome = attempt(env, &claim, &fence, &lost).await;
-        drop(heartbeat);
+        let mut beat = Beat {
+            env,
+            fence: fence.clone(),
+            lost: lost.clone(),
+            guard: None,
+        };
+        // A backend whose attempts exclude other writers needs no heartbeat during the attempt
+        // (and could not write one): nobody can reclaim the row until the attempt commits.
+        if !env.repo.serializes_writers() {
+            beat.ensure_running();
+        }
+        let outcome = attempt(env, &claim, &mut beat).await;
+        drop(beat);
         match outcome {
             AttemptOutcome::Processed => env.metrics.inc_processed(),
             AttemptOutcome::Retried => env.metrics.inc_retried(),
@@ -154,14 +158,36 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
     .await
 }
 
-async fn attempt(
-    env: &AttemptEnv,
-    claim: &Claim,
-    fence: &FenceCell,
-    lost: &CancellationToken,
-) -> AttemptOutcome {
-    let mut tx = match env.repo.begin_attempt(env.config.lock_timeout).await {
-        Ok(tx) => tx,
+/// The heartbeat of one attempt, started when the backend needs it.
+struct Beat<'a> {
+    env: &'a AttemptEnv,
+    fence: FenceCell,
+    lost: CancellationToken,
+    guard: Option<HeartbeatGuard>,
+}
+
+impl Beat<'_> {
+    fn ensure_running(&mut self) {
+        if self.guard.is_none() {
+            self.guard = Some(HeartbeatGuard::start(
+                self.env.repo.clone(),
+                self.fence.clone(),
+                self.env.config.heartbeat_interval,
+                self.env.clock.clone(),
+                self.lost.clone(),
+            ));
+        }
+    }
+}
+
+async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> AttemptOutcome {
+    let begun = env
+        .repo
+        .begin_attempt(env.config.lock_timeout, claim.fence)
+        .await;
+    let mut tx = match begun {
+        Ok(Some(tx)) => tx,
+        Ok(None) => return AttemptOutcome::LostClaim,
         Err(e) => {
             if e.is_lock_timeout() {
                 env.metrics.inc_lock_timeouts();
@@ -171,9 +197,11 @@ async fn attempt(
                 true,
                 format!("could not begin the attempt: {}", e.chain()),
             );
-            return detached(env, fence, lost, failure).await;
+            return detached(env, beat, failure).await;
         }
     };
+    let lost = beat.lost.clone();
+    let lost = &lost;
 
     let handler = env.handlers.get(&claim.event.event_type).cloned();
     let result = match handler {
@@ -203,14 +231,14 @@ async fn attempt(
     };
 
     match result {
-        Ok(()) => finish_success(env, claim, fence, lost, tx).await,
+        Ok(()) => finish_success(env, claim, beat, tx).await,
         Err(error) => {
             if error.is_lock_timeout() {
                 env.metrics.inc_lock_timeouts();
             }
             let failure = env.failure(claim, error.is_retryable(), error.to_string());
             tracing::info!(error = %failure.message, "handler failed");
-            finish_failure(env, fence, lost, tx, failure).await
+            finish_failure(env, beat, tx, failure).await
         }
     }
 }
@@ -218,10 +246,10 @@ async fn attempt(
 async fn finish_success(
     env: &AttemptEnv,
     claim: &Claim,
-    fence: &FenceCell,
-    lost: &CancellationToken,
+    beat: &mut Beat<'_>,
     mut tx: Box<dyn Attempt>,
 ) -> AttemptOutcome {
+    let fence = beat.fence.clone();
     let state = fence.lock().await;
     if state.lost {
         drop(state);
@@ -238,7 +266,7 @@ async fn finish_success(
                 // the side. If the commit did land, the row is `processed` and the fenced
                 // write finds nothing to change.
                 let failure = env.failure(claim, true, format!("commit failed: {}", e.chain()));
-                detached(env, fence, lost, failure).await
+                detached(env, beat, failure).await
             }
         },
         Ok(FenceOutcome::Lost) => {
@@ -257,22 +285,22 @@ async fn finish_success(
                 true,
                 format!("could not mark processed: {}", e.chain()),
             );
-            detached(env, fence, lost, failure).await
+            detached(env, beat, failure).await
         }
     }
 }
 
 async fn finish_failure(
     env: &AttemptEnv,
-    fence: &FenceCell,
-    lost: &CancellationToken,
+    beat: &mut Beat<'_>,
     mut tx: Box<dyn Attempt>,
     failure: Failure,
 ) -> AttemptOutcome {
+    let fence = beat.fence.clone();
     if let Err(e) = tx.rollback_to_savepoint().await {
         tracing::warn!(error = %e.chain(), "rollback to the post-claim savepoint failed; recording the failure on the side");
         rollback_quietly(tx.as_mut()).await;
-        return detached(env, fence, lost, failure).await;
+        return detached(env, beat, failure).await;
     }
     let state = fence.lock().await;
     if state.lost {
@@ -294,7 +322,7 @@ async fn finish_failure(
             Err(e) => {
                 drop(state);
                 tracing::warn!(error = %e.chain(), "commit of the failure bookkeeping failed; recording it on the side");
-                detached(env, fence, lost, failure).await
+                detached(env, beat, failure).await
             }
         },
         Ok(FenceOutcome::Lost) => {
@@ -306,7 +334,7 @@ async fn finish_failure(
             drop(state);
             tracing::warn!(error = %e.chain(), "failure bookkeeping in the attempt failed; recording it on the side");
             rollback_quietly(tx.as_mut()).await;
-            detached(env, fence, lost, failure).await
+            detached(env, beat, failure).await
         }
     }
 }
@@ -325,13 +353,11 @@ const DETACHED_MAX_TRIES: u32 = 12;
 
 /// The attempt transaction is gone: land the failure bookkeeping on connections of its own
 /// while the heartbeat (still running) keeps the claim alive.
-async fn detached(
-    env: &AttemptEnv,
-    fence: &FenceCell,
-    lost: &CancellationToken,
-    failure: Failure,
-) -> AttemptOutcome {
+async fn detached(env: &AttemptEnv, beat: &mut Beat<'_>, failure: Failure) -> AttemptOutcome {
     env.metrics.inc_detached_bookkeeping();
+    // The claim must stay visibly alive while the bookkeeping lands.
+    beat.ensure_running();
+    let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for attempt in 1..=DETACHED_MAX_TRIES {
         {

@@ -82,9 +82,10 @@ fn unavailable() -> Error {
 fn repo_with(attempt: MockAttempt, log: Arc<Mutex<Vec<&'static str>>>) -> MockOutboxRepository {
     let mut repo = MockOutboxRepository::new();
     repo.expect_backend_name().return_const("mock");
+    repo.expect_serializes_writers().return_const(false);
     repo.expect_begin_attempt()
         .times(1)
-        .return_once(move |_| Ok(Box::new(attempt) as Box<dyn Attempt>));
+        .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
     repo.expect_heartbeat().returning(move |fence, now| {
         log.lock().unwrap().push("heartbeat");
         Ok(Some(Fence {
@@ -332,9 +333,10 @@ async fn lost_claim_abandons_the_attempt() {
     attempt.expect_record_failure().never();
     attempt.expect_commit().never();
     let mut repo = MockOutboxRepository::new();
+    repo.expect_serializes_writers().return_const(false);
     repo.expect_begin_attempt()
         .times(1)
-        .return_once(move |_| Ok(Box::new(attempt) as Box<dyn Attempt>));
+        .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
     repo.expect_heartbeat().times(1).returning(|_, _| Ok(None));
     repo.expect_increment_retry().never();
     repo.expect_update_status().never();
@@ -359,9 +361,10 @@ async fn a_failed_heartbeat_is_not_a_lost_claim() {
         .returning(|_, _| Ok(FenceOutcome::Written));
     attempt.expect_commit().times(1).returning(|| Ok(()));
     let mut repo = MockOutboxRepository::new();
+    repo.expect_serializes_writers().return_const(false);
     repo.expect_begin_attempt()
         .times(1)
-        .return_once(move |_| Ok(Box::new(attempt) as Box<dyn Attempt>));
+        .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
     repo.expect_heartbeat()
         .times(2)
         .returning(|_, _| Err(unavailable()));
@@ -427,9 +430,10 @@ async fn shutdown_mid_attempt_rolls_back() {
 #[tokio::test(start_paused = true)]
 async fn attempt_that_cannot_begin_is_retried_detached() {
     let mut repo = MockOutboxRepository::new();
+    repo.expect_serializes_writers().return_const(false);
     repo.expect_begin_attempt()
         .times(1)
-        .returning(|_| Err(unavailable()));
+        .returning(|_, _| Err(unavailable()));
     repo.expect_heartbeat().returning(|f, _| Ok(Some(f)));
     repo.expect_increment_retry()
         .withf(|_, _, _, e| e.contains("could not begin"))

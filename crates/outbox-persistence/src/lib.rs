@@ -39,7 +39,6 @@ pub fn truncate_micros(t: DateTime<Utc>) -> DateTime<Utc> {
 
 /// An open transaction on either backend: the application's own (for `enqueue` next to its
 /// record write) or an attempt's (for a handler's effects).
-#[non_exhaustive]
 pub enum Tx {
     /// A PostgreSQL transaction.
     Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
@@ -113,9 +112,23 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// own. `None` when the row is no longer this worker's (reclaimed, or finished elsewhere).
     async fn heartbeat(&self, fence: Fence, now: DateTime<Utc>) -> Result<Option<Fence>>;
 
+    /// Whether attempt transactions exclude every other writer while they run (SQLite). Then
+    /// nobody can reclaim a row during its attempt, `begin_attempt` checks the fence, and the
+    /// worker heartbeats only outside the attempt transaction (a heartbeat would wait for the
+    /// attempt's own write lock).
+    fn serializes_writers(&self) -> bool {
+        false
+    }
+
     /// Opens the attempt transaction for a claimed row: begin, lock timeout, post-claim
-    /// savepoint.
-    async fn begin_attempt(&self, lock_timeout: Duration) -> Result<Box<dyn Attempt>>;
+    /// savepoint. Returns `None` when a backend that serializes writers finds the fence moved
+    /// (the row was reclaimed before the attempt began); other backends return `Some` and
+    /// leave the fence to the heartbeat and the final write.
+    async fn begin_attempt(
+        &self,
+        lock_timeout: Duration,
+        fence: Fence,
+    ) -> Result<Option<Box<dyn Attempt>>>;
 
     /// `IncrementRetry` on a connection of its own (the detached bookkeeping path): back to
     /// `pending` with a higher `RetryCount`, fenced.
@@ -241,4 +254,46 @@ pub(crate) fn classify_backfill(
         None
     };
     (page, updates)
+}
+
+/// Runs `body` with `$conn` bound to the connection of a [`Tx`], on either backend. Write the
+/// SQL once with `$1`-style parameters (both backends accept them) when it is portable:
+///
+/// ```text
+/// let n = outbox_persistence::with_tx!(ctx.tx(), |conn| {
+///     sqlx::query("UPDATE Account SET Name = $1 WHERE Id = $2")
+///         .bind(name).bind(id).execute(conn).await.map(|r| r.rows_affected())
+/// })?;
+/// ```
+#[macro_export]
+macro_rules! with_tx {
+    ($tx:expr, |$conn:ident| $body:expr) => {
+        match $tx {
+            $crate::Tx::Postgres(tx) => {
+                let $conn: &mut ::sqlx::PgConnection = &mut **tx;
+                $body
+            }
+            $crate::Tx::Sqlite(tx) => {
+                let $conn: &mut ::sqlx::SqliteConnection = &mut **tx;
+                $body
+            }
+        }
+    };
+}
+
+/// Runs `body` with `$pool` bound to the pool of a [`Database`], on either backend.
+#[macro_export]
+macro_rules! with_pool {
+    ($db:expr, |$pool:ident| $body:expr) => {
+        match $db {
+            $crate::Database::Postgres(p) => {
+                let $pool: &::sqlx::PgPool = p;
+                $body
+            }
+            $crate::Database::Sqlite(p) => {
+                let $pool: &::sqlx::SqlitePool = p;
+                $body
+            }
+        }
+    };
 }

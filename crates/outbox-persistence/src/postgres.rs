@@ -353,14 +353,18 @@ impl OutboxRepository for PgOutbox {
         }))
     }
 
-    async fn begin_attempt(&self, lock_timeout: Duration) -> Result<Box<dyn Attempt>> {
+    async fn begin_attempt(
+        &self,
+        lock_timeout: Duration,
+        _fence: Fence,
+    ) -> Result<Option<Box<dyn Attempt>>> {
         // One round trip: BEGIN, the attempt's lock timeout, and the post-claim savepoint.
         let ms = lock_timeout.as_millis().max(1);
         let begin = format!("BEGIN; SET LOCAL lock_timeout = '{ms}ms'; SAVEPOINT outbox_claimed");
         let tx = self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await?;
-        Ok(Box::new(PgAttempt {
+        Ok(Some(Box::new(PgAttempt {
             tx: Some(Tx::Postgres(tx)),
-        }))
+        })))
     }
 
     async fn increment_retry(

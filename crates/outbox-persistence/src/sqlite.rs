@@ -318,15 +318,37 @@ impl OutboxRepository for SqliteOutbox {
         }))
     }
 
-    async fn begin_attempt(&self, _lock_timeout: Duration) -> Result<Box<dyn Attempt>> {
-        // The busy timeout of the pool's connections bounds lock waits on SQLite.
+    fn serializes_writers(&self) -> bool {
+        true
+    }
+
+    async fn begin_attempt(
+        &self,
+        _lock_timeout: Duration,
+        fence: Fence,
+    ) -> Result<Option<Box<dyn Attempt>>> {
+        // The busy timeout of the pool's connections bounds lock waits on SQLite. The write
+        // lock is held from here to commit, so once the fence is checked nobody can reclaim
+        // the row during the attempt.
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let held: Option<i64> = sqlx::query_scalar(
+            "SELECT 1 FROM _System_OutboxEvent
+             WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?2",
+        )
+        .bind(fence.id.to_string())
+        .bind(format_ts(fence.last_written))
+        .fetch_optional(&mut *tx)
+        .await?;
+        if held.is_none() {
+            tx.rollback().await?;
+            return Ok(None);
+        }
         sqlx::query("SAVEPOINT outbox_claimed")
             .execute(&mut *tx)
             .await?;
-        Ok(Box::new(SqliteAttempt {
+        Ok(Some(Box::new(SqliteAttempt {
             tx: Some(Tx::Sqlite(tx)),
-        }))
+        })))
     }
 
     async fn increment_retry(

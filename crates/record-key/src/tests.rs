@@ -14,14 +14,26 @@ fn derivation_table() {
             r#"{"object":"Lead","record_id":"00Q1","snapshot":{"Name":"A"}}"#,
             ok("Lead:00Q1"),
         ),
-        (r#"{"object":"Account","record_id":"001x"}"#, ok("Account:001x")),
-        (r#"{"object":"Custom_Obj__c","record_id":"a01"}"#, ok("Custom_Obj__c:a01")),
+        (
+            r#"{"object":"Account","record_id":"001x"}"#,
+            ok("Account:001x"),
+        ),
+        (
+            r#"{"object":"Custom_Obj__c","record_id":"a01"}"#,
+            ok("Custom_Obj__c:a01"),
+        ),
         (r#"{"kind":"digest"}"#, Ok(None)),
         (r#"{}"#, Ok(None)),
         (r#"{"object":"Lead"}"#, Ok(None)),
         (r#"{"object":"Lead","record_id":null}"#, Ok(None)),
-        (r#"{"record_id":"00Q1"}"#, Err(RecordKeyError::MissingObject)),
-        (r#"{"object":null,"record_id":"00Q1"}"#, Err(RecordKeyError::MissingObject)),
+        (
+            r#"{"record_id":"00Q1"}"#,
+            Err(RecordKeyError::MissingObject),
+        ),
+        (
+            r#"{"object":null,"record_id":"00Q1"}"#,
+            Err(RecordKeyError::MissingObject),
+        ),
         (r#"[1,2]"#, Err(RecordKeyError::NotAnObject)),
         (r#""Lead:1""#, Err(RecordKeyError::NotAnObject)),
         (
@@ -30,15 +42,21 @@ fn derivation_table() {
         ),
         (
             r#"{"object":"Lead","record_id":" 00Q1"}"#,
-            Err(RecordKeyError::InvalidRecordId("leading or trailing white space".into())),
+            Err(RecordKeyError::InvalidRecordId(
+                "leading or trailing white space".into(),
+            )),
         ),
         (
             r#"{"object":"Lead","record_id":"00\u0000Q1"}"#,
-            Err(RecordKeyError::InvalidRecordId("contains a control character".into())),
+            Err(RecordKeyError::InvalidRecordId(
+                "contains a control character".into(),
+            )),
         ),
         (
             r#"{"object":"Lead","record_id":42}"#,
-            Err(RecordKeyError::InvalidRecordId("expected a string, found a number".into())),
+            Err(RecordKeyError::InvalidRecordId(
+                "expected a string, found a number".into(),
+            )),
         ),
         (
             r#"{"object":"Le ad","record_id":"1"}"#,
@@ -54,7 +72,9 @@ fn derivation_table() {
         ),
         (
             r#"{"object":7,"record_id":"1"}"#,
-            Err(RecordKeyError::InvalidObject("expected a string, found a number".into())),
+            Err(RecordKeyError::InvalidObject(
+                "expected a string, found a number".into(),
+            )),
         ),
         (
             r#"{"object":"Lead","record_id":"1","snapshot":[1]}"#,
@@ -68,7 +88,10 @@ fn derivation_table() {
 
 #[test]
 fn invalid_json_is_a_typed_error() {
-    assert!(matches!(key("{not json"), Err(RecordKeyError::InvalidJson(_))));
+    assert!(matches!(
+        key("{not json"),
+        Err(RecordKeyError::InvalidJson(_))
+    ));
     assert!(matches!(key(""), Err(RecordKeyError::InvalidJson(_))));
 }
 
@@ -76,7 +99,10 @@ fn invalid_json_is_a_typed_error() {
 fn lengths_are_bounded() {
     let long_id = "x".repeat(MAX_RECORD_ID_LEN + 1);
     let payload = format!(r#"{{"object":"Lead","record_id":"{long_id}"}}"#);
-    assert!(matches!(key(&payload), Err(RecordKeyError::InvalidRecordId(_))));
+    assert!(matches!(
+        key(&payload),
+        Err(RecordKeyError::InvalidRecordId(_))
+    ));
     let max_id = "x".repeat(MAX_RECORD_ID_LEN);
     let payload = format!(r#"{{"object":"Lead","record_id":"{max_id}"}}"#);
     assert_eq!(key(&payload), Ok(Some(format!("Lead:{max_id}"))));
@@ -151,8 +177,14 @@ fn same_record_same_key_whatever_order_whitespace_or_unrelated_fields() {
         let expected = format!("{object}:{record_id}");
         for _ in 0..4 {
             let mut members = vec![
-                ("object".to_string(), serde_json::to_string(&object).unwrap()),
-                ("record_id".to_string(), serde_json::to_string(&record_id).unwrap()),
+                (
+                    "object".to_string(),
+                    serde_json::to_string(&object).unwrap(),
+                ),
+                (
+                    "record_id".to_string(),
+                    serde_json::to_string(&record_id).unwrap(),
+                ),
                 (
                     "snapshot".to_string(),
                     format!(r#"{{"{}":{}}}"#, rng.word(), rng.below(100)),
