@@ -2,3 +2,4 @@
 //! PostgreSQL (see `outbox_tests::backend_tests!`).
 
 mod repository;
+mod workers;

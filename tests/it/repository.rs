@@ -409,21 +409,12 @@ async fn heartbeat_fences(db: TestDb) {
 }
 
 async fn insert_side_effect(tx: &mut Tx) {
-    match tx {
-        Tx::Postgres(tx) => {
-            sqlx::query("INSERT INTO side_effect VALUES (1)")
-                .execute(&mut **tx)
-                .await
-                .unwrap();
-        }
-        Tx::Sqlite(tx) => {
-            sqlx::query("INSERT INTO side_effect VALUES (1)")
-                .execute(&mut **tx)
-                .await
-                .unwrap();
-        }
-        _ => unreachable!("a new backend"),
-    }
+    outbox_persistence::with_tx!(tx, |conn| {
+        sqlx::query("INSERT INTO side_effect VALUES (1)")
+            .execute(conn)
+            .await
+            .unwrap();
+    });
 }
 
 /// Side effects of the attempt roll back to the savepoint; bookkeeping in the same
