@@ -1,5 +1,6 @@
 //! Cross-crate integration tests, one binary: every database test runs on SQLite and on
 //! PostgreSQL (see `outbox_tests::backend_tests!`).
 
+mod create_action;
 mod repository;
 mod workers;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use outbox_persistence::{
     Cutoffs, Database, EventStatus, FailureBookkeeping, FenceOutcome, NewEvent, OutboxRepository,
-    RetryFilter, Terminal, Tx,
+    RetryFilter, Scope, Terminal, Tx,
 };
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
@@ -90,7 +90,7 @@ async fn eligibility_truth_table(db: TestDb) {
         db.insert_raw(r).await;
     }
     let eligible: Vec<_> = repo
-        .get_pending_events(cutoffs(now), 100)
+        .get_pending_events(cutoffs(now), &Scope::All, 100)
         .await
         .unwrap()
         .into_iter()
@@ -101,7 +101,7 @@ async fn eligibility_truth_table(db: TestDb) {
 
     // The limit keeps the oldest.
     let first_two: Vec<_> = repo
-        .get_pending_events(cutoffs(now), 2)
+        .get_pending_events(cutoffs(now), &Scope::All, 2)
         .await
         .unwrap()
         .into_iter()
@@ -111,7 +111,7 @@ async fn eligibility_truth_table(db: TestDb) {
 
     // claim_next walks the same order and never takes an ineligible row.
     let mut claimed = Vec::new();
-    while let Some(claim) = repo.claim_next(cutoffs(now)).await.unwrap() {
+    while let Some(claim) = repo.claim_next(cutoffs(now), &Scope::All).await.unwrap() {
         claimed.push(claim.event.id);
         assert!(
             claimed.len() <= expected.len(),
@@ -207,7 +207,10 @@ async fn enqueue_orders_and_validates(db: TestDb) {
     assert_eq!(stored.status, EventStatus::Pending);
     assert_eq!(stored.created_date, now);
     // Only the head of each of the 7 keys is eligible, oldest first.
-    let eligible = repo.get_pending_events(cutoffs(now), 100).await.unwrap();
+    let eligible = repo
+        .get_pending_events(cutoffs(now), &Scope::All, 100)
+        .await
+        .unwrap();
     assert_eq!(
         eligible.iter().map(|e| e.id).collect::<Vec<_>>(),
         ids[..7].to_vec()
@@ -292,7 +295,7 @@ async fn concurrent_claim_next_respects_keys(db: TestDb) {
         tasks.push(tokio::spawn(async move {
             let mut mine = Vec::new();
             for _ in 0..10 {
-                match repo.claim_next(cutoffs(now)).await {
+                match repo.claim_next(cutoffs(now), &Scope::All).await {
                     Ok(Some(claim)) => mine.push((claim.event.id, claim.event.record_key)),
                     Ok(None) => break,
                     Err(e) if e.is_transient() => continue,
@@ -323,7 +326,11 @@ async fn heartbeat_fences(db: TestDb) {
     let repo = db.repository();
     let t0 = base();
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("hb"))], t0).await;
-    let claim = repo.claim_next(cutoffs(t0)).await.unwrap().unwrap();
+    let claim = repo
+        .claim_next(cutoffs(t0), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(claim.event.id, ids[0]);
     assert!(!claim.reclaimed);
 
@@ -343,7 +350,7 @@ async fn heartbeat_fences(db: TestDb) {
                 .is_none()
         );
         assert!(
-            repo.get_pending_events(cutoffs(at(now, 25)), 10)
+            repo.get_pending_events(cutoffs(at(now, 25)), &Scope::All, 10)
                 .await
                 .unwrap()
                 .is_empty()
@@ -352,7 +359,10 @@ async fn heartbeat_fences(db: TestDb) {
 
     // The heartbeat stops; 31 s later another worker reclaims the row.
     let later = at(t0, 80 + 31);
-    let eligible = repo.get_pending_events(cutoffs(later), 10).await.unwrap();
+    let eligible = repo
+        .get_pending_events(cutoffs(later), &Scope::All, 10)
+        .await
+        .unwrap();
     assert_eq!(eligible.len(), 1);
     let second = repo
         .claim_event(ids[0], cutoffs(later))
@@ -427,7 +437,11 @@ async fn attempt_savepoint_and_retry_counting(db: TestDb) {
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("sp"))], t0).await;
 
     // Attempt 1 fails: effect rolled back, retry recorded.
-    let claim = repo.claim_next(cutoffs(t0)).await.unwrap().unwrap();
+    let claim = repo
+        .claim_next(cutoffs(t0), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     let mut attempt = repo
         .begin_attempt(Duration::from_secs(5), claim.fence)
         .await
@@ -453,12 +467,16 @@ async fn attempt_savepoint_and_retry_counting(db: TestDb) {
 
     // Not eligible before base delay + backoff (10 s + 5 s), eligible after.
     assert!(
-        repo.claim_next(cutoffs(at(t0, 14)))
+        repo.claim_next(cutoffs(at(t0, 14)), &Scope::All)
             .await
             .unwrap()
             .is_none()
     );
-    let claim = repo.claim_next(cutoffs(at(t0, 16))).await.unwrap().unwrap();
+    let claim = repo
+        .claim_next(cutoffs(at(t0, 16)), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(claim.event.retry_count, 1);
 
     // Attempt 2 fails permanently: failed, counted.
@@ -489,7 +507,11 @@ async fn attempt_savepoint_and_retry_counting(db: TestDb) {
             .unwrap(),
         0
     );
-    let claim = repo.claim_next(cutoffs(at(t0, 20))).await.unwrap().unwrap();
+    let claim = repo
+        .claim_next(cutoffs(at(t0, 20)), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     let mut attempt = repo
         .begin_attempt(Duration::from_secs(5), claim.fence)
         .await
@@ -655,6 +677,66 @@ async fn stats_reports_the_queue(db: TestDb) {
     assert!((48.9..49.1).contains(&age), "oldest pending age {age}");
 }
 
+/// A scope narrows the event types a dispatcher takes, but the ordering rule still sees every
+/// type: an excluded older row blocks its key on both paths.
+async fn scope_narrows_types_but_not_order(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    let older = RawRow {
+        event_type: "mail.send".into(),
+        ..RawRow::pending(Some("Lead:s"), at(now, -2))
+    };
+    let younger = RawRow {
+        event_type: "lead.updated".into(),
+        ..RawRow::pending(Some("Lead:s"), at(now, -1))
+    };
+    let other = RawRow {
+        event_type: "lead.updated".into(),
+        ..RawRow::pending(Some("Lead:t"), at(now, 0))
+    };
+    for r in [&older, &younger, &other] {
+        db.insert_raw(r).await;
+    }
+    let pull = Scope::Except(vec!["mail.send".into()]);
+    let legacy = Scope::Only(vec!["mail.send".into()]);
+    let ids =
+        |v: Vec<outbox_persistence::OutboxEvent>| v.into_iter().map(|e| e.id).collect::<Vec<_>>();
+    assert_eq!(
+        ids(repo
+            .get_pending_events(cutoffs(now), &pull, 10)
+            .await
+            .unwrap()),
+        vec![other.id]
+    );
+    assert_eq!(
+        ids(repo
+            .get_pending_events(cutoffs(now), &legacy, 10)
+            .await
+            .unwrap()),
+        vec![older.id]
+    );
+    let claim = repo.claim_next(cutoffs(now), &pull).await.unwrap().unwrap();
+    assert_eq!(claim.event.id, other.id);
+    assert!(
+        repo.claim_next(cutoffs(now), &pull)
+            .await
+            .unwrap()
+            .is_none(),
+        "the excluded head blocks its key"
+    );
+    let claim = repo
+        .claim_next(cutoffs(now), &legacy)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claim.event.id, older.id);
+    repo.update_status(claim.fence, Terminal::Processed, now, None)
+        .await
+        .unwrap();
+    let claim = repo.claim_next(cutoffs(now), &pull).await.unwrap().unwrap();
+    assert_eq!(claim.event.id, younger.id);
+}
+
 /// Migrating twice is a no-op, and the schema check passes on a migrated database.
 async fn migrations_are_idempotent(db: TestDb) {
     db.db.migrate().await.unwrap();
@@ -672,4 +754,5 @@ backend_tests!(
     backfill_matches_enqueue,
     stats_reports_the_queue,
     migrations_are_idempotent,
+    scope_narrows_types_but_not_order,
 );

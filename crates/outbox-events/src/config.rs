@@ -74,6 +74,10 @@ pub struct WorkerConfig {
     pub shutdown_timeout: Duration,
     /// Legacy dispatcher: rows fetched per batch.
     pub legacy_batch_size: u32,
+    /// Pull mode: event types kept off the pull workers (consumers excluded from the rollout);
+    /// a legacy batch loop runs them instead. Ordering still holds across both paths, because
+    /// both use the same eligibility rule over every event type.
+    pub excluded_event_types: Vec<String>,
 }
 
 impl Default for WorkerConfig {
@@ -90,6 +94,7 @@ impl Default for WorkerConfig {
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             legacy_batch_size: 100,
+            excluded_event_types: Vec::new(),
         }
     }
 }
@@ -143,6 +148,12 @@ impl WorkerConfig {
     /// Sets the shutdown timeout.
     pub fn with_shutdown_timeout(mut self, d: Duration) -> Self {
         self.shutdown_timeout = d;
+        self
+    }
+    /// Keeps these event types off the pull workers (see
+    /// [`WorkerConfig::excluded_event_types`]).
+    pub fn with_excluded_event_types(mut self, types: Vec<String>) -> Self {
+        self.excluded_event_types = types;
         self
     }
     /// Sets the legacy batch size.

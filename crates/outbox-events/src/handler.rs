@@ -6,6 +6,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use outbox_persistence::{Attempt, OutboxEvent, Tx};
 
+use crate::consumer::Consumer;
+
 /// What a handler's failure means for the row.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -69,10 +71,10 @@ pub trait Handler: Send + Sync + 'static {
     ) -> Result<(), HandlerError>;
 }
 
-/// The registered handlers, by `EventType`.
+/// The registered handlers, by `EventType`, with their consumer declarations.
 #[derive(Clone, Default)]
 pub struct Handlers {
-    by_type: HashMap<String, Arc<dyn Handler>>,
+    by_type: HashMap<String, (Consumer, Arc<dyn Handler>)>,
 }
 
 impl Handlers {
@@ -81,25 +83,35 @@ impl Handlers {
         Self::default()
     }
 
-    /// Registers `handler` for `event_type`, replacing an earlier one.
-    pub fn register(mut self, event_type: impl Into<String>, handler: impl Handler) -> Self {
-        self.by_type.insert(event_type.into(), Arc::new(handler));
-        self
+    /// Registers `handler` for `event_type` without declaring its effects. It runs, but the
+    /// rollout gate refuses to flip `OUTBOX_PULL_WORKER` while it is registered.
+    pub fn register(self, event_type: impl Into<String>, handler: impl Handler) -> Self {
+        self.register_consumer(Consumer::undeclared(event_type), handler)
     }
 
-    /// Registers a shared handler for `event_type`.
-    pub fn register_arc(
-        mut self,
-        event_type: impl Into<String>,
-        handler: Arc<dyn Handler>,
-    ) -> Self {
-        self.by_type.insert(event_type.into(), handler);
+    /// Registers `handler` for its consumer's event type, with its declared effects, replacing
+    /// an earlier registration of that event type.
+    pub fn register_consumer(self, consumer: Consumer, handler: impl Handler) -> Self {
+        self.register_arc(consumer, Arc::new(handler))
+    }
+
+    /// Registers a shared handler with its consumer declaration.
+    pub fn register_arc(mut self, consumer: Consumer, handler: Arc<dyn Handler>) -> Self {
+        self.by_type
+            .insert(consumer.event_type.clone(), (consumer, handler));
         self
     }
 
     /// The handler of `event_type`.
     pub fn get(&self, event_type: &str) -> Option<&Arc<dyn Handler>> {
-        self.by_type.get(event_type)
+        self.by_type.get(event_type).map(|(_, h)| h)
+    }
+
+    /// The consumer declarations, sorted by event type.
+    pub fn consumers(&self) -> Vec<Consumer> {
+        let mut consumers: Vec<Consumer> = self.by_type.values().map(|(c, _)| c.clone()).collect();
+        consumers.sort_by(|a, b| a.event_type.cmp(&b.event_type));
+        consumers
     }
 
     /// The registered event types, sorted.

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use outbox_persistence::OutboxEvent;
+use outbox_persistence::{OutboxEvent, Scope};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -28,14 +28,14 @@ pub fn slot_for_event(event: &OutboxEvent, slots: usize) -> usize {
     (hash % slots.max(1) as u64) as usize
 }
 
-pub(crate) async fn run(env: Arc<AttemptEnv>, stop: CancellationToken) {
+pub(crate) async fn run(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Scope) {
     let slots = env.config.workers.max(1);
     let mut idle_wait = std::time::Duration::from_millis(10);
     let mut error_backoff = std::time::Duration::from_millis(100);
     while !stop.is_cancelled() {
         let batch = match env
             .repo
-            .get_pending_events(cutoffs(&env), env.config.legacy_batch_size)
+            .get_pending_events(cutoffs(&env), &scope, env.config.legacy_batch_size)
             .await
         {
             Ok(batch) => batch,

@@ -11,6 +11,8 @@
 
 mod attempt;
 mod config;
+mod consumer;
+mod gate;
 mod handler;
 mod heartbeat;
 mod legacy;
@@ -23,12 +25,14 @@ pub use config::{
     DEFAULT_MAX_RETRY_DELAY, DEFAULT_POLL_INTERVAL, DEFAULT_RETRY_DELAY, DEFAULT_SHUTDOWN_TIMEOUT,
     DEFAULT_STALE_AFTER, DEFAULT_WORKERS, DispatchMode, OUTBOX_PULL_WORKER, WorkerConfig,
 };
+pub use consumer::{Consumer, DeclaredEffect, EffectKind, ExternalKind, Safeguard, Verdict};
+pub use gate::{GateReport, evaluate_gate};
 pub use handler::{AttemptContext, Handler, HandlerError, Handlers};
 pub use legacy::slot_for_event;
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use pool::{Clock, Dispatcher, DispatcherHandle, ShutdownReport, SystemClock};
 
-pub use outbox_persistence::{OutboxEvent, OutboxRepository, Tx};
+pub use outbox_persistence::{OutboxEvent, OutboxRepository, Scope, Tx};
 
 #[cfg(test)]
 mod tests;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_persistence::{Cutoffs, OutboxRepository};
+use outbox_persistence::{Cutoffs, OutboxRepository, Scope};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -86,12 +86,32 @@ impl Dispatcher {
         );
         match self.config.mode {
             DispatchMode::Pull => {
+                let excluded = self.config.excluded_event_types.clone();
+                let scope = if excluded.is_empty() {
+                    Scope::All
+                } else {
+                    tracing::info!(
+                        ?excluded,
+                        "event types excluded from the pull rollout run on the legacy path"
+                    );
+                    tracker.spawn(legacy::run(
+                        env.clone(),
+                        stop.clone(),
+                        Scope::Only(excluded.clone()),
+                    ));
+                    Scope::Except(excluded)
+                };
                 for worker in 0..self.config.workers {
-                    tracker.spawn(pull_worker(env.clone(), stop.clone(), worker));
+                    tracker.spawn(pull_worker(
+                        env.clone(),
+                        stop.clone(),
+                        scope.clone(),
+                        worker,
+                    ));
                 }
             }
             DispatchMode::Legacy => {
-                tracker.spawn(legacy::run(env.clone(), stop.clone()));
+                tracker.spawn(legacy::run(env.clone(), stop.clone(), Scope::All));
             }
         }
         DispatcherHandle {
@@ -138,11 +158,11 @@ pub(crate) async fn back_off(stop: &CancellationToken, backoff: &mut Duration) {
     *backoff = (*backoff * 2).min(MAX_ERROR_BACKOFF);
 }
 
-async fn pull_worker(env: Arc<AttemptEnv>, stop: CancellationToken, worker: usize) {
+async fn pull_worker(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Scope, worker: usize) {
     let mut idle_wait = FIRST_IDLE_WAIT;
     let mut error_backoff = FIRST_ERROR_BACKOFF;
     while !stop.is_cancelled() {
-        match env.repo.claim_next(cutoffs(&env)).await {
+        match env.repo.claim_next(cutoffs(&env), &scope).await {
             Ok(Some(claim)) => {
                 idle_wait = FIRST_IDLE_WAIT;
                 error_backoff = FIRST_ERROR_BACKOFF;
@@ -155,7 +175,11 @@ async fn pull_worker(env: Arc<AttemptEnv>, stop: CancellationToken, worker: usiz
             Err(e) => {
                 // A database that is down, or a lock timeout on the claim: nothing was
                 // claimed, so nothing is lost; try again after a pause.
-                tracing::warn!(worker, error = %e.chain(), "claiming failed; backing off");
+                if e.is_lock_timeout() {
+                    tracing::debug!(worker, error = %e.chain(), "claiming hit the lock timeout; backing off");
+                } else {
+                    tracing::warn!(worker, error = %e.chain(), "claiming failed; backing off");
+                }
                 back_off(&stop, &mut error_backoff).await;
             }
         }

@@ -21,7 +21,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, SubsecRound, Utc};
 
-pub use database::{ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Database};
+pub use database::{
+    ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Database, redact as redact_url,
+};
 pub use error::Error;
 pub use model::*;
 
@@ -98,7 +100,13 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// The design's eligible-event query: `pending` rows (a retried one once its
     /// `LastModifiedDate` is older than `retry_cutoff`) and stale `processing` rows, skipping a
     /// row while an older row with the same `RecordKey` is not terminal, oldest first.
-    async fn get_pending_events(&self, cutoffs: Cutoffs, limit: u32) -> Result<Vec<OutboxEvent>>;
+    /// `scope` narrows the event types; the ordering rule still looks at every type.
+    async fn get_pending_events(
+        &self,
+        cutoffs: Cutoffs,
+        scope: &Scope,
+        limit: u32,
+    ) -> Result<Vec<OutboxEvent>>;
 
     /// `ClaimEvent`: atomically moves row `id` from `pending`, or stale `processing`, to
     /// `processing`, committed before this returns. `None` when another worker won.
@@ -106,7 +114,7 @@ pub trait OutboxRepository: Send + Sync + 'static {
 
     /// Selects the oldest eligible row and claims it, in as few round trips as the backend
     /// allows. Same rules as `get_pending_events` followed by `claim_event`.
-    async fn claim_next(&self, cutoffs: Cutoffs) -> Result<Option<Claim>>;
+    async fn claim_next(&self, cutoffs: Cutoffs, scope: &Scope) -> Result<Option<Claim>>;
 
     /// Refreshes `LastModifiedDate` of a row this worker still holds, on a connection of its
     /// own. `None` when the row is no longer this worker's (reclaimed, or finished elsewhere).

@@ -255,3 +255,34 @@ pub struct OutboxStats {
     /// Keys with waiting successors whose head waits for its retry delay.
     pub keys_blocked_by_retry: u64,
 }
+
+/// Which event types a dispatcher takes: all of them, only some (the legacy path for consumers
+/// excluded from the pull rollout), or all but some (the pull workers then).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Scope {
+    /// Every event type.
+    #[default]
+    All,
+    /// Only these event types.
+    Only(Vec<String>),
+    /// Every event type but these.
+    Except(Vec<String>),
+}
+
+impl Scope {
+    /// The `Only` list, if any.
+    pub fn only(&self) -> Option<&[String]> {
+        match self {
+            Scope::Only(types) => Some(types),
+            _ => None,
+        }
+    }
+
+    /// The `Except` list, if any.
+    pub fn except(&self) -> Option<&[String]> {
+        match self {
+            Scope::Except(types) => Some(types),
+            _ => None,
+        }
+    }
+}

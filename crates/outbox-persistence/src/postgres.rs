@@ -16,7 +16,7 @@ use tokio::sync::{Notify, OnceCell};
 
 use crate::{
     Attempt, BackfillPage, Claim, Cutoffs, Error, EventId, FailureBookkeeping, Fence, FenceOutcome,
-    NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Terminal, Tx,
+    NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Scope, Terminal, Tx,
     clip_error, new_event_id, truncate_micros,
 };
 
@@ -76,6 +76,8 @@ WITH candidate AS (
           AND older.Status NOT IN ('processed', 'failed')
       )
     )
+    AND ($4::text[] IS NULL OR e.EventType = ANY($4))
+    AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
   ORDER BY e.CreatedDate ASC, e.Id ASC
   LIMIT 1
   FOR UPDATE OF e SKIP LOCKED
@@ -87,6 +89,34 @@ FROM candidate c
 WHERE t.Id = c.Id
 RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
           t.LastModifiedDate, t.LastError, c.old_status";
+
+/// `claim_next`'s statement with its scope parameters bound to NULL, for `EXPLAIN` (which takes
+/// `$1` stale cutoff, `$2` retry cutoff and an unused `$3`).
+pub const CLAIM_NEXT_EXPLAIN: &str = "\
+SELECT * FROM _System_OutboxEvent e
+WHERE
+  (e.Status = 'pending'
+   OR (e.Status = 'processing' AND e.LastModifiedDate < $1))
+  AND (e.Status <> 'pending'
+       OR e.RetryCount = 0
+       OR e.LastModifiedDate < $2)
+  AND (
+    e.RecordKey IS NULL
+    OR NOT EXISTS (
+      SELECT 1
+      FROM _System_OutboxEvent older
+      WHERE older.RecordKey = e.RecordKey
+        AND (
+          older.CreatedDate < e.CreatedDate
+          OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
+        )
+        AND older.Status NOT IN ('processed', 'failed')
+    )
+  )
+  AND $3::bigint IS NOT NULL
+ORDER BY e.CreatedDate ASC, e.Id ASC
+LIMIT 1
+FOR UPDATE OF e SKIP LOCKED";
 
 const CLAIM_EVENT: &str = "\
 UPDATE _System_OutboxEvent t
@@ -310,13 +340,30 @@ impl OutboxRepository for PgOutbox {
         enqueue(pg_tx(tx)?, events, now).await
     }
 
-    async fn get_pending_events(&self, cutoffs: Cutoffs, limit: u32) -> Result<Vec<OutboxEvent>> {
-        let rows = sqlx::query(ELIGIBLE_QUERY)
+    async fn get_pending_events(
+        &self,
+        cutoffs: Cutoffs,
+        scope: &Scope,
+        limit: u32,
+    ) -> Result<Vec<OutboxEvent>> {
+        let query = match scope {
+            Scope::All => sqlx::query(ELIGIBLE_QUERY),
+            _ => sqlx::query(sqlx::AssertSqlSafe(ELIGIBLE_QUERY.replace(
+                "ORDER BY e.CreatedDate ASC",
+                "  AND ($4::text[] IS NULL OR e.EventType = ANY($4))
+  AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
+ORDER BY e.CreatedDate ASC",
+            ))),
+        };
+        let query = query
             .bind(cutoffs.stale_cutoff)
             .bind(cutoffs.retry_cutoff)
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
-            .await?;
+            .bind(i64::from(limit));
+        let query = match scope {
+            Scope::All => query,
+            _ => query.bind(scope.only()).bind(scope.except()),
+        };
+        let rows = query.fetch_all(&self.pool).await?;
         rows.iter().map(event_from_row).collect()
     }
 
@@ -330,11 +377,13 @@ impl OutboxRepository for PgOutbox {
         row.as_ref().map(claim_from_row).transpose()
     }
 
-    async fn claim_next(&self, cutoffs: Cutoffs) -> Result<Option<Claim>> {
+    async fn claim_next(&self, cutoffs: Cutoffs, scope: &Scope) -> Result<Option<Claim>> {
         let row = sqlx::query(CLAIM_NEXT)
             .bind(cutoffs.now)
             .bind(cutoffs.stale_cutoff)
             .bind(cutoffs.retry_cutoff)
+            .bind(scope.only())
+            .bind(scope.except())
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(claim_from_row).transpose()

@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use crate::{
     Attempt, BackfillPage, Claim, Cutoffs, Error, EventId, EventStatus, FailureBookkeeping, Fence,
-    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter,
+    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Scope,
     Terminal, Tx, clip_error, new_event_id, truncate_micros,
 };
 
@@ -64,6 +64,21 @@ const FENCED_RETRY: &str = "\
 UPDATE _System_OutboxEvent
 SET Status = 'pending', RetryCount = RetryCount + 1, LastModifiedDate = ?2, LastError = ?4
 WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
+
+/// The eligible query narrowed to a [`Scope`] (`?4`: only these types, `?5`: all but these, as
+/// JSON arrays or NULL).
+fn scoped(query: &str) -> String {
+    query.replace(
+        "ORDER BY e.CreatedDate ASC",
+        "  AND (?4 IS NULL OR e.EventType IN (SELECT value FROM json_each(?4)))
+  AND (?5 IS NULL OR e.EventType NOT IN (SELECT value FROM json_each(?5)))
+ORDER BY e.CreatedDate ASC",
+    )
+}
+
+fn json_list(types: Option<&[String]>) -> Option<String> {
+    types.map(|t| serde_json::to_string(t).expect("a list of strings serializes"))
+}
 
 /// Formats a time as stored: `YYYY-MM-DDTHH:MM:SS.ffffffZ`.
 pub fn format_ts(t: DateTime<Utc>) -> String {
@@ -260,13 +275,27 @@ impl OutboxRepository for SqliteOutbox {
         Ok(ids)
     }
 
-    async fn get_pending_events(&self, cutoffs: Cutoffs, limit: u32) -> Result<Vec<OutboxEvent>> {
-        let rows = sqlx::query(ELIGIBLE_QUERY)
+    async fn get_pending_events(
+        &self,
+        cutoffs: Cutoffs,
+        scope: &Scope,
+        limit: u32,
+    ) -> Result<Vec<OutboxEvent>> {
+        let query = match scope {
+            Scope::All => sqlx::query(ELIGIBLE_QUERY),
+            _ => sqlx::query(sqlx::AssertSqlSafe(scoped(ELIGIBLE_QUERY))),
+        };
+        let query = query
             .bind(format_ts(cutoffs.stale_cutoff))
             .bind(format_ts(cutoffs.retry_cutoff))
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
-            .await?;
+            .bind(i64::from(limit));
+        let query = match scope {
+            Scope::All => query,
+            _ => query
+                .bind(json_list(scope.only()))
+                .bind(json_list(scope.except())),
+        };
+        let rows = query.fetch_all(&self.pool).await?;
         rows.iter().map(event_from_row).collect()
     }
 
@@ -284,14 +313,23 @@ impl OutboxRepository for SqliteOutbox {
         Ok(claim)
     }
 
-    async fn claim_next(&self, cutoffs: Cutoffs) -> Result<Option<Claim>> {
+    async fn claim_next(&self, cutoffs: Cutoffs, scope: &Scope) -> Result<Option<Claim>> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let row = sqlx::query(ELIGIBLE_QUERY)
+        let query = match scope {
+            Scope::All => sqlx::query(ELIGIBLE_QUERY),
+            _ => sqlx::query(sqlx::AssertSqlSafe(scoped(ELIGIBLE_QUERY))),
+        };
+        let query = query
             .bind(format_ts(cutoffs.stale_cutoff))
             .bind(format_ts(cutoffs.retry_cutoff))
-            .bind(1_i64)
-            .fetch_optional(&mut *tx)
-            .await?;
+            .bind(1_i64);
+        let query = match scope {
+            Scope::All => query,
+            _ => query
+                .bind(json_list(scope.only()))
+                .bind(json_list(scope.except())),
+        };
+        let row = query.fetch_optional(&mut *tx).await?;
         let claim = match row {
             Some(row) => claim_on(&mut tx, event_from_row(&row)?, cutoffs).await?,
             None => None,

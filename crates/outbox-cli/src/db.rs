@@ -1,0 +1,44 @@
+//! Opening the database a command names, with messages an operator can act on.
+
+use anyhow::{Context, Result, bail};
+use outbox_persistence::{ConnectConfig, Database, Error};
+
+/// Where the database URL comes from, in messages.
+pub const URL_HELP: &str =
+    "pass --database-url or set DATABASE_URL (postgres://… or sqlite://PATH)";
+
+/// Connects to `url` and checks that the schema is exactly the one this binary knows.
+pub async fn open(url: Option<&str>, config: ConnectConfig) -> Result<Database> {
+    let db = connect(url, config).await?;
+    check_schema(&db).await?;
+    Ok(db)
+}
+
+/// Connects to `url` without checking the schema (for `migrate`).
+pub async fn connect(url: Option<&str>, config: ConnectConfig) -> Result<Database> {
+    let Some(url) = url else {
+        bail!("no database given: {URL_HELP}");
+    };
+    let shown = outbox_persistence::redact_url(url);
+    Database::connect(url, config).await.map_err(|e| match e {
+        Error::InvalidUrl(msg) => anyhow::anyhow!("invalid database url {msg}; {URL_HELP}"),
+        e if e.is_transient() => {
+            anyhow::anyhow!("cannot reach the database at {shown}: {}", e.chain())
+        }
+        e => anyhow::anyhow!("cannot open the database at {shown}: {}", e.chain()),
+    })
+}
+
+/// Fails with an actionable message when the schema is not migrated, or newer than this binary.
+pub async fn check_schema(db: &Database) -> Result<()> {
+    match db.check_schema().await {
+        Ok(()) => Ok(()),
+        Err(Error::NotMigrated { missing }) => bail!(
+            "the database schema is not migrated (missing migrations {missing:?}); run `outbox migrate` first"
+        ),
+        Err(Error::SchemaTooNew { unknown }) => bail!(
+            "the database schema is newer than this binary (unknown migrations {unknown:?}); upgrade outbox before running it against this database"
+        ),
+        Err(e) => Err(anyhow::anyhow!(e.chain())).context("cannot read the schema version"),
+    }
+}

@@ -1,0 +1,382 @@
+//! The demo's consumers, each registered with its declared effects (the consumer map is built
+//! from these declarations), and the faults the demo injects into them on purpose.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use create_action::{Effect, EventEnvelope, FieldSet, FindOrCreate, ObjectDef, Rhs, Source};
+use outbox_events::{
+    AttemptContext, Consumer, EffectKind, ExternalKind, Handler, HandlerError, Handlers,
+    OutboxEvent, Safeguard,
+};
+use outbox_persistence::with_tx;
+
+use super::sink::MailSink;
+use super::workload::{ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, WELCOME_EMAIL};
+
+/// The handler id the welcome mail's delivery ledger is keyed by.
+pub const WELCOME_HANDLER_ID: &str = "welcome-mail/v1";
+
+/// Faults injected into handler attempts, and what was injected.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Share of attempts that fail on purpose.
+    pub rate: f64,
+    /// Handler errors injected at random.
+    pub random_errors: AtomicU64,
+    /// First attempts failed because the seed marked the event.
+    pub marked_errors: AtomicU64,
+}
+
+impl Faults {
+    /// Faults at `rate`.
+    pub fn at(rate: f64) -> Self {
+        Self {
+            rate: rate.clamp(0.0, 1.0),
+            ..Self::default()
+        }
+    }
+
+    /// Fails this attempt when the seed marked the event or the random draw says so. `phase`
+    /// separates the draws before and after the effects (the latter exercise the savepoint).
+    fn check(
+        &self,
+        event: &OutboxEvent,
+        envelope: &EventEnvelope,
+        phase: u64,
+    ) -> Result<(), HandlerError> {
+        if phase == 0
+            && event.retry_count == 0
+            && envelope.raw.get("demo_fault").and_then(|v| v.as_str()) == Some("fail_first_attempt")
+        {
+            self.marked_errors.fetch_add(1, Ordering::Relaxed);
+            return Err(HandlerError::Retryable(
+                "injected fault: the first attempt of a marked event fails".into(),
+            ));
+        }
+        if self.rate > 0.0 && draw(event, phase) < self.rate / 2.0 {
+            self.random_errors.fetch_add(1, Ordering::Relaxed);
+            let when = if phase == 0 { "before" } else { "after" };
+            return Err(HandlerError::Retryable(format!(
+                "injected handler error {when} the effects"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A stable draw in `[0, 1)` per event, attempt and phase.
+fn draw(event: &OutboxEvent, phase: u64) -> f64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ phase.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for b in event
+        .id
+        .as_bytes()
+        .iter()
+        .chain(&event.retry_count.to_le_bytes())
+    {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The registered object metadata and actions of the demo.
+pub struct Actions {
+    account_capture: FieldSet,
+    lead_capture: FieldSet,
+    convert: FindOrCreate,
+}
+
+impl Actions {
+    /// Registers the demo objects and builds the actions.
+    pub fn new() -> anyhow::Result<Self> {
+        use create_action::ColumnType::{Integer, Text};
+        let account = Arc::new(
+            ObjectDef::builder("DemoAccount")
+                .natural_key("Id", Text)
+                .field("CapturedName", Text)
+                .field("CapturedIndustry", Text)
+                .field("CapturedRevision", Integer)
+                .build()?,
+        );
+        let lead = Arc::new(
+            ObjectDef::builder("DemoLead")
+                .natural_key("Id", Text)
+                .field("CapturedStatus", Text)
+                .field("CapturedRevision", Integer)
+                .build()?,
+        );
+        let opportunity = Arc::new(
+            ObjectDef::builder("DemoOpportunity")
+                .natural_key("SourceLeadId", Text)
+                .natural_key("Relation", Text)
+                .field("Name", Text)
+                .autonumber("OpportunityNumber")
+                .build()?,
+        );
+        Ok(Self {
+            account_capture: FieldSet::builder(account)
+                .target("Id", Source::RecordId)
+                .set("CapturedName", Rhs::snapshot("Name"))
+                .set("CapturedIndustry", Rhs::snapshot("Industry"))
+                .set("CapturedRevision", Rhs::snapshot("Revision"))
+                .build()?,
+            lead_capture: FieldSet::builder(lead)
+                .target("Id", Source::RecordId)
+                .set("CapturedStatus", Rhs::snapshot("Status"))
+                .set("CapturedRevision", Rhs::snapshot("Revision"))
+                .build()?,
+            convert: FindOrCreate::builder(opportunity)
+                .key("SourceLeadId", Source::RecordId)
+                .key("Relation", Source::literal("converted_opportunity"))
+                .field("Name", Source::snapshot("Company"))
+                .build()?,
+        })
+    }
+}
+
+/// Declares a field set's effect from the action's own classification.
+fn field_set_effect(action: &FieldSet, consumer: Consumer, description: &str) -> Consumer {
+    let class = action.effect_class();
+    let kind = if class.is_redelivery_safe() {
+        EffectKind::DeterministicFieldSet
+    } else {
+        EffectKind::NonDeterministicFieldSet {
+            reasons: class.reasons().iter().map(ToString::to_string).collect(),
+        }
+    };
+    consumer.effect(kind, description, None)
+}
+
+fn action_error(e: create_action::Error) -> HandlerError {
+    match e {
+        create_action::Error::Database(e) => HandlerError::Database(e.into()),
+        e if e.is_transient() => HandlerError::Retryable(e.to_string()),
+        e => HandlerError::Permanent(e.to_string()),
+    }
+}
+
+fn envelope(event: &OutboxEvent) -> Result<EventEnvelope, HandlerError> {
+    EventEnvelope::parse(&event.payload)
+        .map_err(|e| HandlerError::Permanent(format!("unreadable payload: {e}")))
+}
+
+/// Appends to the effect log, in the attempt transaction: the audit trail of processing order.
+async fn log_effect(ctx: &mut AttemptContext<'_>, event: &OutboxEvent) -> Result<(), HandlerError> {
+    with_tx!(ctx.tx(), |conn| {
+        sqlx::query("INSERT INTO DemoEffectLog (EventId, RecordKey, EventType) VALUES ($1, $2, $3)")
+            .bind(event.id.to_string())
+            .bind(&event.record_key)
+            .bind(&event.event_type)
+            .execute(conn)
+            .await
+            .map(|_| ())
+    })
+    .map_err(HandlerError::db)
+}
+
+struct AccountCapture {
+    actions: Arc<Actions>,
+    faults: Arc<Faults>,
+}
+
+#[async_trait]
+impl Handler for AccountCapture {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        let envelope = envelope(event)?;
+        self.faults.check(event, &envelope, 0)?;
+        let action = &self.actions.account_capture;
+        with_tx!(ctx.tx(), |conn| action
+            .run(conn, &envelope, SystemTime::now())
+            .await)
+        .map_err(action_error)?;
+        log_effect(ctx, event).await?;
+        self.faults.check(event, &envelope, 1)
+    }
+}
+
+struct LeadCapture {
+    actions: Arc<Actions>,
+    faults: Arc<Faults>,
+}
+
+#[async_trait]
+impl Handler for LeadCapture {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        let envelope = envelope(event)?;
+        self.faults.check(event, &envelope, 0)?;
+        let action = &self.actions.lead_capture;
+        with_tx!(ctx.tx(), |conn| action
+            .run(conn, &envelope, SystemTime::now())
+            .await)
+        .map_err(action_error)?;
+        log_effect(ctx, event).await?;
+        self.faults.check(event, &envelope, 1)
+    }
+}
+
+struct LeadConversion {
+    actions: Arc<Actions>,
+    faults: Arc<Faults>,
+}
+
+#[async_trait]
+impl Handler for LeadConversion {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        let envelope = envelope(event)?;
+        self.faults.check(event, &envelope, 0)?;
+        let (convert, capture) = (&self.actions.convert, &self.actions.lead_capture);
+        with_tx!(ctx.tx(), |conn| convert
+            .run(conn, &envelope)
+            .await
+            .map(|_| ()))
+        .map_err(action_error)?;
+        with_tx!(ctx.tx(), |conn| capture
+            .run(conn, &envelope, SystemTime::now())
+            .await)
+        .map_err(action_error)?;
+        log_effect(ctx, event).await?;
+        self.faults.check(event, &envelope, 1)
+    }
+}
+
+/// Sends the welcome email through the simulated provider, behind a delivery ledger: the ledger
+/// row is written in the attempt transaction before the send and checked first, so a
+/// redelivery of an event whose attempt committed does not send again. The provider also
+/// receives the event id as its idempotency key, which absorbs the one case the ledger cannot
+/// cover: a send whose attempt then rolled back (a crash, or a failure after the send).
+struct WelcomeMail {
+    sink: MailSink,
+    faults: Arc<Faults>,
+}
+
+#[async_trait]
+impl Handler for WelcomeMail {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        let envelope = envelope(event)?;
+        self.faults.check(event, &envelope, 0)?;
+        let recipient = envelope
+            .snapshot
+            .get("Email")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| {
+                HandlerError::Permanent("welcome email without Email in the snapshot".into())
+            })?
+            .to_string();
+        let event_id = event.id.to_string();
+        let inserted = with_tx!(ctx.tx(), |conn| {
+            sqlx::query(
+                "INSERT INTO DemoDeliveryLedger (HandlerId, EventId) VALUES ($1, $2)
+                 ON CONFLICT (HandlerId, EventId) DO NOTHING",
+            )
+            .bind(WELCOME_HANDLER_ID)
+            .bind(&event_id)
+            .execute(conn)
+            .await
+            .map(|r| r.rows_affected())
+        })
+        .map_err(HandlerError::db)?;
+        if inserted == 1 {
+            let subject = format!(
+                "Welcome, {}",
+                envelope.record_id.as_deref().unwrap_or("customer")
+            );
+            self.sink
+                .send(&event_id, &recipient, &subject)
+                .await
+                .map_err(|e| HandlerError::Retryable(format!("mail provider: {e}")))?;
+        } else {
+            tracing::info!(event_id = %event.id, "welcome email already delivered by a committed attempt; not sending again");
+        }
+        log_effect(ctx, event).await?;
+        self.faults.check(event, &envelope, 1)
+    }
+}
+
+/// The demo's consumer declarations, derived from the actions themselves where they can
+/// classify their own effects. This list is the binary's consumer map.
+pub fn consumers(actions: &Actions) -> [Consumer; 4] {
+    let account = field_set_effect(
+        &actions.account_capture,
+        Consumer::new("account-field-capture", ACCOUNT_UPDATED),
+        "DemoAccount.Captured{Name,Industry,Revision} from the snapshot",
+    );
+    let lead = field_set_effect(
+        &actions.lead_capture,
+        Consumer::new("lead-field-capture", LEAD_UPDATED),
+        "DemoLead.Captured{Status,Revision} from the snapshot",
+    );
+    let natural_key = match actions.convert.effect_class() {
+        create_action::EffectClass::NaturalKeyCreate {
+            object,
+            natural_key,
+            ..
+        } => {
+            format!("{object}({})", natural_key.join(", "))
+        }
+        other => other.to_string(),
+    };
+    let conversion = field_set_effect(
+        &actions.lead_capture,
+        Consumer::new("lead-conversion", LEAD_CONVERTED).effect(
+            EffectKind::NaturalKeyCreate { natural_key },
+            "the converted lead's opportunity, numbered by an autonumber drawn after the find",
+            None,
+        ),
+        "DemoLead.Captured{Status,Revision} from the snapshot",
+    );
+    let mail = Consumer::new("welcome-mail", WELCOME_EMAIL).effect(
+        EffectKind::External { kind: ExternalKind::Email },
+        "welcome email through the mail provider",
+        Some(Safeguard::Contract(format!(
+            "delivery ledger DemoDeliveryLedger({WELCOME_HANDLER_ID}, EventId) written in the attempt before the send; the event id is the provider's idempotency key"
+        ))),
+    );
+    [account, lead, conversion, mail]
+}
+
+/// The demo's handlers, each registered with its consumer declaration.
+pub fn handlers(actions: Arc<Actions>, sink: MailSink, faults: Arc<Faults>) -> Handlers {
+    let [account, lead, conversion, mail] = consumers(&actions);
+    Handlers::new()
+        .register_consumer(
+            account,
+            AccountCapture {
+                actions: actions.clone(),
+                faults: faults.clone(),
+            },
+        )
+        .register_consumer(
+            lead,
+            LeadCapture {
+                actions: actions.clone(),
+                faults: faults.clone(),
+            },
+        )
+        .register_consumer(
+            conversion,
+            LeadConversion {
+                actions,
+                faults: faults.clone(),
+            },
+        )
+        .register_consumer(mail, WelcomeMail { sink, faults })
+}

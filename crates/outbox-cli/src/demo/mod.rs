@@ -1,0 +1,486 @@
+//! `outbox demo` and its sub-steps (`seed`, `work`, `verify`): the whole repair on a CRM
+//! workload, with faults injected on purpose and every invariant read back from the database.
+
+mod faults;
+mod handlers;
+mod schema;
+mod sink;
+mod verify;
+mod workload;
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use chrono::Utc;
+use indicatif::{ProgressBar, ProgressStyle};
+use outbox_events::{DispatchMode, Dispatcher, MetricsSnapshot, WorkerConfig, evaluate_gate};
+use outbox_persistence::{ConnectConfig, Cutoffs, Database, OutboxRepository};
+use serde::Serialize;
+
+use crate::cli::{DemoArgs, SeedArgs, WorkArgs};
+use crate::db;
+
+pub use handlers::{Actions, Faults, consumers, handlers};
+pub use sink::MailSink;
+
+/// The demo's default share of failing attempts.
+pub const DEFAULT_DEMO_FAULT_RATE: f64 = 0.05;
+
+/// Worker settings that make faults visible within a demo's run time: a claim whose heartbeat
+/// stopped is reclaimed after 3 s instead of 30 s.
+fn demo_worker_config(mode: DispatchMode) -> WorkerConfig {
+    WorkerConfig::default()
+        .with_mode(mode)
+        .with_poll_interval(Duration::from_millis(200))
+        .with_heartbeat_interval(Duration::from_millis(500))
+        .with_stale_after(Duration::from_secs(3))
+        .with_retry_delay(Duration::from_millis(50))
+        .with_max_retry_delay(Duration::from_secs(1))
+        .with_max_retry_attempts(8)
+        .with_lock_timeout(Duration::from_millis(300))
+        .with_shutdown_timeout(Duration::from_secs(10))
+}
+
+fn connect_config(config: &WorkerConfig) -> ConnectConfig {
+    ConnectConfig {
+        max_connections: (config.workers as u32 * 2 + 4).max(8),
+        lock_timeout: config.lock_timeout,
+        ..ConnectConfig::default()
+    }
+}
+
+/// The demo's report.
+#[derive(Debug, Serialize)]
+struct Report {
+    backend: &'static str,
+    database: String,
+    mode: String,
+    workers: usize,
+    events: usize,
+    records: usize,
+    seconds: f64,
+    events_per_second: f64,
+    faults: faults::FaultReport,
+    workers_observed: Observed,
+    verification: verify::Verification,
+}
+
+#[derive(Debug, Serialize)]
+struct Observed {
+    claimed: u64,
+    processed: u64,
+    retried: u64,
+    failed: u64,
+    lock_timeouts: u64,
+    stale_reclaims: u64,
+    lost_claims: u64,
+    detached_bookkeeping: u64,
+}
+
+impl From<MetricsSnapshot> for Observed {
+    fn from(m: MetricsSnapshot) -> Self {
+        Self {
+            claimed: m.claimed,
+            processed: m.processed,
+            retried: m.retried,
+            failed: m.failed,
+            lock_timeouts: m.lock_timeouts,
+            stale_reclaims: m.stale_reclaims,
+            lost_claims: m.lost_claims,
+            detached_bookkeeping: m.detached_bookkeeping,
+        }
+    }
+}
+
+/// `outbox demo`.
+pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
+    let url = match url {
+        Some(url) => url.to_string(),
+        None => {
+            let path = std::env::temp_dir().join(format!(
+                "outbox-demo-{}.db",
+                Utc::now().format("%Y%m%d-%H%M%S-%3f")
+            ));
+            format!("sqlite://{}", path.display())
+        }
+    };
+    let mode: DispatchMode = args.mode.into();
+    let config = args.workers.config(demo_worker_config(mode));
+    config.validate().map_err(anyhow::Error::msg)?;
+    let db = db::connect(Some(&url), connect_config(&config)).await?;
+    if !args.json {
+        println!(
+            "outbox demo on {} ({})",
+            outbox_persistence::redact_url(&url),
+            db.backend_name()
+        );
+    }
+    db.migrate().await.context("migrating")?;
+    db::check_schema(&db).await?;
+    let repo = db.repository();
+    let before = stats(&repo).await?;
+    if before.pending + before.processing > 0 {
+        anyhow::bail!(
+            "the database already holds {} unfinished events; run the demo on a fresh database (omit --database-url for a new SQLite file)",
+            before.pending + before.processing
+        );
+    }
+    let seeded = workload::seed(
+        &db,
+        &repo,
+        args.workload.events,
+        args.workload.records,
+        0.0,
+        Utc::now().timestamp_millis() as u64,
+    )
+    .await?;
+    let fault_rate = args.workers.fault_rate.unwrap_or(DEFAULT_DEMO_FAULT_RATE);
+    let sink = MailSink::open(&url).await?;
+    let outcome = run_workers(
+        &db,
+        &repo,
+        &sink,
+        config.clone(),
+        fault_rate,
+        true,
+        !args.json,
+    )
+    .await?;
+    let verification = verify::verify(&db, &sink).await?;
+    let mut verification = verification;
+    verification.checks.push(verify::Check {
+        name: "every failed attempt counted once in RetryCount",
+        ok: verification.retries == (outcome.metrics.retried + outcome.metrics.failed) as i64,
+        detail: format!(
+            "sum(RetryCount) = {}; attempts the workers ended in a retry or failure = {}",
+            verification.retries,
+            outcome.metrics.retried + outcome.metrics.failed
+        ),
+    });
+    let report = Report {
+        backend: db.backend_name(),
+        database: outbox_persistence::redact_url(&url),
+        mode: format!("{mode:?}").to_lowercase(),
+        workers: config.workers,
+        events: seeded.events,
+        records: args.workload.records,
+        seconds: outcome.elapsed.as_secs_f64(),
+        events_per_second: seeded.events as f64 / outcome.elapsed.as_secs_f64().max(1e-9),
+        faults: outcome.faults,
+        workers_observed: outcome.metrics.into(),
+        verification,
+    };
+    sink.close().await;
+    db.close().await;
+    let passed = report.verification.passed();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn print_report(r: &Report) {
+    println!();
+    println!(
+        "events      {} over {} records, {} workers ({} mode)",
+        r.events, r.records, r.workers, r.mode
+    );
+    println!(
+        "throughput  {:.0} events/s ({:.2} s to drain)",
+        r.events_per_second, r.seconds
+    );
+    println!(
+        "outcome     {} processed, {} failed; {} retries recorded (sum of RetryCount)",
+        r.verification.processed, r.verification.failed, r.verification.retries
+    );
+    let f = &r.faults;
+    println!(
+        "faults      {} handler errors, {} lock holds -> {} lock timeouts, {} worker killed mid-attempt{}",
+        f.handler_errors,
+        f.lock_holds,
+        r.workers_observed.lock_timeouts,
+        f.killed_workers,
+        f.kill_to_reclaim_ms.map_or(String::new(), |ms| format!(
+            " (its row reclaimed {ms} ms after the kill)"
+        )),
+    );
+    println!(
+        "workers     {} claims, {} stale reclaims, {} lost claims, {} detached bookkeeping",
+        r.workers_observed.claimed,
+        r.workers_observed.stale_reclaims,
+        r.workers_observed.lost_claims,
+        r.workers_observed.detached_bookkeeping
+    );
+    println!(
+        "effects     {} opportunities created, {} emails delivered ({} duplicate sends absorbed by the provider's idempotency key)",
+        r.verification.opportunities,
+        r.verification.emails,
+        r.verification.duplicate_sends_absorbed
+    );
+    println!();
+    println!("verification (read from the database):");
+    for c in &r.verification.checks {
+        println!(
+            "  [{}] {}: {}",
+            if c.ok { " ok " } else { "FAIL" },
+            c.name,
+            c.detail
+        );
+    }
+    println!();
+    println!(
+        "{}",
+        if r.verification.passed() {
+            "PASSED"
+        } else {
+            "FAILED"
+        }
+    );
+}
+
+async fn stats(repo: &Arc<dyn OutboxRepository>) -> Result<outbox_persistence::OutboxStats> {
+    Ok(repo
+        .stats(Cutoffs::at(
+            Utc::now(),
+            Duration::from_secs(30),
+            Duration::ZERO,
+        ))
+        .await?)
+}
+
+struct RunOutcome {
+    elapsed: Duration,
+    metrics: MetricsSnapshot,
+    faults: faults::FaultReport,
+}
+
+/// Runs the dispatcher until no row is pending or processing, with faults at `fault_rate`
+/// (and a worker killed mid-attempt when `kill_one`), showing progress when `progress`.
+async fn run_workers(
+    db: &Database,
+    repo: &Arc<dyn OutboxRepository>,
+    sink: &MailSink,
+    config: WorkerConfig,
+    fault_rate: f64,
+    kill_one: bool,
+    progress: bool,
+) -> Result<RunOutcome> {
+    let actions = Arc::new(Actions::new()?);
+    let injected = Arc::new(Faults::at(fault_rate));
+    let handlers = handlers(actions.clone(), sink.clone(), injected.clone());
+    let start = Instant::now();
+    let dispatcher = Dispatcher::new(repo.clone(), handlers.clone(), config.clone()).start();
+    let fault_task = faults::FaultInjector::start(
+        db.clone(),
+        repo.clone(),
+        handlers,
+        config.clone(),
+        fault_rate,
+        kill_one,
+    );
+    let total = stats(repo).await?;
+    let total = total.pending + total.processing + total.processed + total.failed;
+    let bar = progress_bar(total, progress);
+    loop {
+        let s = stats(repo).await?;
+        bar.set_position(s.processed + s.failed);
+        if !bar.is_hidden() {
+            bar.set_message(format!("{} retrying, {} failed", s.retrying, s.failed));
+        } else if progress {
+            eprintln!("progress: {} of {total} terminal", s.processed + s.failed);
+        }
+        if s.pending + s.processing == 0 {
+            break;
+        }
+        tokio::time::sleep(if bar.is_hidden() {
+            Duration::from_secs(2)
+        } else {
+            Duration::from_millis(200)
+        })
+        .await;
+    }
+    let elapsed = start.elapsed();
+    bar.finish_and_clear();
+    let mut fault_report = fault_task.stop().await;
+    let report = dispatcher.shutdown().await;
+    fault_report.handler_errors = injected
+        .random_errors
+        .load(std::sync::atomic::Ordering::Relaxed)
+        + injected
+            .marked_errors
+            .load(std::sync::atomic::Ordering::Relaxed);
+    Ok(RunOutcome {
+        elapsed,
+        metrics: report.metrics,
+        faults: fault_report,
+    })
+}
+
+fn progress_bar(total: u64, show: bool) -> ProgressBar {
+    if !show || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {wide_bar} {pos}/{len} events ({per_sec}) {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// `outbox seed`.
+pub async fn seed_command(url: Option<&str>, args: SeedArgs) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let repo = db.repository();
+    let seeded = workload::seed(
+        &db,
+        &repo,
+        args.workload.events,
+        args.workload.records,
+        args.fault_rate,
+        Utc::now().timestamp_millis() as u64,
+    )
+    .await?;
+    println!(
+        "seeded {} events over {} records ({} marked to fail their first attempt)",
+        seeded.events, args.workload.records, seeded.marked_faults
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outbox work`.
+pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode> {
+    let requested = match args.pull_worker {
+        Some(true) => DispatchMode::Pull,
+        Some(false) => DispatchMode::Legacy,
+        None => DispatchMode::from_env(),
+    };
+    let mut config = args.workers.config(WorkerConfig::default());
+    config.validate().map_err(anyhow::Error::msg)?;
+    let db = db::open(url, connect_config(&config)).await?;
+    let url = url.unwrap_or_default().to_string();
+    schema::ensure(&db).await?;
+    let repo = db.repository();
+    let sink = MailSink::open(&url).await?;
+    let injected = Arc::new(Faults::at(args.workers.fault_rate.unwrap_or(0.0)));
+    let handlers = handlers(Arc::new(Actions::new()?), sink.clone(), injected.clone());
+    // The rollout gate decides whether pull mode may run: fail closed to the legacy path.
+    let mode = if requested == DispatchMode::Pull {
+        let gate = evaluate_gate(&repo, &handlers.consumers()).await?;
+        if gate.passes() {
+            config = config.with_excluded_event_types(gate.excluded_event_types());
+            tracing::info!(excluded = ?gate.excluded_event_types(), "rollout gate passed: running pull workers");
+            DispatchMode::Pull
+        } else {
+            for reason in &gate.reasons {
+                tracing::warn!("rollout gate: {reason}");
+            }
+            eprintln!(
+                "OUTBOX_PULL_WORKER asks for pull workers, but the rollout gate refuses ({} reason(s)); running the legacy dispatcher:\n  {}",
+                gate.reasons.len(),
+                gate.reasons.join("\n  ")
+            );
+            DispatchMode::Legacy
+        }
+    } else {
+        tracing::info!("OUTBOX_PULL_WORKER is off: running the legacy dispatcher");
+        DispatchMode::Legacy
+    };
+    let config = config.with_mode(mode);
+    let dispatcher = Dispatcher::new(repo.clone(), handlers.clone(), config.clone()).start();
+    let fault_rate = args.workers.fault_rate.unwrap_or(0.0);
+    let fault_task = faults::FaultInjector::start(
+        db.clone(),
+        repo.clone(),
+        handlers,
+        config.clone(),
+        fault_rate,
+        false,
+    );
+    let start = Instant::now();
+    let stop = dispatcher.stop_token();
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        tokio::select! {
+            _ = &mut ctrl_c => {
+                eprintln!("interrupted: finishing in-flight attempts");
+                break;
+            }
+            _ = stop.cancelled() => break,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+        if args.until_drained {
+            let s = stats(&repo).await?;
+            if s.pending + s.processing == 0 {
+                break;
+            }
+        }
+    }
+    let faults = fault_task.stop().await;
+    let report = dispatcher.shutdown().await;
+    let m = report.metrics;
+    println!(
+        "worked {:.1} s in {:?} mode: {} claimed, {} processed, {} retried, {} failed, {} lock timeouts, {} stale reclaims, {} lost claims; faults: {} handler errors, {} lock holds",
+        start.elapsed().as_secs_f64(),
+        mode,
+        m.claimed,
+        m.processed,
+        m.retried,
+        m.failed,
+        m.lock_timeouts,
+        m.stale_reclaims,
+        m.lost_claims,
+        injected
+            .random_errors
+            .load(std::sync::atomic::Ordering::Relaxed)
+            + injected
+                .marked_errors
+                .load(std::sync::atomic::Ordering::Relaxed),
+        faults.lock_holds,
+    );
+    sink.close().await;
+    db.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outbox verify`.
+pub async fn verify_command(url: Option<&str>, json: bool) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    if !schema::exists(&db).await? {
+        anyhow::bail!(
+            "this database holds no demo workload (run `outbox seed` or `outbox demo` first)"
+        );
+    }
+    let sink = MailSink::open(url.unwrap_or_default()).await?;
+    let v = verify::verify(&db, &sink).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for c in &v.checks {
+            println!(
+                "[{}] {}: {}",
+                if c.ok { " ok " } else { "FAIL" },
+                c.name,
+                c.detail
+            );
+        }
+        println!("{}", if v.passed() { "PASSED" } else { "FAILED" });
+    }
+    Ok(if v.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

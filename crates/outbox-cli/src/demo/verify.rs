@@ -1,0 +1,352 @@
+//! Verification of the demo's invariants, read from the database (never from logs), so that
+//! `outbox verify` can check any run, including several `outbox work` processes.
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use chrono::{DateTime, Utc};
+use outbox_persistence::{Database, with_pool};
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::sink::MailSink;
+use super::workload::{ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, WELCOME_EMAIL};
+
+/// One invariant and whether it held.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// The invariant.
+    pub name: &'static str,
+    /// Whether it held.
+    pub ok: bool,
+    /// What was measured.
+    pub detail: String,
+}
+
+/// Everything verification read.
+#[derive(Debug, Clone, Serialize)]
+pub struct Verification {
+    /// Each invariant.
+    pub checks: Vec<Check>,
+    /// Rows by status.
+    pub processed: i64,
+    /// Failed rows.
+    pub failed: i64,
+    /// Rows not yet terminal.
+    pub non_terminal: i64,
+    /// Sum of `RetryCount`: every failed attempt, counted once.
+    pub retries: i64,
+    /// Opportunities created.
+    pub opportunities: i64,
+    /// Emails the provider received (one per idempotency key).
+    pub emails: i64,
+    /// Duplicate sends the provider absorbed by its idempotency key.
+    pub duplicate_sends_absorbed: i64,
+}
+
+impl Verification {
+    /// Whether every invariant held.
+    pub fn passed(&self) -> bool {
+        self.checks.iter().all(|c| c.ok)
+    }
+}
+
+struct Row {
+    id: Uuid,
+    event_type: String,
+    status: String,
+    record_key: Option<String>,
+    created: DateTime<Utc>,
+    payload: String,
+}
+
+async fn load_events(db: &Database) -> Result<Vec<Row>> {
+    let rows = match db {
+        Database::Postgres(pool) => {
+            let rows: Vec<(Uuid, String, String, Option<String>, DateTime<Utc>, String)> = sqlx::query_as(
+                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload FROM _System_OutboxEvent",
+            )
+            .fetch_all(pool)
+            .await?;
+            rows.into_iter()
+                .map(|r| Row {
+                    id: r.0,
+                    event_type: r.1,
+                    status: r.2,
+                    record_key: r.3,
+                    created: r.4,
+                    payload: r.5,
+                })
+                .collect()
+        }
+        Database::Sqlite(pool) => {
+            let rows: Vec<(String, String, String, Option<String>, String, String)> = sqlx::query_as(
+                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload FROM _System_OutboxEvent",
+            )
+            .fetch_all(pool)
+            .await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for r in rows {
+                out.push(Row {
+                    id: Uuid::parse_str(&r.0)?,
+                    event_type: r.1,
+                    status: r.2,
+                    record_key: r.3,
+                    created: DateTime::parse_from_rfc3339(&r.4)?.with_timezone(&Utc),
+                    payload: r.5,
+                });
+            }
+            out
+        }
+    };
+    Ok(rows)
+}
+
+fn check(checks: &mut Vec<Check>, name: &'static str, ok: bool, detail: String) {
+    checks.push(Check { name, ok, detail });
+}
+
+/// Reads every invariant of the demo from `db` and the provider inbox `sink`.
+pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
+    let events = load_events(db).await?;
+    let by_id: HashMap<String, &Row> = events.iter().map(|e| (e.id.to_string(), e)).collect();
+    let count = |status: &str| events.iter().filter(|e| e.status == status).count() as i64;
+    let (processed, failed) = (count("processed"), count("failed"));
+    let non_terminal = count("pending") + count("processing");
+    let mut checks = Vec::new();
+    check(
+        &mut checks,
+        "every event terminal",
+        non_terminal == 0,
+        format!("{processed} processed, {failed} failed, {non_terminal} pending or processing"),
+    );
+
+    // The effect log: one row per processed event, in per-record order.
+    let log: Vec<(i64, String, Option<String>)> = with_pool!(db, |pool| {
+        sqlx::query_as("SELECT Seq, EventId, RecordKey FROM DemoEffectLog ORDER BY Seq")
+            .fetch_all(pool)
+            .await
+    })?;
+    let mut seen: HashMap<&str, u32> = HashMap::new();
+    for (_, event_id, _) in &log {
+        *seen.entry(event_id.as_str()).or_default() += 1;
+    }
+    let twice = seen.values().filter(|n| **n > 1).count();
+    let orphans = seen
+        .keys()
+        .filter(|id| by_id.get(**id).is_none_or(|e| e.status != "processed"))
+        .count();
+    let missing = events
+        .iter()
+        .filter(|e| e.status == "processed" && !seen.contains_key(e.id.to_string().as_str()))
+        .count();
+    check(
+        &mut checks,
+        "no event processed twice",
+        twice == 0 && orphans == 0 && missing == 0,
+        format!(
+            "{} effect rows; {twice} events with more than one, {orphans} rows of unprocessed events, {missing} processed events without one",
+            log.len()
+        ),
+    );
+    let mut last: HashMap<&str, (DateTime<Utc>, Uuid)> = HashMap::new();
+    let mut out_of_order = 0;
+    for (_, event_id, key) in &log {
+        let (Some(key), Some(event)) = (key, by_id.get(event_id.as_str())) else {
+            continue;
+        };
+        let position = (event.created, event.id);
+        if let Some(previous) = last.get(key.as_str())
+            && *previous > position
+        {
+            out_of_order += 1;
+        }
+        last.insert(key.as_str(), position);
+    }
+    check(
+        &mut checks,
+        "per-record order held",
+        out_of_order == 0,
+        format!(
+            "{out_of_order} effects ran before an older event of their record ({} records)",
+            last.len()
+        ),
+    );
+
+    // The #3477 create: one opportunity per converted lead, numbered without gaps.
+    let opportunities: Vec<(String, String, i64)> = with_pool!(db, |pool| {
+        sqlx::query_as("SELECT SourceLeadId, Relation, OpportunityNumber FROM DemoOpportunity")
+            .fetch_all(pool)
+            .await
+    })?;
+    let mut per_key: HashMap<(&str, &str), u32> = HashMap::new();
+    for (lead, relation, _) in &opportunities {
+        *per_key.entry((lead, relation)).or_default() += 1;
+    }
+    let duplicates = per_key.values().filter(|n| **n > 1).count();
+    let converted = events
+        .iter()
+        .filter(|e| e.event_type == LEAD_CONVERTED && e.status == "processed")
+        .count();
+    check(
+        &mut checks,
+        "no duplicate natural-key create",
+        duplicates == 0 && opportunities.len() == converted,
+        format!(
+            "{} opportunities for {converted} processed conversions; {duplicates} natural keys with more than one",
+            opportunities.len()
+        ),
+    );
+    let mut numbers: Vec<i64> = opportunities.iter().map(|o| o.2).collect();
+    numbers.sort_unstable();
+    let contiguous = numbers.iter().enumerate().all(|(i, n)| *n == i as i64 + 1);
+    let next: Option<i64> = with_pool!(db, |pool| {
+        sqlx::query_scalar(
+            "SELECT NextValue FROM _System_Autonumber WHERE ObjectName = 'demoopportunity' AND FieldName = 'opportunitynumber'",
+        )
+        .fetch_optional(pool)
+        .await
+    })?;
+    let expected_next = numbers.len() as i64 + 1;
+    check(
+        &mut checks,
+        "no autonumber gap",
+        contiguous && next.unwrap_or(1) == expected_next,
+        format!(
+            "numbers 1..={} contiguous: {contiguous}; next value {} (expected {expected_next})",
+            numbers.len(),
+            next.map_or("none".into(), |n| n.to_string())
+        ),
+    );
+
+    // Field capture: each record's captured fields equal its newest processed snapshot.
+    let mut newest: HashMap<&str, (&Row, serde_json::Value)> = HashMap::new();
+    for e in events.iter().filter(|e| e.status == "processed") {
+        let captures = matches!(
+            e.event_type.as_str(),
+            ACCOUNT_UPDATED | LEAD_UPDATED | LEAD_CONVERTED
+        );
+        let Some(key) = e.record_key.as_deref().filter(|_| captures) else {
+            continue;
+        };
+        if newest
+            .get(key)
+            .is_some_and(|(n, _)| (n.created, n.id) > (e.created, e.id))
+        {
+            continue;
+        }
+        let snapshot = serde_json::from_str::<serde_json::Value>(&e.payload)?["snapshot"].clone();
+        newest.insert(key, (e, snapshot));
+    }
+    let accounts: Vec<(String, Option<String>, Option<String>, Option<i64>)> =
+        with_pool!(db, |pool| {
+            sqlx::query_as(
+                "SELECT Id, CapturedName, CapturedIndustry, CapturedRevision FROM DemoAccount",
+            )
+            .fetch_all(pool)
+            .await
+        })?;
+    let leads: Vec<(String, Option<String>, Option<i64>)> = with_pool!(db, |pool| {
+        sqlx::query_as("SELECT Id, CapturedStatus, CapturedRevision FROM DemoLead")
+            .fetch_all(pool)
+            .await
+    })?;
+    let mut wrong = Vec::new();
+    for (id, name, industry, revision) in &accounts {
+        let expected = newest.get(format!("Account:{id}").as_str()).map(|(_, s)| {
+            (
+                s["Name"].as_str().map(str::to_string),
+                s["Industry"].as_str().map(str::to_string),
+                s["Revision"].as_i64(),
+            )
+        });
+        let actual = (name.clone(), industry.clone(), *revision);
+        if expected.unwrap_or((None, None, None)) != actual {
+            wrong.push(format!("Account:{id}"));
+        }
+    }
+    for (id, status, revision) in &leads {
+        let expected = newest.get(format!("Lead:{id}").as_str()).map(|(_, s)| {
+            (
+                s["Status"].as_str().map(str::to_string),
+                s["Revision"].as_i64(),
+            )
+        });
+        if expected.unwrap_or((None, None)) != (status.clone(), *revision) {
+            wrong.push(format!("Lead:{id}"));
+        }
+    }
+    check(
+        &mut checks,
+        "captured fields equal the newest processed snapshot",
+        wrong.is_empty(),
+        format!(
+            "{} records checked; {} differ{}",
+            accounts.len() + leads.len(),
+            wrong.len(),
+            if wrong.is_empty() {
+                String::new()
+            } else {
+                format!(" (first: {})", wrong[0])
+            }
+        ),
+    );
+
+    // External effect: one email per processed welcome event; duplicates absorbed are counted.
+    let deliveries = sink.deliveries().await?;
+    let welcome: Vec<&Row> = events
+        .iter()
+        .filter(|e| e.event_type == WELCOME_EMAIL)
+        .collect();
+    let processed_welcome: Vec<String> = welcome
+        .iter()
+        .filter(|e| e.status == "processed")
+        .map(|e| e.id.to_string())
+        .collect();
+    let not_sent = processed_welcome
+        .iter()
+        .filter(|id| !deliveries.contains_key(*id))
+        .count();
+    let strangers = deliveries
+        .keys()
+        .filter(|k| {
+            by_id
+                .get(k.as_str())
+                .is_none_or(|e| e.event_type != WELCOME_EMAIL || e.status == "pending")
+        })
+        .count();
+    let absorbed: i64 = deliveries.values().map(|n| n - 1).sum();
+    let ledger: i64 = with_pool!(db, |pool| {
+        sqlx::query_scalar("SELECT count(*) FROM DemoDeliveryLedger")
+            .fetch_one(pool)
+            .await
+    })?;
+    check(
+        &mut checks,
+        "each external delivery sent once per processed event",
+        not_sent == 0 && strangers == 0 && ledger == processed_welcome.len() as i64,
+        format!(
+            "{} emails for {} processed welcome events; {not_sent} missing, {strangers} unexpected; ledger rows {ledger}; {absorbed} duplicate sends absorbed by the idempotency key",
+            deliveries.len(),
+            processed_welcome.len()
+        ),
+    );
+
+    let retries: i64 = with_pool!(db, |pool| {
+        sqlx::query_scalar(
+            "SELECT CAST(coalesce(sum(RetryCount), 0) AS BIGINT) FROM _System_OutboxEvent",
+        )
+        .fetch_one(pool)
+        .await
+    })?;
+    Ok(Verification {
+        checks,
+        processed,
+        failed,
+        non_terminal,
+        retries,
+        opportunities: opportunities.len() as i64,
+        emails: deliveries.len() as i64,
+        duplicate_sends_absorbed: absorbed,
+    })
+}

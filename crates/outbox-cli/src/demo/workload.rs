@@ -1,0 +1,284 @@
+//! The demo CRM workload: accounts and leads created and updated (after-save field capture),
+//! leads converted (the #3477 related-record create), and welcome emails (an external effect
+//! behind a delivery ledger). Several events per record, so per-record order matters.
+//!
+//! Each application transaction writes its records and enqueues their events together, as the
+//! outbox requires.
+
+use anyhow::Result;
+use chrono::Utc;
+use outbox_persistence::{Database, NewEvent, OutboxRepository, with_tx};
+use serde_json::json;
+
+/// Event types of the demo.
+pub const ACCOUNT_UPDATED: &str = "account.updated";
+/// A lead's fields changed.
+pub const LEAD_UPDATED: &str = "lead.updated";
+/// A lead was converted: its opportunity must be created exactly once.
+pub const LEAD_CONVERTED: &str = "lead.converted";
+/// Send the account's welcome email (external).
+pub const WELCOME_EMAIL: &str = "account.welcome_email";
+
+/// Events written per application transaction while seeding.
+const SEED_BATCH: usize = 200;
+
+/// A small deterministic generator (SplitMix64): the same seed gives the same workload.
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+
+    /// A draw in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// One application write: the record's new state and its event.
+struct Write {
+    record: RecordWrite,
+    event: NewEvent,
+}
+
+enum RecordWrite {
+    Account {
+        id: String,
+        name: String,
+        industry: String,
+        revision: i64,
+    },
+    Lead {
+        id: String,
+        company: String,
+        status: String,
+        revision: i64,
+    },
+}
+
+const INDUSTRIES: &[&str] = &["Retail", "Energy", "Banking", "Media", "Health"];
+const LEAD_STATUSES: &[&str] = &["Open", "Working", "Nurturing", "Qualified"];
+
+fn record_id(record: usize) -> (bool, String) {
+    if record % 2 == 0 {
+        (true, format!("A{record:06}"))
+    } else {
+        (false, format!("L{record:06}"))
+    }
+}
+
+/// Builds `events` events over `records` records. `fault_rate` marks that share of events to
+/// fail their first attempt (a fault any `outbox work` process will inject).
+fn generate(events: usize, records: usize, fault_rate: f64, seed: u64) -> Vec<Write> {
+    let records = records.max(1);
+    let mut rng = Rng::new(seed);
+    let mut revisions = vec![0_i64; records];
+    let mut welcomed = vec![false; records];
+    let mut converted = vec![false; records];
+    let mut out = Vec::with_capacity(events);
+    for _ in 0..events {
+        let r = rng.below(records);
+        let (is_account, id) = record_id(r);
+        revisions[r] += 1;
+        let revision = revisions[r];
+        let fault = (rng.unit() < fault_rate).then_some("fail_first_attempt");
+        let envelope = |snapshot: serde_json::Value| {
+            let mut payload = json!({"object": if is_account {"Account"} else {"Lead"}, "record_id": id, "snapshot": snapshot});
+            if let Some(f) = fault {
+                payload["demo_fault"] = json!(f);
+            }
+            payload.to_string()
+        };
+        if is_account {
+            let name = format!("Account {r} rev {revision}");
+            let industry = INDUSTRIES[rng.below(INDUSTRIES.len())].to_string();
+            let welcome = !welcomed[r] && r % 4 == 0;
+            let event = if welcome {
+                welcomed[r] = true;
+                NewEvent::new(
+                    WELCOME_EMAIL,
+                    envelope(
+                        json!({"Email": format!("owner{r}@example.test"), "Name": name, "Revision": revision}),
+                    ),
+                )
+            } else {
+                NewEvent::new(
+                    ACCOUNT_UPDATED,
+                    envelope(json!({"Name": name, "Industry": industry, "Revision": revision})),
+                )
+            };
+            out.push(Write {
+                record: RecordWrite::Account {
+                    id: id.clone(),
+                    name,
+                    industry,
+                    revision,
+                },
+                event,
+            });
+        } else {
+            let company = format!("Prospect {r}");
+            let status = LEAD_STATUSES[rng.below(LEAD_STATUSES.len())].to_string();
+            let convert = !converted[r] && revision >= 3 && r % 4 == 1;
+            let event = if convert {
+                converted[r] = true;
+                NewEvent::new(
+                    LEAD_CONVERTED,
+                    envelope(
+                        json!({"Company": company, "Status": "Converted", "Revision": revision}),
+                    ),
+                )
+            } else {
+                NewEvent::new(
+                    LEAD_UPDATED,
+                    envelope(json!({"Company": company, "Status": status, "Revision": revision})),
+                )
+            };
+            let status = if convert {
+                "Converted".to_string()
+            } else {
+                status
+            };
+            out.push(Write {
+                record: RecordWrite::Lead {
+                    id: id.clone(),
+                    company,
+                    status,
+                    revision,
+                },
+                event,
+            });
+        }
+    }
+    out
+}
+
+/// What seeding wrote.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Seeded {
+    /// Events enqueued.
+    pub events: usize,
+    /// Records they are about.
+    pub records: usize,
+    /// Events marked to fail their first attempt.
+    pub marked_faults: usize,
+}
+
+/// Writes the workload: each batch of records and their events in one application
+/// transaction. `seed` varies the workload between runs on one database.
+pub async fn seed(
+    db: &Database,
+    repo: &std::sync::Arc<dyn OutboxRepository>,
+    events: usize,
+    records: usize,
+    fault_rate: f64,
+    seed: u64,
+) -> Result<Seeded> {
+    super::schema::ensure(db).await?;
+    let writes = generate(events, records, fault_rate, seed);
+    let marked_faults = writes
+        .iter()
+        .filter(|w| w.event.payload.contains("demo_fault"))
+        .count();
+    for batch in writes.chunks(SEED_BATCH) {
+        let mut tx = repo.begin().await?;
+        for write in batch {
+            write_record(&mut tx, &write.record).await?;
+        }
+        let new_events: Vec<NewEvent> = batch.iter().map(|w| w.event.clone()).collect();
+        repo.enqueue(&mut tx, &new_events, Utc::now()).await?;
+        tx.commit().await?;
+    }
+    Ok(Seeded {
+        events: writes.len(),
+        records: records.max(1).min(events.max(1)),
+        marked_faults,
+    })
+}
+
+async fn write_record(tx: &mut outbox_persistence::Tx, record: &RecordWrite) -> Result<()> {
+    match record {
+        RecordWrite::Account {
+            id,
+            name,
+            industry,
+            revision,
+        } => {
+            with_tx!(tx, |conn| {
+                sqlx::query(
+                    "INSERT INTO DemoAccount (Id, Name, Industry, Revision) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (Id) DO UPDATE SET Name = excluded.Name,
+                       Industry = excluded.Industry, Revision = excluded.Revision",
+                )
+                .bind(id)
+                .bind(name)
+                .bind(industry)
+                .bind(revision)
+                .execute(conn)
+                .await
+                .map(|_| ())
+            })?;
+        }
+        RecordWrite::Lead {
+            id,
+            company,
+            status,
+            revision,
+        } => {
+            with_tx!(tx, |conn| {
+                sqlx::query(
+                    "INSERT INTO DemoLead (Id, Company, Status, Revision) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (Id) DO UPDATE SET Company = excluded.Company,
+                       Status = excluded.Status, Revision = excluded.Revision",
+                )
+                .bind(id)
+                .bind(company)
+                .bind(status)
+                .bind(revision)
+                .execute(conn)
+                .await
+                .map(|_| ())
+            })?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workload_has_every_effect_class_and_several_events_per_record() {
+        let writes = generate(2_000, 200, 0.1, 1);
+        let count = |t: &str| writes.iter().filter(|w| w.event.event_type == t).count();
+        assert!(count(ACCOUNT_UPDATED) > 500);
+        assert!(count(LEAD_UPDATED) > 500);
+        assert!(count(LEAD_CONVERTED) > 10);
+        assert!(count(WELCOME_EMAIL) > 10);
+        let faults = writes
+            .iter()
+            .filter(|w| w.event.payload.contains("demo_fault"))
+            .count();
+        assert!((100..300).contains(&faults), "{faults}");
+        // Deterministic for a seed.
+        let again = generate(2_000, 200, 0.1, 1);
+        assert!(writes.iter().zip(&again).all(|(a, b)| a.event == b.event));
+    }
+}

@@ -1,0 +1,295 @@
+//! Operator commands: migrate, status, retry, explain, backfill, the consumer map and the gate.
+//! Each one changes only what it was asked to change.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use chrono::Utc;
+use outbox_events::{
+    Consumer, DEFAULT_RETRY_DELAY, DEFAULT_STALE_AFTER, Safeguard, Verdict, evaluate_gate,
+};
+use outbox_persistence::{ConnectConfig, Cutoffs, Database, RetryFilter};
+use serde::Serialize;
+
+use crate::cli::{BackfillArgs, RetryArgs};
+use crate::{db, demo};
+
+/// `outbox migrate`.
+pub async fn migrate(url: Option<&str>) -> Result<ExitCode> {
+    let db = db::connect(url, ConnectConfig::default()).await?;
+    db.migrate()
+        .await
+        .map_err(|e| anyhow::anyhow!(e.chain()))
+        .context("migrating")?;
+    db::check_schema(&db).await?;
+    println!("migrations applied ({})", db.backend_name());
+    db.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cutoffs() -> Cutoffs {
+    Cutoffs::at(Utc::now(), DEFAULT_STALE_AFTER, DEFAULT_RETRY_DELAY)
+}
+
+/// `outbox status`.
+pub async fn status(url: Option<&str>, json: bool) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let stats = db.repository().stats(cutoffs()).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&stats)?);
+    } else {
+        println!("pending      {}", stats.pending);
+        println!(
+            "processing   {} ({} stale: heartbeat older than {:?})",
+            stats.processing, stats.stale_claims, DEFAULT_STALE_AFTER
+        );
+        println!("processed    {}", stats.processed);
+        println!("failed       {}", stats.failed);
+        println!(
+            "retrying     {} pending rows that failed before",
+            stats.retrying
+        );
+        println!(
+            "oldest pending  {}",
+            stats
+                .oldest_pending_age_seconds
+                .map_or("none".to_string(), |s| format!("{s:.1} s"))
+        );
+        println!(
+            "blocked keys    {} behind a running head, {} behind a stale head, {} behind a head waiting for its retry",
+            stats.keys_blocked_by_running, stats.keys_blocked_by_stale, stats.keys_blocked_by_retry
+        );
+    }
+    db.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outbox retry`.
+pub async fn retry(url: Option<&str>, args: RetryArgs) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let filter = match (args.id, args.failed) {
+        (Some(id), _) => RetryFilter::Id(id),
+        (None, _) => RetryFilter::Failed {
+            event_type: args.event_type.clone(),
+        },
+    };
+    let changed = db
+        .repository()
+        .retry_failed(filter.clone(), Utc::now())
+        .await?;
+    tracing::warn!(?filter, changed, "operator returned failed rows to pending");
+    println!("{changed} failed row(s) returned to pending");
+    db.close().await;
+    if changed == 0 && args.id.is_some() {
+        eprintln!("no failed row with that id");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outbox explain`: the PostgreSQL plans of the eligible query and the claim.
+pub async fn explain(url: Option<&str>) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let Database::Postgres(pool) = &db else {
+        anyhow::bail!(
+            "`outbox explain` prints PostgreSQL plans; point --database-url at PostgreSQL"
+        );
+    };
+    let c = cutoffs();
+    for (name, sql) in [
+        (
+            "eligible-event query (the design's, as written)",
+            outbox_persistence::postgres::ELIGIBLE_QUERY,
+        ),
+        (
+            "select-and-claim (claim_next)",
+            outbox_persistence::postgres::CLAIM_NEXT_EXPLAIN,
+        ),
+    ] {
+        println!("== {name}");
+        // EXPLAIN without ANALYZE runs nothing, so the claim's UPDATE changes no row.
+        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
+            .bind(c.stale_cutoff)
+            .bind(c.retry_cutoff)
+            .bind(1_i64)
+            .fetch_all(pool)
+            .await?;
+        for line in plan {
+            println!("{line}");
+        }
+        println!();
+    }
+    db.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outbox backfill-record-keys`.
+pub async fn backfill(url: Option<&str>, args: BackfillArgs) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let repo = db.repository();
+    let mut after = args.after;
+    let (mut scanned, mut updated, mut already, mut no_record) = (0, 0, 0, 0);
+    let mut underivable = Vec::new();
+    let mut mismatched = Vec::new();
+    loop {
+        let page = repo
+            .backfill_record_keys(after, args.batch, args.dry_run)
+            .await?;
+        scanned += page.scanned;
+        updated += page.updated;
+        already += page.already_set;
+        no_record += page.no_record;
+        underivable.extend(page.underivable);
+        mismatched.extend(page.mismatched);
+        after = page.next_after;
+        match after {
+            Some(last) => eprintln!(
+                "… {scanned} rows scanned, {updated} keys {}; resume with --after {last}",
+                if args.dry_run { "to set" } else { "set" }
+            ),
+            None => break,
+        }
+    }
+    println!(
+        "backfill {}: {scanned} non-terminal rows scanned, {updated} keys {}, {already} already set, {no_record} about no record, {} underivable, {} stored keys that differ from the payload",
+        if args.dry_run {
+            "(dry run)"
+        } else {
+            "complete"
+        },
+        if args.dry_run { "missing" } else { "set" },
+        underivable.len(),
+        mismatched.len()
+    );
+    for (id, why) in &underivable {
+        println!("  underivable {id}: {why}");
+    }
+    for id in &mismatched {
+        println!("  mismatched  {id}");
+    }
+    db.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One row of the consumer map.
+#[derive(Debug, Serialize)]
+pub struct MapRow {
+    event_type: String,
+    consumer: String,
+    effect_class: String,
+    effect: String,
+    contract_or_exclusion: String,
+    verdict: String,
+}
+
+fn class_name(kind: &outbox_events::EffectKind) -> String {
+    use outbox_events::EffectKind::*;
+    match kind {
+        DeterministicFieldSet => "deterministic field set".into(),
+        NonDeterministicFieldSet { reasons } => {
+            format!("non-deterministic field set ({})", reasons.join("; "))
+        }
+        NaturalKeyCreate { natural_key } => format!("natural-key create {natural_key}"),
+        StateDependent => "state-dependent".into(),
+        External { kind } => format!("external ({kind:?})").to_lowercase(),
+    }
+}
+
+fn verdict_name(v: &Verdict) -> String {
+    match v {
+        Verdict::Safe => "safe".into(),
+        Verdict::Protected => "protected".into(),
+        Verdict::Excluded => "excluded".into(),
+        Verdict::Blocked(why) => format!("BLOCKED: {why}"),
+    }
+}
+
+/// The consumer map of this binary's registered consumers.
+pub fn consumer_map(consumers: &[Consumer]) -> Vec<MapRow> {
+    let mut rows = Vec::new();
+    for c in consumers {
+        let verdict = verdict_name(&c.verdict());
+        if c.effects.is_empty() {
+            rows.push(MapRow {
+                event_type: c.event_type.clone(),
+                consumer: c.name.clone(),
+                effect_class: "undeclared".into(),
+                effect: String::new(),
+                contract_or_exclusion: String::new(),
+                verdict: verdict.clone(),
+            });
+        }
+        for e in &c.effects {
+            rows.push(MapRow {
+                event_type: c.event_type.clone(),
+                consumer: c.name.clone(),
+                effect_class: class_name(&e.kind),
+                effect: e.description.clone(),
+                contract_or_exclusion: match &e.safeguard {
+                    None => "-".into(),
+                    Some(Safeguard::Contract(c)) => format!("contract: {c}"),
+                    Some(Safeguard::Excluded(why)) => format!("excluded: {why}"),
+                },
+                verdict: verdict.clone(),
+            });
+        }
+    }
+    rows
+}
+
+/// Renders the consumer map as a Markdown table (also the body of `docs/consumer-map.md`).
+pub fn consumer_map_markdown(rows: &[MapRow]) -> String {
+    let mut out = String::from(
+        "| event type | consumer | effect class | effect | contract or exclusion | verdict |\n|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| `{}` | {} | {} | {} | {} | {} |\n",
+            r.event_type, r.consumer, r.effect_class, r.effect, r.contract_or_exclusion, r.verdict
+        ));
+    }
+    out
+}
+
+fn registered_consumers() -> Result<Vec<Consumer>> {
+    Ok(demo::consumers(&demo::Actions::new()?).to_vec())
+}
+
+/// `outbox consumers`.
+pub fn consumers(json: bool) -> Result<ExitCode> {
+    let rows = consumer_map(&registered_consumers()?);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", consumer_map_markdown(&rows));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outbox gate`.
+pub async fn gate(url: Option<&str>, json: bool) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let consumers = registered_consumers()?;
+    let report = evaluate_gate(&db.repository(), &consumers).await?;
+    db.close().await;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else if report.passes() {
+        println!(
+            "gate passed: OUTBOX_PULL_WORKER may flip ({} consumers; excluded, kept on the legacy path: {:?})",
+            report.consumers.len(),
+            report.excluded_event_types()
+        );
+    } else {
+        for reason in &report.reasons {
+            println!("{reason}");
+        }
+    }
+    let _ = Duration::ZERO;
+    Ok(if report.passes() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -1,0 +1,236 @@
+//! Consumer declarations: every handler says what its effects are when it is registered, so
+//! the consumer map is always the current tree, and the rollout gate can refuse what is not
+//! safe under redelivery.
+
+use serde::Serialize;
+
+/// The kind of an external effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExternalKind {
+    /// Sends email.
+    Email,
+    /// Calls a webhook.
+    Webhook,
+    /// Pushes to a connector.
+    ConnectorPush,
+    /// Calls a host-registered provider.
+    ProviderCall,
+}
+
+/// What one effect of a consumer does, in the design's classes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "class", rename_all = "snake_case")]
+pub enum EffectKind {
+    /// Fields set from the frozen snapshot or literals: a second delivery leaves the same
+    /// values.
+    DeterministicFieldSet,
+    /// Fields set from `now()`, a sequence, append, increment or "set if empty": not safe
+    /// under redelivery without a key.
+    NonDeterministicFieldSet {
+        /// Why it is not deterministic.
+        reasons: Vec<String>,
+    },
+    /// A natural-key find-or-create backed by a `UNIQUE` index.
+    NaturalKeyCreate {
+        /// The natural key, for the map.
+        natural_key: String,
+    },
+    /// Depends on state that a redelivery may see changed.
+    StateDependent,
+    /// Leaves the database: email, webhook, connector push, provider call.
+    External {
+        /// Which kind.
+        kind: ExternalKind,
+    },
+}
+
+/// How an effect that redelivery could repeat is kept safe.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "safeguard", content = "detail", rename_all = "snake_case")]
+pub enum Safeguard {
+    /// A durable idempotency contract (for example a delivery ledger keyed by handler and event
+    /// id, or the receiver's own dedup key), described.
+    Contract(String),
+    /// Kept off the pull-worker path: the consumer's events run on the legacy path.
+    Excluded(String),
+}
+
+/// One declared effect.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeclaredEffect {
+    /// The class.
+    pub kind: EffectKind,
+    /// What it does, for the map.
+    pub description: String,
+    /// Its safeguard, where it needs one.
+    pub safeguard: Option<Safeguard>,
+}
+
+/// A consumer: a handler of one event type and its declared effects.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Consumer {
+    /// The consumer's name.
+    pub name: String,
+    /// The event type it handles.
+    pub event_type: String,
+    /// Its effects; empty with `declared == false` for a handler registered without a
+    /// declaration.
+    pub effects: Vec<DeclaredEffect>,
+    /// Whether the effects were declared at all.
+    pub declared: bool,
+}
+
+/// Whether a consumer lets `OUTBOX_PULL_WORKER` flip.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "verdict", content = "reason", rename_all = "snake_case")]
+pub enum Verdict {
+    /// Only deterministic sets and natural-key creates: safe under redelivery.
+    Safe,
+    /// Its state-dependent or external effects have a durable contract.
+    Protected,
+    /// Kept off the pull workers; its events run on the legacy path.
+    Excluded,
+    /// Blocks the flag, with the reason.
+    Blocked(String),
+}
+
+impl Consumer {
+    /// A consumer of `event_type` named `name`, with no effects yet.
+    pub fn new(name: impl Into<String>, event_type: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            event_type: event_type.into(),
+            effects: Vec::new(),
+            declared: true,
+        }
+    }
+
+    /// A consumer registered without a declaration: it blocks the gate.
+    pub fn undeclared(event_type: impl Into<String>) -> Self {
+        let event_type = event_type.into();
+        Self {
+            name: event_type.clone(),
+            event_type,
+            effects: Vec::new(),
+            declared: false,
+        }
+    }
+
+    /// Adds an effect.
+    pub fn effect(
+        mut self,
+        kind: EffectKind,
+        description: impl Into<String>,
+        safeguard: Option<Safeguard>,
+    ) -> Self {
+        self.effects.push(DeclaredEffect {
+            kind,
+            description: description.into(),
+            safeguard,
+        });
+        self
+    }
+
+    /// This consumer's verdict.
+    pub fn verdict(&self) -> Verdict {
+        if !self.declared {
+            return Verdict::Blocked("effects not declared".into());
+        }
+        if self
+            .effects
+            .iter()
+            .any(|e| matches!(e.safeguard, Some(Safeguard::Excluded(_))))
+        {
+            return Verdict::Excluded;
+        }
+        let mut protected = false;
+        for effect in &self.effects {
+            let contract = matches!(effect.safeguard, Some(Safeguard::Contract(_)));
+            match &effect.kind {
+                EffectKind::DeterministicFieldSet | EffectKind::NaturalKeyCreate { .. } => {}
+                EffectKind::NonDeterministicFieldSet { reasons } if !contract => {
+                    return Verdict::Blocked(format!(
+                        "non-deterministic field set without a key ({}): {}",
+                        reasons.join(", "),
+                        effect.description
+                    ));
+                }
+                EffectKind::StateDependent if !contract => {
+                    return Verdict::Blocked(format!(
+                        "unprotected state-dependent effect: {}",
+                        effect.description
+                    ));
+                }
+                EffectKind::External { kind } if !contract => {
+                    return Verdict::Blocked(format!(
+                        "unprotected live external consumer ({kind:?}): {}",
+                        effect.description
+                    ));
+                }
+                _ => protected = true,
+            }
+        }
+        if protected {
+            Verdict::Protected
+        } else {
+            Verdict::Safe
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts() {
+        let safe = Consumer::new("capture", "a")
+            .effect(
+                EffectKind::DeterministicFieldSet,
+                "Name from snapshot",
+                None,
+            )
+            .effect(
+                EffectKind::NaturalKeyCreate {
+                    natural_key: "(SourceLeadId, Relation)".into(),
+                },
+                "opportunity",
+                None,
+            );
+        assert_eq!(safe.verdict(), Verdict::Safe);
+        let mail = |safeguard| {
+            Consumer::new("mail", "b").effect(
+                EffectKind::External {
+                    kind: ExternalKind::Email,
+                },
+                "welcome email",
+                safeguard,
+            )
+        };
+        assert!(
+            matches!(mail(None).verdict(), Verdict::Blocked(r) if r.contains("unprotected live external consumer"))
+        );
+        assert_eq!(
+            mail(Some(Safeguard::Contract("ledger".into()))).verdict(),
+            Verdict::Protected
+        );
+        assert_eq!(
+            mail(Some(Safeguard::Excluded("later".into()))).verdict(),
+            Verdict::Excluded
+        );
+        let stamp = Consumer::new("stamp", "c").effect(
+            EffectKind::NonDeterministicFieldSet {
+                reasons: vec!["now()".into()],
+            },
+            "LastTouched = now()",
+            None,
+        );
+        assert!(
+            matches!(stamp.verdict(), Verdict::Blocked(r) if r.contains("non-deterministic field set without a key"))
+        );
+        assert!(
+            matches!(Consumer::undeclared("d").verdict(), Verdict::Blocked(r) if r == "effects not declared")
+        );
+    }
+}
