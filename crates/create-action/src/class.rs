@@ -57,7 +57,13 @@ pub struct Reason {
 
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} = {}: {}", self.column, self.kind.name(), self.kind.explain())
+        write!(
+            f,
+            "{} = {}: {}",
+            self.column,
+            self.kind.name(),
+            self.kind.explain()
+        )
     }
 }
 
@@ -110,7 +116,11 @@ impl fmt::Display for EffectClass {
                 natural_key,
                 autonumber,
             } => {
-                write!(f, "natural-key create of {object} by ({})", natural_key.join(", "))?;
+                write!(
+                    f,
+                    "natural-key create of {object} by ({})",
+                    natural_key.join(", ")
+                )?;
                 if let Some(field) = autonumber {
                     write!(f, ", autonumber {field} drawn only on create")?;
                 }

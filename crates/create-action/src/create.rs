@@ -130,13 +130,16 @@ impl FindOrCreate {
     ) -> Result<Option<Map<String, Value>>> {
         let columns = self.returned();
         let mut stmt = Statement::new(conn.backend());
-        stmt.push("SELECT ").push_select_list(&columns).push(" FROM ");
+        stmt.push("SELECT ")
+            .push_select_list(&columns)
+            .push(" FROM ");
         stmt.push(&self.object.name().quoted()).push(" WHERE ");
         for (n, ((i, _), value)) in self.keys.iter().zip(keys).enumerate() {
             if n > 0 {
                 stmt.push(" AND ");
             }
-            stmt.push(&self.object.columns()[*i].name().quoted()).push(" = ");
+            stmt.push(&self.object.columns()[*i].name().quoted())
+                .push(" = ");
             stmt.bind(value.clone());
         }
         conn.fetch_optional_row(&stmt, &columns).await
@@ -193,7 +196,12 @@ impl FindOrCreate {
         let columns = self.object.columns();
         let mut names: Vec<String> = Vec::new();
         let mut values: Vec<BindValue> = Vec::new();
-        for ((i, _), value) in self.keys.iter().zip(keys).chain(self.fields.iter().zip(fields)) {
+        for ((i, _), value) in self
+            .keys
+            .iter()
+            .zip(keys)
+            .chain(self.fields.iter().zip(fields))
+        {
             names.push(columns[*i].name().quoted());
             values.push(value.clone());
         }
@@ -292,7 +300,10 @@ impl FindOrCreateBuilder {
         };
         let mut keys = Vec::new();
         for (name, source) in &self.keys {
-            keys.push((resolve(name, source, ColumnRole::NaturalKey)?, source.clone()));
+            keys.push((
+                resolve(name, source, ColumnRole::NaturalKey)?,
+                source.clone(),
+            ));
         }
         let mut fields = Vec::new();
         for (name, source) in &self.fields {
@@ -355,13 +366,42 @@ mod tests {
                 .key("SourceLeadId", Source::RecordId)
                 .key("RelationName", json!("converted"))
         };
-        assert!(base().field("Name", Source::snapshot("Company")).build().is_ok());
-        let err = base().field("OpportunityNumber", json!(7)).build().unwrap_err();
-        assert!(matches!(err, Error::NotWritable { role: "autonumber", .. }), "{err}");
+        assert!(
+            base()
+                .field("Name", Source::snapshot("Company"))
+                .build()
+                .is_ok()
+        );
+        let err = base()
+            .field("OpportunityNumber", json!(7))
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::NotWritable {
+                    role: "autonumber",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let err = base().field("Id", json!(7)).build().unwrap_err();
-        assert!(matches!(err, Error::NotWritable { role: "read-only", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::NotWritable {
+                    role: "read-only",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let err = base().key("Name", json!("x")).build().unwrap_err();
-        assert!(matches!(err, Error::NotWritable { role: "field", .. }), "{err}");
+        assert!(
+            matches!(err, Error::NotWritable { role: "field", .. }),
+            "{err}"
+        );
         let err = base().key("SourceLeadId", json!("x")).build().unwrap_err();
         assert!(matches!(err, Error::RepeatedColumn { .. }), "{err}");
         let err = base().field("Name", json!(5)).build().unwrap_err();

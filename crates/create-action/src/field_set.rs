@@ -138,7 +138,11 @@ impl FieldSet {
             target.push(value);
         }
         let mut conn = conn.any();
-        if !self.assignments.iter().any(|(_, rhs)| *rhs == Rhs::Sequence) {
+        if !self
+            .assignments
+            .iter()
+            .any(|(_, rhs)| *rhs == Rhs::Sequence)
+        {
             return self.update(&mut conn, event, now, &target).await;
         }
         // Sequence values are drawn before the update; a savepoint hands them back when there
@@ -205,11 +209,17 @@ impl FieldSet {
                 }
                 Rhs::Append(source) => {
                     let value = to_bind(column, &source.resolve(event)?)?;
-                    stmt.push("COALESCE(").push(&name).push(", '') || ").bind(value);
+                    stmt.push("COALESCE(")
+                        .push(&name)
+                        .push(", '') || ")
+                        .bind(value);
                 }
                 Rhs::Increment(source) => {
                     let value = to_bind(column, &source.resolve(event)?)?;
-                    stmt.push("COALESCE(").push(&name).push(", 0) + ").bind(value);
+                    stmt.push("COALESCE(")
+                        .push(&name)
+                        .push(", 0) + ")
+                        .bind(value);
                 }
                 Rhs::SetIfEmpty(source) => {
                     let value = to_bind(column, &source.resolve(event)?)?;
@@ -217,7 +227,11 @@ impl FieldSet {
                     if column.ty() == ColumnType::Text {
                         stmt.push(" OR ").push(&name).push(" = ''");
                     }
-                    stmt.push(" THEN ").bind(value).push(" ELSE ").push(&name).push(" END");
+                    stmt.push(" THEN ")
+                        .bind(value)
+                        .push(" ELSE ")
+                        .push(&name)
+                        .push(" END");
                 }
             }
         }
@@ -338,8 +352,6 @@ impl FieldSetBuilder {
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
-
     use super::*;
 
     fn lead() -> Arc<ObjectDef> {
@@ -382,9 +394,21 @@ mod tests {
         let cases = [
             ("ConvertedAt", Rhs::Now, NonDeterminism::Now),
             ("Ticket", Rhs::Sequence, NonDeterminism::Sequence),
-            ("Notes", Rhs::Append(Source::literal(";x")), NonDeterminism::Append),
-            ("Touches", Rhs::Increment(Source::literal(1)), NonDeterminism::Increment),
-            ("Owner", Rhs::SetIfEmpty(Source::snapshot("Owner")), NonDeterminism::SetIfEmpty),
+            (
+                "Notes",
+                Rhs::Append(Source::literal(";x")),
+                NonDeterminism::Append,
+            ),
+            (
+                "Touches",
+                Rhs::Increment(Source::literal(1)),
+                NonDeterminism::Increment,
+            ),
+            (
+                "Owner",
+                Rhs::SetIfEmpty(Source::snapshot("Owner")),
+                NonDeterminism::SetIfEmpty,
+            ),
         ];
         for (column, rhs, kind) in cases {
             let class = set(column, rhs).unwrap().effect_class();
@@ -421,23 +445,53 @@ mod tests {
     #[test]
     fn right_hand_sides_must_fit_their_column() {
         let err = set("Touches", Rhs::Append(Source::literal("x"))).unwrap_err();
-        assert_eq!(err.to_string(), "Append cannot write column Touches of type integer");
-        assert!(matches!(set("Status", Rhs::Increment(Source::literal(1))), Err(Error::UnsupportedRhs { .. })));
-        assert!(matches!(set("Touches", Rhs::Now), Err(Error::UnsupportedRhs { .. })));
-        assert!(matches!(set("Notes", Rhs::Sequence), Err(Error::UnsupportedRhs { .. })));
-        assert!(matches!(set("Touches", Rhs::Increment(Source::literal("1"))), Err(Error::TypeMismatch { .. })));
+        assert_eq!(
+            err.to_string(),
+            "Append cannot write column Touches of type integer"
+        );
+        assert!(matches!(
+            set("Status", Rhs::Increment(Source::literal(1))),
+            Err(Error::UnsupportedRhs { .. })
+        ));
+        assert!(matches!(
+            set("Touches", Rhs::Now),
+            Err(Error::UnsupportedRhs { .. })
+        ));
+        assert!(matches!(
+            set("Notes", Rhs::Sequence),
+            Err(Error::UnsupportedRhs { .. })
+        ));
+        assert!(matches!(
+            set("Touches", Rhs::Increment(Source::literal("1"))),
+            Err(Error::TypeMismatch { .. })
+        ));
         assert!(set("Score", Rhs::Increment(Source::literal(0.5))).is_ok());
         assert!(set("Status", Rhs::Now).is_ok());
     }
 
     #[test]
     fn targets_and_read_only_columns_are_checked() {
-        let err = FieldSet::builder(lead()).set("Status", Rhs::literal("x")).build().unwrap_err();
+        let err = FieldSet::builder(lead())
+            .set("Status", Rhs::literal("x"))
+            .build()
+            .unwrap_err();
         assert!(matches!(err, Error::NoTarget(_)), "{err}");
-        let err = FieldSet::builder(lead()).target("Id", Source::RecordId).build().unwrap_err();
+        let err = FieldSet::builder(lead())
+            .target("Id", Source::RecordId)
+            .build()
+            .unwrap_err();
         assert!(matches!(err, Error::EmptyFieldSet(_)), "{err}");
         let err = set("Id", Rhs::literal("x")).unwrap_err();
-        assert!(matches!(err, Error::NotWritable { role: "read-only", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::NotWritable {
+                    role: "read-only",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let err = FieldSet::builder(lead())
             .target("Id", Source::RecordId)
             .set("Status", Rhs::literal("a"))

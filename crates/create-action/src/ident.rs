@@ -54,7 +54,10 @@ impl Ident {
     pub fn table(name: &str) -> Result<Self, Error> {
         let ident = Self::new(name)?;
         let folded = ident.folded();
-        if RESERVED_TABLE_PREFIXES.iter().any(|p| folded.starts_with(p)) {
+        if RESERVED_TABLE_PREFIXES
+            .iter()
+            .any(|p| folded.starts_with(p))
+        {
             return Err(Error::InvalidIdentifier {
                 name: name.to_string(),
                 reason: "the name is reserved for the database or the platform",
@@ -103,7 +106,14 @@ mod tests {
 
     #[test]
     fn accepts_plain_names() {
-        for name in ["Opportunity", "_x", "a", "SourceLeadId", "Field_2", &"a".repeat(63)] {
+        for name in [
+            "Opportunity",
+            "_x",
+            "a",
+            "SourceLeadId",
+            "Field_2",
+            &"a".repeat(63),
+        ] {
             assert_eq!(Ident::new(name).unwrap().as_str(), name);
         }
     }
@@ -114,11 +124,26 @@ mod tests {
             reason("Name\"; DROP TABLE x; --"),
             "only ASCII letters, digits and underscores are allowed"
         );
-        assert_eq!(reason("a b"), "only ASCII letters, digits and underscores are allowed");
-        assert_eq!(reason("a'b"), "only ASCII letters, digits and underscores are allowed");
-        assert_eq!(reason("a.b"), "only ASCII letters, digits and underscores are allowed");
-        assert_eq!(reason("naïve"), "only ASCII letters, digits and underscores are allowed");
-        assert_eq!(reason("1abc"), "it must start with an ASCII letter or an underscore");
+        assert_eq!(
+            reason("a b"),
+            "only ASCII letters, digits and underscores are allowed"
+        );
+        assert_eq!(
+            reason("a'b"),
+            "only ASCII letters, digits and underscores are allowed"
+        );
+        assert_eq!(
+            reason("a.b"),
+            "only ASCII letters, digits and underscores are allowed"
+        );
+        assert_eq!(
+            reason("naïve"),
+            "only ASCII letters, digits and underscores are allowed"
+        );
+        assert_eq!(
+            reason("1abc"),
+            "it must start with an ASCII letter or an underscore"
+        );
         assert_eq!(reason(""), "it is empty");
         assert_eq!(reason(&"a".repeat(64)), "it is longer than 63 bytes");
     }
@@ -134,7 +159,13 @@ mod tests {
 
     #[test]
     fn reserved_tables_are_refused_for_writing_only() {
-        for name in ["_System_Autonumber", "_system_outboxevent", "pg_class", "SQLITE_master", "_sqlx_migrations"] {
+        for name in [
+            "_System_Autonumber",
+            "_system_outboxevent",
+            "pg_class",
+            "SQLITE_master",
+            "_sqlx_migrations",
+        ] {
             assert!(Ident::new(name).is_ok(), "{name} is a valid identifier");
             assert!(
                 matches!(Ident::table(name), Err(Error::InvalidIdentifier { .. })),

@@ -175,8 +175,11 @@ impl ObjectDefBuilder {
 
     /// Declares the autonumber field (an integer column), drawn when a row is created.
     pub fn autonumber(mut self, name: &str) -> Self {
-        self.columns
-            .push((name.to_string(), ColumnType::Integer, ColumnRole::Autonumber));
+        self.columns.push((
+            name.to_string(),
+            ColumnType::Integer,
+            ColumnRole::Autonumber,
+        ));
         self
     }
 
@@ -269,27 +272,40 @@ mod tests {
         let def = opportunity().build().unwrap();
         let key: Vec<_> = def.natural_key().map(|c| c.name().as_str()).collect();
         assert_eq!(key, ["SourceLeadId", "RelationName"]);
-        assert_eq!(def.autonumber().unwrap().name().as_str(), "OpportunityNumber");
+        assert_eq!(
+            def.autonumber().unwrap().name().as_str(),
+            "OpportunityNumber"
+        );
         assert_eq!(def.column("name").unwrap().role(), ColumnRole::Field);
-        assert!(matches!(def.column("Amount"), Err(Error::UnknownColumn { .. })));
+        assert!(matches!(
+            def.column("Amount"),
+            Err(Error::UnknownColumn { .. })
+        ));
     }
 
     #[test]
     fn hostile_names_never_build() {
-        let err = ObjectDef::builder("Name\"; DROP TABLE x; --").build().unwrap_err();
+        let err = ObjectDef::builder("Name\"; DROP TABLE x; --")
+            .build()
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidIdentifier { .. }), "{err}");
         let err = opportunity()
             .field("Name\"; DROP TABLE x; --", ColumnType::Text)
             .build()
             .unwrap_err();
         assert!(matches!(err, Error::InvalidIdentifier { .. }), "{err}");
-        let err = ObjectDef::builder("_System_OutboxEvent").build().unwrap_err();
+        let err = ObjectDef::builder("_System_OutboxEvent")
+            .build()
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidIdentifier { .. }), "{err}");
     }
 
     #[test]
     fn duplicate_columns_and_autonumbers_are_refused() {
-        let err = opportunity().field("NAME", ColumnType::Text).build().unwrap_err();
+        let err = opportunity()
+            .field("NAME", ColumnType::Text)
+            .build()
+            .unwrap_err();
         assert!(matches!(err, Error::DuplicateColumn { .. }), "{err}");
         let err = opportunity().autonumber("Second").build().unwrap_err();
         assert!(matches!(err, Error::SecondAutonumber(_)), "{err}");
@@ -300,8 +316,14 @@ mod tests {
         let mut registry = Registry::new();
         registry.register(opportunity().build().unwrap()).unwrap();
         let again = ObjectDef::builder("OPPORTUNITY").build().unwrap();
-        assert!(matches!(registry.register(again), Err(Error::DuplicateObject(_))));
-        assert_eq!(registry.get("opportunity").unwrap().name().as_str(), "Opportunity");
+        assert!(matches!(
+            registry.register(again),
+            Err(Error::DuplicateObject(_))
+        ));
+        assert_eq!(
+            registry.get("opportunity").unwrap().name().as_str(),
+            "Opportunity"
+        );
         assert!(matches!(registry.get("Lead"), Err(Error::UnknownObject(_))));
     }
 }

@@ -185,13 +185,31 @@ mod tests {
     #[test]
     fn values_must_fit_their_column_type() {
         let bind = |ty, v| to_bind_as("C", ty, &v);
-        assert_eq!(bind(ColumnType::Text, json!("x")).unwrap(), BindValue::Text("x".into()));
-        assert_eq!(bind(ColumnType::Integer, json!(7)).unwrap(), BindValue::Integer(7));
-        assert_eq!(bind(ColumnType::Real, json!(7)).unwrap(), BindValue::Real(7.0));
-        assert_eq!(bind(ColumnType::Json, json!([1])).unwrap(), BindValue::Json("[1]".into()));
-        assert_eq!(bind(ColumnType::Integer, json!(null)).unwrap(), BindValue::Null(ColumnType::Integer));
+        assert_eq!(
+            bind(ColumnType::Text, json!("x")).unwrap(),
+            BindValue::Text("x".into())
+        );
+        assert_eq!(
+            bind(ColumnType::Integer, json!(7)).unwrap(),
+            BindValue::Integer(7)
+        );
+        assert_eq!(
+            bind(ColumnType::Real, json!(7)).unwrap(),
+            BindValue::Real(7.0)
+        );
+        assert_eq!(
+            bind(ColumnType::Json, json!([1])).unwrap(),
+            BindValue::Json("[1]".into())
+        );
+        assert_eq!(
+            bind(ColumnType::Integer, json!(null)).unwrap(),
+            BindValue::Null(ColumnType::Integer)
+        );
         let err = bind(ColumnType::Integer, json!(1.5)).unwrap_err();
-        assert_eq!(err.to_string(), "column C is integer, but the value is a fractional number");
+        assert_eq!(
+            err.to_string(),
+            "column C is integer, but the value is a fractional number"
+        );
         assert!(bind(ColumnType::Text, json!(7)).is_err());
         assert!(bind(ColumnType::Boolean, json!("true")).is_err());
     }
@@ -203,13 +221,19 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(Source::RecordId.resolve(&event).unwrap(), json!("00Q1"));
-        assert_eq!(Source::snapshot("Company").resolve(&event).unwrap(), json!("Acme"));
+        assert_eq!(
+            Source::snapshot("Company").resolve(&event).unwrap(),
+            json!("Acme")
+        );
         assert_eq!(Source::literal(3).resolve(&event).unwrap(), json!(3));
         assert!(matches!(
             Source::snapshot("Missing").resolve(&event),
             Err(Error::MissingSnapshotField(_))
         ));
         let no_record = EventEnvelope::from_value(json!({"kind": "digest"})).unwrap();
-        assert!(matches!(Source::RecordId.resolve(&no_record), Err(Error::MissingRecordId)));
+        assert!(matches!(
+            Source::RecordId.resolve(&no_record),
+            Err(Error::MissingRecordId)
+        ));
     }
 }
