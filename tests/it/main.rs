@@ -2,5 +2,6 @@
 //! PostgreSQL (see `outbox_tests::backend_tests!`).
 
 mod create_action;
+mod gate;
 mod repository;
 mod workers;

@@ -1,0 +1,192 @@
+//! The rollout gate on both backends: each verdict, legacy rows missing their key, and a
+//! passing gate; and excluded consumers kept on the legacy path while pull workers run the rest.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use chrono::Utc;
+use outbox_events::{
+    AttemptContext, Consumer, Dispatcher, EffectKind, ExternalKind, Handler, HandlerError,
+    Handlers, OutboxEvent, Safeguard, Verdict, WorkerConfig, evaluate_gate,
+};
+use outbox_persistence::{Cutoffs, NewEvent};
+use outbox_tests::{RawRow, TestDb, backend_tests};
+
+fn capture() -> Consumer {
+    Consumer::new("capture", "account.updated").effect(
+        EffectKind::DeterministicFieldSet,
+        "Name from the snapshot",
+        None,
+    )
+}
+
+fn mail(safeguard: Option<Safeguard>) -> Consumer {
+    Consumer::new("mail", "account.welcome").effect(
+        EffectKind::External {
+            kind: ExternalKind::Email,
+        },
+        "welcome email",
+        safeguard,
+    )
+}
+
+fn lead(id: &str) -> String {
+    format!(r#"{{"object":"Lead","record_id":"{id}","snapshot":{{}}}}"#)
+}
+
+async fn gate_verdicts(db: TestDb) {
+    let repo = db.repository();
+
+    // A passing gate: safe and protected consumers, no legacy rows.
+    let protected = [
+        capture(),
+        mail(Some(Safeguard::Contract("delivery ledger".into()))),
+    ];
+    let report = evaluate_gate(&repo, &protected).await.unwrap();
+    assert!(report.passes(), "{:?}", report.reasons);
+    assert_eq!(report.consumers[1].1, Verdict::Protected);
+
+    // A blocked consumer: an external effect without a contract.
+    let blocked = [capture(), mail(None)];
+    let report = evaluate_gate(&repo, &blocked).await.unwrap();
+    assert!(!report.passes());
+    assert_eq!(report.reasons.len(), 1);
+    assert!(
+        report.reasons[0]
+            .contains("consumer mail of account.welcome: unprotected live external consumer"),
+        "{:?}",
+        report.reasons
+    );
+
+    // An excluded consumer passes, and its event type stays on the legacy path.
+    let excluded = [
+        capture(),
+        mail(Some(Safeguard::Excluded("no ledger yet".into()))),
+    ];
+    let report = evaluate_gate(&repo, &excluded).await.unwrap();
+    assert!(report.passes());
+    assert_eq!(
+        report.excluded_event_types(),
+        vec!["account.welcome".to_string()]
+    );
+
+    // A handler registered without a declaration blocks the gate.
+    let undeclared = [capture(), Consumer::undeclared("mystery.event")];
+    let report = evaluate_gate(&repo, &undeclared).await.unwrap();
+    assert!(
+        report
+            .reasons
+            .iter()
+            .any(|r| r.contains("effects not declared"))
+    );
+
+    // Legacy rows without RecordKey although their payload derives one block the gate until
+    // they are backfilled; an underivable or terminal one does not.
+    let now = Utc::now();
+    for i in 0..3 {
+        db.insert_raw(&RawRow {
+            payload: lead(&format!("legacy{i}")),
+            ..RawRow::pending(None, now)
+        })
+        .await;
+    }
+    db.insert_raw(&RawRow {
+        payload: "{broken".into(),
+        ..RawRow::pending(None, now)
+    })
+    .await;
+    db.insert_raw(&RawRow {
+        payload: lead("done"),
+        status: "processed",
+        ..RawRow::pending(None, now)
+    })
+    .await;
+    let report = evaluate_gate(&repo, &protected).await.unwrap();
+    assert_eq!(report.rows_missing_record_key, 3);
+    assert_eq!(report.reasons.len(), 1);
+    assert!(
+        report.reasons[0].contains("3 non-terminal row(s) lack the RecordKey"),
+        "{:?}",
+        report.reasons
+    );
+    let page = repo.backfill_record_keys(None, 100, false).await.unwrap();
+    assert_eq!(page.updated, 3);
+    assert!(evaluate_gate(&repo, &protected).await.unwrap().passes());
+}
+
+struct Count(Arc<AtomicU64>);
+
+#[async_trait]
+impl Handler for Count {
+    async fn handle(
+        &self,
+        _: &OutboxEvent,
+        _: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// In pull mode, an excluded consumer's events run on the legacy loop, the others on the pull
+/// workers, and a record's order holds across the two paths.
+async fn excluded_consumers_run_on_the_legacy_path(db: TestDb) {
+    let repo = db.repository();
+    let mut events = Vec::new();
+    for i in 0..40 {
+        let t = if i % 3 == 0 {
+            "account.welcome"
+        } else {
+            "account.updated"
+        };
+        events.push(NewEvent::new(t, lead(&format!("x{}", i % 5))));
+    }
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &events, Utc::now()).await.unwrap();
+    tx.commit().await.unwrap();
+    let (pulled, legacy) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let handlers = Handlers::new()
+        .register_consumer(capture(), Count(pulled.clone()))
+        .register_consumer(
+            mail(Some(Safeguard::Excluded("no ledger yet".into()))),
+            Count(legacy.clone()),
+        );
+    let report = evaluate_gate(&repo, &handlers.consumers()).await.unwrap();
+    assert!(report.passes());
+    let config = WorkerConfig::default()
+        .with_workers(3)
+        .with_poll_interval(Duration::from_millis(20))
+        .with_excluded_event_types(report.excluded_event_types());
+    let dispatcher = Dispatcher::new(repo.clone(), handlers, config).start();
+    let start = Instant::now();
+    loop {
+        let s = repo
+            .stats(Cutoffs::at(
+                Utc::now(),
+                Duration::from_secs(30),
+                Duration::ZERO,
+            ))
+            .await
+            .unwrap();
+        if s.pending + s.processing == 0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "not drained: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    dispatcher.shutdown().await;
+    assert_eq!(legacy.load(Ordering::SeqCst), 14);
+    assert_eq!(pulled.load(Ordering::SeqCst), 26);
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'processed'")
+            .await,
+        40
+    );
+}
+
+backend_tests!(gate_verdicts, excluded_consumers_run_on_the_legacy_path);
