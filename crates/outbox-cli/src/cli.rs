@@ -178,10 +178,9 @@ pub struct WorkArgs {
 
 /// `outbox retry`.
 #[derive(Debug, Args)]
-#[group(required = true, multiple = false)]
 pub struct RetryArgs {
     /// Return this failed row to pending.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "failed", required_unless_present = "failed")]
     pub id: Option<Uuid>,
     /// Return every failed row to pending.
     #[arg(long)]

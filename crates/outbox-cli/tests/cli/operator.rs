@@ -1,0 +1,247 @@
+//! The operator commands end to end: migrate, seed, work, verify, status, retry, backfill,
+//! explain, consumers and the gate, against a real database.
+
+use chrono::Utc;
+use outbox_tests::{Backend, RawRow, TestDb, backend_tests};
+use serde_json::Value;
+
+use super::{outbox, outbox_with_env, stderr, stdout};
+
+fn json(o: &std::process::Output) -> Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(o)))
+}
+
+fn lead(id: &str) -> String {
+    format!(r#"{{"object":"Lead","record_id":"{id}","snapshot":{{}}}}"#)
+}
+
+/// `migrate` twice, `seed`, `status`, `work --until-drained` and `verify` on one database.
+async fn seed_work_verify(db: TestDb) {
+    for _ in 0..2 {
+        let o = outbox(&db.url, &["migrate"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let o = outbox(
+        &db.url,
+        &[
+            "seed",
+            "--events",
+            "300",
+            "--records",
+            "30",
+            "--fault-rate",
+            "0.1",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("seeded 300 events over 30 records"),
+        "{}",
+        stdout(&o)
+    );
+    let status = json(&outbox(&db.url, &["status", "--json"]));
+    assert_eq!(status["pending"], 300);
+    let o = outbox(
+        &db.url,
+        &[
+            "work",
+            "--workers",
+            "4",
+            "--until-drained",
+            "--retry-delay-ms",
+            "10",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let status = json(&outbox(&db.url, &["status", "--json"]));
+    assert_eq!(status["processed"], 300, "{status}");
+    let v = outbox(&db.url, &["verify", "--json"]);
+    assert!(v.status.success(), "{}", stdout(&v));
+    let v = json(&v);
+    assert!(
+        v["retries"].as_i64().unwrap() > 0,
+        "marked events failed their first attempt"
+    );
+    let text = outbox(&db.url, &["status"]);
+    assert!(
+        stdout(&text).contains("processed    300"),
+        "{}",
+        stdout(&text)
+    );
+}
+
+/// `retry` returns failed rows to pending, by id or by event type, and says when nothing
+/// matched.
+async fn retry_failed_rows(db: TestDb) {
+    let now = Utc::now();
+    let a = RawRow {
+        status: "failed",
+        event_type: "a".into(),
+        ..RawRow::pending(None, now)
+    };
+    let b = RawRow {
+        status: "failed",
+        event_type: "b".into(),
+        ..RawRow::pending(None, now)
+    };
+    let c = RawRow {
+        status: "failed",
+        event_type: "b".into(),
+        ..RawRow::pending(None, now)
+    };
+    for r in [&a, &b, &c] {
+        db.insert_raw(r).await;
+    }
+    let o = outbox(&db.url, &["retry", "--id", &a.id.to_string()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("1 failed row(s) returned to pending"));
+    let o = outbox(&db.url, &["retry", "--id", &a.id.to_string()]);
+    assert!(
+        !o.status.success(),
+        "retrying a row that is not failed is an error"
+    );
+    let o = outbox(&db.url, &["retry", "--failed", "--event-type", "b"]);
+    assert!(
+        stdout(&o).contains("2 failed row(s) returned to pending"),
+        "{}",
+        stdout(&o)
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'pending'")
+            .await,
+        3
+    );
+    let o = outbox(&db.url, &["retry"]);
+    assert!(!o.status.success(), "retry needs --id or --failed");
+}
+
+/// `backfill-record-keys` sets missing keys, reports what it cannot derive, is idempotent, and a
+/// dry run changes nothing; the gate fails while keys are missing and passes after.
+async fn backfill_and_gate(db: TestDb) {
+    let now = Utc::now();
+    let legacy = RawRow {
+        payload: lead("L1"),
+        ..RawRow::pending(None, now)
+    };
+    let broken = RawRow {
+        payload: "{oops".into(),
+        ..RawRow::pending(None, now)
+    };
+    db.insert_raw(&legacy).await;
+    db.insert_raw(&broken).await;
+
+    let gate = outbox(&db.url, &["gate"]);
+    assert_eq!(gate.status.code(), Some(1));
+    assert!(
+        stdout(&gate).contains("1 non-terminal row(s) lack the RecordKey their payload derives"),
+        "{}",
+        stdout(&gate)
+    );
+
+    // With OUTBOX_PULL_WORKER=true and a failing gate, `work` fails closed to the legacy path.
+    let o = outbox_with_env(
+        &db.url,
+        &["work", "--until-drained", "--max-retry-attempts", "1"],
+        &[("OUTBOX_PULL_WORKER", "true")],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the rollout gate refuses"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(stdout(&o).contains("Legacy mode"), "{}", stdout(&o));
+
+    let o = outbox(&db.url, &["retry", "--failed"]);
+    assert!(o.status.success());
+    let dry = outbox(&db.url, &["backfill-record-keys", "--dry-run"]);
+    assert!(stdout(&dry).contains("1 keys missing"), "{}", stdout(&dry));
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent WHERE RecordKey IS NOT NULL")
+            .await,
+        0
+    );
+    let o = outbox(&db.url, &["backfill-record-keys", "--batch", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("1 keys set") && out.contains("1 underivable"),
+        "{out}"
+    );
+    assert!(out.contains(&format!("underivable {}", broken.id)), "{out}");
+    assert!(stderr(&o).contains("resume with --after"), "{}", stderr(&o));
+    let again = outbox(&db.url, &["backfill-record-keys"]);
+    assert!(
+        stdout(&again).contains("0 keys set, 1 already set"),
+        "{}",
+        stdout(&again)
+    );
+
+    let gate = outbox(&db.url, &["gate"]);
+    assert!(gate.status.success(), "{}", stdout(&gate));
+    assert!(stdout(&gate).contains("gate passed"));
+    let o = outbox_with_env(
+        &db.url,
+        &["work", "--until-drained"],
+        &[("OUTBOX_PULL_WORKER", "true")],
+    );
+    assert!(stdout(&o).contains("Pull mode"), "{}", stdout(&o));
+}
+
+/// `explain` prints the PostgreSQL plans, and refuses SQLite with a clear message.
+async fn explain_plans(db: TestDb) {
+    let o = outbox(&db.url, &["explain"]);
+    match db.backend() {
+        Backend::Postgres => {
+            assert!(o.status.success(), "{}", stderr(&o));
+            let out = stdout(&o);
+            assert!(
+                out.contains("eligible-event query") && out.contains("LockRows"),
+                "{out}"
+            );
+        }
+        Backend::Sqlite => {
+            assert!(!o.status.success());
+            assert!(
+                stderr(&o).contains("prints PostgreSQL plans"),
+                "{}",
+                stderr(&o)
+            );
+        }
+    }
+}
+
+/// `consumers` prints the map of every registered consumer with its verdict.
+async fn consumer_map(db: TestDb) {
+    let o = outbox(&db.url, &["consumers", "--json"]);
+    assert!(o.status.success());
+    let rows = json(&o);
+    let rows = rows.as_array().unwrap();
+    let mail = rows
+        .iter()
+        .find(|r| r["consumer"] == "welcome-mail")
+        .unwrap();
+    assert_eq!(mail["verdict"], "protected");
+    assert!(
+        mail["contract_or_exclusion"]
+            .as_str()
+            .unwrap()
+            .contains("delivery ledger")
+    );
+    assert!(rows.iter().any(|r| {
+        r["effect_class"]
+            .as_str()
+            .unwrap()
+            .starts_with("natural-key create")
+    }));
+    let text = stdout(&outbox(&db.url, &["consumers"]));
+    assert!(text.starts_with("| event type | consumer |"), "{text}");
+}
+
+backend_tests!(
+    seed_work_verify,
+    retry_failed_rows,
+    backfill_and_gate,
+    explain_plans,
+    consumer_map
+);
