@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 
 use crate::cmd::{Cmd, format_duration};
-use crate::{deps, is_ci, postgres};
+use crate::{demo, deps, is_ci, postgres};
 
 /// What a CI step runs.
 enum Action {
@@ -89,12 +89,18 @@ const STEPS: &[Step] = &[
         ],
     ),
     Step::xtask("dependency direction", "deps", deps::run),
+    Step::xtask(
+        "consumer map is current",
+        "consumer-map --check",
+        demo::consumer_map_check,
+    ),
     Step::cargo_with_env(
         "docs",
         &["doc", "--workspace", "--no-deps"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     ),
     Step::xtask("tests", "test", test_all),
+    Step::xtask("demo on SQLite and PostgreSQL", "demo", demo::demo),
 ];
 
 /// Runs every CI step in order, printing each one's command and duration, and stops at the first

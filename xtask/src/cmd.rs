@@ -25,6 +25,15 @@ impl Cmd {
         }
     }
 
+    /// Any program with `args`.
+    pub fn new<S: AsRef<str>>(program: &str, args: &[S]) -> Self {
+        Self {
+            program: program.to_string(),
+            args: args.iter().map(|arg| arg.as_ref().to_string()).collect(),
+            env: Vec::new(),
+        }
+    }
+
     /// Appends `args` to the command's arguments.
     pub fn args<S: AsRef<str>>(mut self, args: &[S]) -> Self {
         self.args

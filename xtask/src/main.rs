@@ -6,6 +6,7 @@
 
 mod ci;
 mod cmd;
+mod demo;
 mod deps;
 mod postgres;
 
@@ -22,6 +23,9 @@ commands:
   test [-- ARGS]   run `cargo test --workspace` on SQLite and, when reachable, PostgreSQL
                    (ARGS are passed to `cargo test`)
   deps             check the direction of dependencies between workspace crates
+  consumer-map [--check]
+                   write docs/consumer-map.md from the binary (--check: fail when stale)
+  demo             run `outbox demo` on SQLite and on a fresh PostgreSQL database
   help             print this message
 
 environment:
@@ -51,6 +55,15 @@ fn run(args: Vec<String>) -> Result<()> {
         "deps" => {
             no_arguments(command, rest)?;
             deps::run()
+        }
+        "consumer-map" => match rest {
+            [] => demo::consumer_map(false),
+            [flag] if flag == "--check" => demo::consumer_map(true),
+            _ => bail!("usage: cargo xtask consumer-map [--check]"),
+        },
+        "demo" => {
+            no_arguments(command, rest)?;
+            demo::demo()
         }
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
