@@ -264,8 +264,8 @@ async fn claim_race_has_one_winner(db: TestDb) {
                 loop {
                     match repo.claim_event(id, cutoffs(now)).await {
                         Ok(claim) => return claim,
-                        // SQLite may report busy under this contention: a lost race too.
-                        Err(e) if e.is_transient() => return None,
+                        // SQLite may report busy under this contention: try again.
+                        Err(e) if e.is_transient() => continue,
                         Err(e) => panic!("claim failed: {e:?}"),
                     }
                 }

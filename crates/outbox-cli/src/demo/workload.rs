@@ -18,6 +18,18 @@ pub const LEAD_UPDATED: &str = "lead.updated";
 pub const LEAD_CONVERTED: &str = "lead.converted";
 /// Send the account's welcome email (external).
 pub const WELCOME_EMAIL: &str = "account.welcome_email";
+/// A slow report: its handler sleeps `SleepMs` with a live heartbeat (seeded only on request,
+/// for the fault suite's "a slow handler is never reclaimed" check).
+pub const SLOW_REPORT: &str = "report.slow";
+
+/// Slow events to seed among the workload.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SlowEvents {
+    /// How many.
+    pub count: usize,
+    /// How long each handler sleeps, in milliseconds.
+    pub sleep_ms: u64,
+}
 
 /// Events written per application transaction while seeding.
 const SEED_BATCH: usize = 200;
@@ -76,7 +88,7 @@ const INDUSTRIES: &[&str] = &["Retail", "Energy", "Banking", "Media", "Health"];
 const LEAD_STATUSES: &[&str] = &["Open", "Working", "Nurturing", "Qualified"];
 
 fn record_id(record: usize) -> (bool, String) {
-    if record % 2 == 0 {
+    if record.is_multiple_of(2) {
         (true, format!("A{record:06}"))
     } else {
         (false, format!("L{record:06}"))
@@ -108,7 +120,7 @@ fn generate(events: usize, records: usize, fault_rate: f64, seed: u64) -> Vec<Wr
         if is_account {
             let name = format!("Account {r} rev {revision}");
             let industry = INDUSTRIES[rng.below(INDUSTRIES.len())].to_string();
-            let welcome = !welcomed[r] && r % 4 == 0;
+            let welcome = !welcomed[r] && r.is_multiple_of(4);
             let event = if welcome {
                 welcomed[r] = true;
                 NewEvent::new(
@@ -189,6 +201,7 @@ pub async fn seed(
     records: usize,
     fault_rate: f64,
     seed: u64,
+    slow: SlowEvents,
 ) -> Result<Seeded> {
     super::schema::ensure(db).await?;
     let writes = generate(events, records, fault_rate, seed);
@@ -196,20 +209,45 @@ pub async fn seed(
         .iter()
         .filter(|w| w.event.payload.contains("demo_fault"))
         .count();
-    for batch in writes.chunks(SEED_BATCH) {
+    let batches = writes.len().div_ceil(SEED_BATCH).max(1);
+    let mut slow_left = slow.count;
+    for (index, batch) in writes.chunks(SEED_BATCH).enumerate() {
         let mut tx = repo.begin().await?;
         for write in batch {
             write_record(&mut tx, &write.record).await?;
         }
-        let new_events: Vec<NewEvent> = batch.iter().map(|w| w.event.clone()).collect();
+        let mut new_events: Vec<NewEvent> = batch.iter().map(|w| w.event.clone()).collect();
+        // Spread the slow events evenly over the batches, so they run while the rest flows.
+        let due = slow.count * (index + 1) / batches;
+        while slow.count - slow_left < due {
+            new_events.push(slow_event(slow.count - slow_left, slow.sleep_ms));
+            slow_left -= 1;
+        }
         repo.enqueue(&mut tx, &new_events, Utc::now()).await?;
         tx.commit().await?;
     }
+    if slow_left > 0 {
+        let mut tx = repo.begin().await?;
+        let rest: Vec<NewEvent> = (slow.count - slow_left..slow.count)
+            .map(|n| slow_event(n, slow.sleep_ms))
+            .collect();
+        repo.enqueue(&mut tx, &rest, Utc::now()).await?;
+        tx.commit().await?;
+    }
     Ok(Seeded {
-        events: writes.len(),
+        events: writes.len() + slow.count,
         records: records.max(1).min(events.max(1)),
         marked_faults,
     })
+}
+
+/// The `n`th slow event: a report record of its own, whose handler sleeps `sleep_ms`.
+fn slow_event(n: usize, sleep_ms: u64) -> NewEvent {
+    NewEvent::new(
+        SLOW_REPORT,
+        json!({"object": "Report", "record_id": format!("R{n:06}"), "snapshot": {"SleepMs": sleep_ms}})
+            .to_string(),
+    )
 }
 
 async fn write_record(tx: &mut outbox_persistence::Tx, record: &RecordWrite) -> Result<()> {
