@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::Utc;
@@ -11,8 +11,8 @@ use outbox_events::{
     AttemptContext, Consumer, Dispatcher, EffectKind, ExternalKind, Handler, HandlerError,
     Handlers, OutboxEvent, Safeguard, Verdict, WorkerConfig, evaluate_gate,
 };
-use outbox_persistence::{Cutoffs, NewEvent};
-use outbox_tests::{RawRow, TestDb, backend_tests};
+use outbox_persistence::NewEvent;
+use outbox_tests::{RawRow, TestDb, backend_tests, drain};
 
 fn capture() -> Consumer {
     Consumer::new("capture", "account.updated").effect(
@@ -160,25 +160,7 @@ async fn excluded_consumers_run_on_the_legacy_path(db: TestDb) {
         .with_poll_interval(Duration::from_millis(20))
         .with_excluded_event_types(report.excluded_event_types());
     let dispatcher = Dispatcher::new(repo.clone(), handlers, config).start();
-    let start = Instant::now();
-    loop {
-        let s = repo
-            .stats(Cutoffs::at(
-                Utc::now(),
-                Duration::from_secs(30),
-                Duration::ZERO,
-            ))
-            .await
-            .unwrap();
-        if s.pending + s.processing == 0 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "not drained: {s:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    drain(&repo, Duration::from_secs(60)).await;
     dispatcher.shutdown().await;
     assert_eq!(legacy.load(Ordering::SeqCst), 14);
     assert_eq!(pulled.load(Ordering::SeqCst), 26);

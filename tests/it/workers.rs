@@ -13,8 +13,8 @@ use outbox_events::{
     AttemptContext, DispatchMode, Dispatcher, Handler, HandlerError, Handlers, OutboxEvent,
     WorkerConfig,
 };
-use outbox_persistence::{Cutoffs, NewEvent, OutboxRepository, with_tx};
-use outbox_tests::{Backend, TestDb, backend_tests};
+use outbox_persistence::{NewEvent, OutboxRepository, with_tx};
+use outbox_tests::{Backend, TestDb, backend_tests, drain};
 use record_key::EventEnvelope;
 
 /// Creates the effect log the test handlers write into, inside the attempt transaction.
@@ -134,29 +134,6 @@ async fn enqueue_all(repo: &Arc<dyn OutboxRepository>, events: Vec<NewEvent>) {
         let mut tx = repo.begin().await.unwrap();
         repo.enqueue(&mut tx, chunk, Utc::now()).await.unwrap();
         tx.commit().await.unwrap();
-    }
-}
-
-/// Waits until no row is pending or processing, or panics after `limit`.
-async fn drain(repo: &Arc<dyn OutboxRepository>, limit: Duration) {
-    let start = Instant::now();
-    loop {
-        let stats = repo
-            .stats(Cutoffs::at(
-                Utc::now(),
-                Duration::from_secs(30),
-                Duration::ZERO,
-            ))
-            .await
-            .unwrap();
-        if stats.pending + stats.processing == 0 {
-            return;
-        }
-        assert!(
-            start.elapsed() < limit,
-            "not drained after {limit:?}: {stats:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -339,3 +339,27 @@ impl TestDb {
         .expect("count rows")
     }
 }
+
+/// Waits until no row is pending or processing, or panics after `limit`.
+pub async fn drain(repo: &Arc<dyn OutboxRepository>, limit: Duration) {
+    let start = std::time::Instant::now();
+    loop {
+        let now = chrono::Utc::now();
+        let stats = repo
+            .stats(outbox_persistence::Cutoffs::at(
+                now,
+                Duration::from_secs(30),
+                Duration::ZERO,
+            ))
+            .await
+            .expect("read the queue's stats");
+        if stats.pending + stats.processing == 0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "not drained after {limit:?}: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
