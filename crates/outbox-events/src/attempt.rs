@@ -215,7 +215,7 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> Attemp
                 biased;
                 _ = lost.cancelled() => Err(AttemptOutcome::LostClaim),
                 _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
-                result = handler.handle(&claim.event, &mut ctx) => Ok(result),
+                result = CatchPanic(handler.handle(&claim.event, &mut ctx)) => Ok(result),
             }
         }
     };
@@ -409,5 +409,38 @@ async fn detached(env: &AttemptEnv, beat: &mut Beat<'_>, failure: Failure) -> At
 async fn rollback_quietly(tx: &mut dyn Attempt) {
     if let Err(e) = tx.rollback().await {
         tracing::debug!(error = %e.chain(), "rollback failed (the transaction is gone with its connection)");
+    }
+}
+
+/// Turns a handler's panic into a retryable error, so a panicking handler never takes its
+/// worker down; a handler that always panics ends `failed` at `MaxRetryAttempts`.
+struct CatchPanic<F>(F);
+
+impl<F> std::future::Future for CatchPanic<F>
+where
+    F: std::future::Future<Output = Result<(), HandlerError>> + Unpin,
+{
+    type Output = Result<(), HandlerError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let inner = &mut self.0;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            std::pin::Pin::new(inner).poll(cx)
+        })) {
+            Ok(poll) => poll,
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-string panic".to_string());
+                std::task::Poll::Ready(Err(HandlerError::Retryable(format!(
+                    "handler panicked: {message}"
+                ))))
+            }
+        }
     }
 }

@@ -448,3 +448,84 @@ async fn attempt_that_cannot_begin_is_retried_detached() {
     .await;
     assert_eq!(outcome, AttemptOutcome::Retried);
 }
+
+/// A panicking handler does not take its worker down: the attempt rolls back to the savepoint
+/// and is retried like any failure.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_handler_is_a_retryable_failure() {
+    let mut attempt = MockAttempt::new();
+    expect_failure(
+        &mut attempt,
+        |b| matches!(b, FailureBookkeeping::Retry { .. }),
+        "handler panicked: boom",
+    );
+    let repo = repo_with(attempt, Arc::default());
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || panic!("boom")),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Retried);
+}
+
+/// On a backend whose attempts exclude other writers (SQLite), no heartbeat runs during the
+/// attempt; it starts when the bookkeeping must land on the side.
+#[tokio::test(start_paused = true)]
+async fn serialized_backend_heartbeats_only_for_detached_bookkeeping() {
+    let log: Arc<Mutex<Vec<&'static str>>> = Arc::default();
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_, _| Ok(FenceOutcome::Written));
+    attempt
+        .expect_commit()
+        .times(1)
+        .returning(|| Err(unavailable()));
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_serializes_writers().return_const(true);
+    repo.expect_begin_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
+    let l = Arc::clone(&log);
+    repo.expect_heartbeat().returning(move |fence, now| {
+        l.lock().unwrap().push("heartbeat");
+        Ok(Some(Fence {
+            id: fence.id,
+            last_written: outbox_persistence::truncate_micros(now),
+        }))
+    });
+    let (l, tries) = (Arc::clone(&log), Arc::new(Mutex::new(0)));
+    repo.expect_increment_retry().returning(move |_, _, _, _| {
+        let mut t = tries.lock().unwrap();
+        *t += 1;
+        if *t < 12 {
+            l.lock().unwrap().push("bookkeeping failed");
+            Err(unavailable())
+        } else {
+            l.lock().unwrap().push("bookkeeping landed");
+            Ok(FenceOutcome::Written)
+        }
+    });
+    // The handler runs longer than several heartbeat intervals.
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::from_secs(5), || Ok(())),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Retried);
+    let log = log.lock().unwrap().clone();
+    let first = log.iter().position(|e| *e == "bookkeeping failed").unwrap();
+    assert!(
+        !log[..first].contains(&"heartbeat"),
+        "no heartbeat during the attempt: {log:?}"
+    );
+    assert!(
+        log[first..].contains(&"heartbeat"),
+        "the heartbeat keeps the detached claim: {log:?}"
+    );
+}
