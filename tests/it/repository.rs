@@ -737,6 +737,63 @@ async fn scope_narrows_types_but_not_order(db: TestDb) {
     assert_eq!(claim.event.id, younger.id);
 }
 
+/// A blocked key whose backlog fills the oldest rows (more than the PostgreSQL claim inspects
+/// before generating candidates per key) does not hide younger keys' heads or unkeyed rows, nor
+/// change their order; once its head goes stale, the head is taken first.
+async fn hot_key_backlog_does_not_hide_other_heads(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    let mut t = at(now, -2000);
+    let mut next = || {
+        t += chrono::Duration::seconds(1);
+        t
+    };
+    let head = RawRow {
+        status: "processing",
+        last_modified: at(now, -1),
+        ..RawRow::pending(Some("Lead:hot"), next())
+    };
+    db.insert_raw(&head).await;
+    for _ in 0..150 {
+        db.insert_raw(&RawRow::pending(Some("Lead:hot"), next()))
+            .await;
+    }
+    // Interleaved younger rows: each other key has two rows, and the unkeyed rows have no order
+    // constraint of their own.
+    let mut expected = Vec::new();
+    let mut seconds = Vec::new();
+    for i in 0..5 {
+        let first = RawRow::pending(Some(&format!("Lead:k{i}")), next());
+        let unkeyed = RawRow::pending(None, next());
+        let second = RawRow::pending(Some(&format!("Lead:k{i}")), next());
+        db.insert_raw(&first).await;
+        db.insert_raw(&unkeyed).await;
+        db.insert_raw(&second).await;
+        expected.push(first.id);
+        expected.push(unkeyed.id);
+        seconds.push(second.id);
+    }
+    let mut claimed = Vec::new();
+    while let Some(claim) = repo.claim_next(cutoffs(now), &Scope::All).await.unwrap() {
+        assert_ne!(claim.event.record_key.as_deref(), Some("Lead:hot"));
+        claimed.push(claim.event.id);
+    }
+    assert_eq!(
+        claimed, expected,
+        "each key's head and the unkeyed rows, oldest first"
+    );
+    // The hot key's head goes stale: it is reclaimed before anything else.
+    let later = at(now, 60);
+    let claim = repo
+        .claim_next(cutoffs(later), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claim.event.id, head.id);
+    assert!(claim.reclaimed);
+    assert!(!seconds.contains(&claim.event.id));
+}
+
 /// Migrating twice is a no-op, and the schema check passes on a migrated database.
 async fn migrations_are_idempotent(db: TestDb) {
     db.db.migrate().await.unwrap();
@@ -755,4 +812,5 @@ backend_tests!(
     stats_reports_the_queue,
     migrations_are_idempotent,
     scope_narrows_types_but_not_order,
+    hot_key_backlog_does_not_hide_other_heads,
 );

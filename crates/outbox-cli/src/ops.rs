@@ -97,31 +97,41 @@ pub async fn explain(url: Option<&str>) -> Result<ExitCode> {
         );
     };
     let c = cutoffs();
-    for (name, sql) in [
-        (
-            "eligible-event query (the design's, as written)",
-            outbox_persistence::postgres::ELIGIBLE_QUERY,
-        ),
-        (
-            "select-and-claim (claim_next)",
-            outbox_persistence::postgres::CLAIM_NEXT_EXPLAIN,
-        ),
-    ] {
-        println!("== {name}");
-        // EXPLAIN without ANALYZE runs nothing, so the claim's UPDATE changes no row.
-        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
-            .bind(c.stale_cutoff)
-            .bind(c.retry_cutoff)
-            .bind(1_i64)
-            .fetch_all(pool)
-            .await?;
-        for line in plan {
-            println!("{line}");
-        }
-        println!();
-    }
+    let no_types: Option<Vec<String>> = None;
+    println!("== eligible-event query (the design's, as written)");
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN {}",
+        outbox_persistence::postgres::ELIGIBLE_QUERY
+    )))
+    .bind(c.stale_cutoff)
+    .bind(c.retry_cutoff)
+    .bind(1_i64)
+    .fetch_all(pool)
+    .await?;
+    print_plan(&plan);
+    // EXPLAIN without ANALYZE runs nothing, so the claim's UPDATE changes no row.
+    println!("== select-and-claim (claim_next)");
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN {}",
+        outbox_persistence::postgres::CLAIM_NEXT
+    )))
+    .bind(c.now)
+    .bind(c.stale_cutoff)
+    .bind(c.retry_cutoff)
+    .bind(&no_types)
+    .bind(&no_types)
+    .fetch_all(pool)
+    .await?;
+    print_plan(&plan);
     db.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+fn print_plan(plan: &[String]) {
+    for line in plan {
+        println!("{line}");
+    }
+    println!();
 }
 
 /// `outbox backfill-record-keys`.

@@ -51,12 +51,58 @@ WHERE
 ORDER BY e.CreatedDate ASC, e.Id ASC
 LIMIT $3";
 
-/// Select-and-claim in one statement: the eligible query locks its row with
-/// `FOR UPDATE OF e SKIP LOCKED` and the update re-checks the claimable states.
-const CLAIM_NEXT: &str = "\
-WITH candidate AS (
+/// How many of the oldest non-terminal rows `claim_next` inspects before it falls back to
+/// generating candidates per key. More than the workers that can hold a claim at once, so that
+/// in a flowing queue the oldest eligible row is almost always inside this prefix. The query
+/// spells it as `LIMIT 64`.
+pub const CLAIM_PREFIX_ROWS: u32 = 64;
+
+/// The candidate selection of `claim_next`: the design's eligible set and order, computed so
+/// that its cost does not grow with the backlog or with one hot key (see `docs/queries.md`).
+///
+/// 1. `in_prefix`: the design's query over the oldest [`CLAIM_PREFIX_ROWS`] non-terminal rows.
+///    Every row older than the oldest eligible one is non-terminal and inside that prefix, so a
+///    hit here is the oldest eligible row overall. The same-key probe is the design's
+///    `NOT EXISTS`, with the `(CreatedDate, Id)` comparison written as a row comparison so that
+///    the index bounds it: a key's head costs one index descent, not a walk of its backlog.
+/// 2. `by_head` (only when the prefix holds nothing claimable, for example a hot key's backlog
+///    fills it): a keyed row is eligible only as the first non-terminal row of its key, so the
+///    candidates are each key's head (a skip scan over `outbox_record_key_idx`, one descent per
+///    key with non-terminal rows) and the unkeyed rows, checked and taken oldest first. A
+///    blocked key's backlog is never walked.
+///
+/// Parameters: `$2` stale cutoff, `$3` retry cutoff, `$4`/`$5` the scope's event types.
+macro_rules! claim_candidate {
+    () => {
+        "\
+WITH RECURSIVE
+heads AS (
+  (SELECT h.RecordKey, h.CreatedDate, h.Id
+   FROM _System_OutboxEvent h
+   WHERE h.RecordKey IS NOT NULL AND h.Status NOT IN ('processed', 'failed')
+   ORDER BY h.RecordKey, h.CreatedDate, h.Id
+   LIMIT 1)
+  UNION ALL
+  SELECT n.RecordKey, n.CreatedDate, n.Id
+  FROM heads p
+  CROSS JOIN LATERAL (
+    SELECT x.RecordKey, x.CreatedDate, x.Id
+    FROM _System_OutboxEvent x
+    WHERE x.RecordKey > p.RecordKey AND x.Status NOT IN ('processed', 'failed')
+    ORDER BY x.RecordKey, x.CreatedDate, x.Id
+    LIMIT 1
+  ) n
+),
+in_prefix AS (
   SELECT e.Id, e.Status AS old_status
-  FROM _System_OutboxEvent e
+  FROM (
+    SELECT w.Id, w.CreatedDate
+    FROM _System_OutboxEvent w
+    WHERE w.Status NOT IN ('processed', 'failed')
+    ORDER BY w.CreatedDate, w.Id
+    LIMIT 64
+  ) w
+  JOIN _System_OutboxEvent e ON e.Id = w.Id
   WHERE
     (e.Status = 'pending'
      OR (e.Status = 'processing' AND e.LastModifiedDate < $2))
@@ -69,54 +115,64 @@ WITH candidate AS (
         SELECT 1
         FROM _System_OutboxEvent older
         WHERE older.RecordKey = e.RecordKey
-          AND (
-            older.CreatedDate < e.CreatedDate
-            OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
-          )
+          AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
           AND older.Status NOT IN ('processed', 'failed')
       )
     )
     AND ($4::text[] IS NULL OR e.EventType = ANY($4))
     AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
-  ORDER BY e.CreatedDate ASC, e.Id ASC
+  ORDER BY w.CreatedDate, w.Id
   LIMIT 1
   FOR UPDATE OF e SKIP LOCKED
-)
+),
+by_head AS (
+  SELECT e.Id, e.Status AS old_status
+  FROM (
+    SELECT heads.Id, heads.CreatedDate FROM heads
+    UNION ALL
+    SELECT u.Id, u.CreatedDate
+    FROM _System_OutboxEvent u
+    WHERE u.RecordKey IS NULL AND u.Status NOT IN ('processed', 'failed')
+  ) c
+  JOIN _System_OutboxEvent e ON e.Id = c.Id
+  WHERE
+    (e.Status = 'pending'
+     OR (e.Status = 'processing' AND e.LastModifiedDate < $2))
+    AND (e.Status <> 'pending'
+         OR e.RetryCount = 0
+         OR e.LastModifiedDate < $3)
+    AND ($4::text[] IS NULL OR e.EventType = ANY($4))
+    AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
+  ORDER BY c.CreatedDate, c.Id
+  LIMIT 1
+  FOR UPDATE OF e SKIP LOCKED
+),
+candidate AS (
+  SELECT Id, old_status FROM in_prefix
+  UNION ALL
+  SELECT Id, old_status FROM by_head
+  LIMIT 1
+)"
+    };
+}
+
+/// The candidate selection of `claim_next` alone, ending in the `candidate` CTE (for `EXPLAIN`).
+pub const CLAIM_CANDIDATE: &str = claim_candidate!();
+
+/// Select-and-claim in one statement: [`CLAIM_CANDIDATE`] locks its row with
+/// `FOR UPDATE OF e SKIP LOCKED` and the update moves it to `processing`. Parameters: `$1` now,
+/// `$2` stale cutoff, `$3` retry cutoff, `$4`/`$5` the scope's event types.
+pub const CLAIM_NEXT: &str = concat!(
+    claim_candidate!(),
+    "
 UPDATE _System_OutboxEvent t
 SET Status = 'processing',
     LastModifiedDate = GREATEST($1, t.LastModifiedDate + interval '1 microsecond')
 FROM candidate c
 WHERE t.Id = c.Id
 RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
-          t.LastModifiedDate, t.LastError, c.old_status";
-
-/// `claim_next`'s statement with its scope parameters bound to NULL, for `EXPLAIN` (which takes
-/// `$1` stale cutoff, `$2` retry cutoff and an unused `$3`).
-pub const CLAIM_NEXT_EXPLAIN: &str = "\
-SELECT * FROM _System_OutboxEvent e
-WHERE
-  (e.Status = 'pending'
-   OR (e.Status = 'processing' AND e.LastModifiedDate < $1))
-  AND (e.Status <> 'pending'
-       OR e.RetryCount = 0
-       OR e.LastModifiedDate < $2)
-  AND (
-    e.RecordKey IS NULL
-    OR NOT EXISTS (
-      SELECT 1
-      FROM _System_OutboxEvent older
-      WHERE older.RecordKey = e.RecordKey
-        AND (
-          older.CreatedDate < e.CreatedDate
-          OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
-        )
-        AND older.Status NOT IN ('processed', 'failed')
-    )
-  )
-  AND $3::bigint IS NOT NULL
-ORDER BY e.CreatedDate ASC, e.Id ASC
-LIMIT 1
-FOR UPDATE OF e SKIP LOCKED";
+          t.LastModifiedDate, t.LastError, c.old_status"
+);
 
 const CLAIM_EVENT: &str = "\
 UPDATE _System_OutboxEvent t
