@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 
 use crate::cmd::{Cmd, format_duration};
-use crate::{demo, deps, is_ci, postgres};
+use crate::{bench, demo, deps, is_ci, postgres};
 
 /// What a CI step runs.
 enum Action {
@@ -74,7 +74,8 @@ fn cargo_command(args: &[&str], env: &[(&str, &str)]) -> Cmd {
 
 /// The steps of `cargo xtask ci`, in the order they run; the first failure stops the run. Adding a
 /// step is one line here. Steps planned next, each an `xtask` step once its command exists:
-/// `consumer-map --check` and `faults --quick` before the tests, `bench --quick` after them.
+/// `consumer-map --check` and `faults --quick` before the tests. The benchmark runs after the
+/// tests and prints its figures without asserting them.
 const STEPS: &[Step] = &[
     Step::cargo("format", &["fmt", "--all", "--", "--check"]),
     Step::cargo(
@@ -101,6 +102,7 @@ const STEPS: &[Step] = &[
     ),
     Step::xtask("tests", "test", test_all),
     Step::xtask("demo on SQLite and PostgreSQL", "demo", demo::demo),
+    Step::xtask("benchmark (figures, not asserted)", "bench --quick", bench::quick),
 ];
 
 /// Runs every CI step in order, printing each one's command and duration, and stops at the first
@@ -207,5 +209,9 @@ mod tests {
             assert!(position(check) < tests, "{check} runs before the tests");
         }
         assert!(position("cargo xtask demo") > tests, "the demo runs after the tests");
+        assert!(
+            position("cargo xtask bench --quick") > tests,
+            "the benchmark runs after the tests"
+        );
     }
 }

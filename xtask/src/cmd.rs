@@ -34,6 +34,15 @@ impl Cmd {
         }
     }
 
+    /// A command running `program` with `args`.
+    pub fn program<S: AsRef<str>>(program: &str, args: &[S]) -> Self {
+        Self {
+            program: program.to_string(),
+            args: args.iter().map(|arg| arg.as_ref().to_string()).collect(),
+            env: Vec::new(),
+        }
+    }
+
     /// Appends `args` to the command's arguments.
     pub fn args<S: AsRef<str>>(mut self, args: &[S]) -> Self {
         self.args

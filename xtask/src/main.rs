@@ -4,6 +4,7 @@
 //! xtask depends on no workspace crate, so it builds (and `cargo xtask deps` runs) even while the
 //! rest of the workspace does not compile.
 
+mod bench;
 mod ci;
 mod cmd;
 mod demo;
@@ -23,13 +24,18 @@ commands:
   test [-- ARGS]   run `cargo test --workspace` on SQLite and, when reachable, PostgreSQL
                    (ARGS are passed to `cargo test`)
   deps             check the direction of dependencies between workspace crates
+  bench [--quick] [--json]
+                   measure throughput, latency, head-of-line blocking, scaling and cost of the
+                   workers against PostgreSQL ceilings (fresh database, dropped after)
+  explain          print the PostgreSQL plans of the eligible query and of claim_next on
+                   seeded tables (10k, 100k, 1M rows and a hot key's backlog)
   consumer-map [--check]
                    write docs/consumer-map.md from the binary (--check: fail when stale)
   demo             run `outbox demo` on SQLite and on a fresh PostgreSQL database
   help             print this message
 
 environment:
-  DATABASE_URL     the PostgreSQL server for tests (default postgres://root@127.0.0.1:5432/test)
+  DATABASE_URL     the PostgreSQL server for tests and benchmarks (default postgres://root@127.0.0.1:5432/test)
   CI=true          an unreachable PostgreSQL is a failure instead of a skip";
 
 fn main() -> ExitCode {
@@ -64,6 +70,11 @@ fn run(args: Vec<String>) -> Result<()> {
         "demo" => {
             no_arguments(command, rest)?;
             demo::demo()
+        }
+        "bench" => bench::run(&bench::BenchOptions::parse(rest)?),
+        "explain" => {
+            no_arguments(command, rest)?;
+            bench::explain()
         }
         "help" | "-h" | "--help" => {
             println!("{USAGE}");

@@ -48,6 +48,9 @@ pub enum Command {
     Consumers(JsonArg),
     /// Exit 0 only when OUTBOX_PULL_WORKER may flip; otherwise print one line per reason.
     Gate(JsonArg),
+    /// Measure throughput, latency and cost on PostgreSQL (run it as `cargo xtask bench`).
+    #[command(hide = true)]
+    Bench(crate::bench::BenchArgs),
 }
 
 /// `--json`.
@@ -219,5 +222,6 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::BackfillRecordKeys(args) => ops::backfill(url, args).await,
         Command::Consumers(a) => ops::consumers(a.json),
         Command::Gate(a) => ops::gate(url, a.json).await,
+        Command::Bench(args) => crate::bench::run(url, args).await,
     }
 }

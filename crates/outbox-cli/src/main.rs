@@ -1,6 +1,7 @@
 //! The `outbox` binary: the composition root that wires the repository, the workers, the demo
 //! workload and the operator commands together.
 
+mod bench;
 mod cli;
 mod db;
 mod demo;
@@ -15,7 +16,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     // The demo injects faults on purpose and reports them; its default log shows errors only.
     let default_level = match cli.command {
-        cli::Command::Demo(_) => "error",
+        cli::Command::Demo(_) | cli::Command::Bench(_) => "error",
         _ => "warn",
     };
     tracing_subscriber::fmt()

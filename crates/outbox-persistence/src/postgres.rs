@@ -71,10 +71,13 @@ pub const CLAIM_PREFIX_ROWS: u32 = 64;
 ///    key with non-terminal rows) and the unkeyed rows, checked and taken oldest first. A
 ///    blocked key's backlog is never walked.
 ///
-/// Parameters: `$2` stale cutoff, `$3` retry cutoff, `$4`/`$5` the scope's event types.
+/// Parameters: `$2` stale cutoff, `$3` retry cutoff; `$scope` is spliced in twice, empty for
+/// [`Scope::All`] (so that the statement has no parameter that changes its plan, and
+/// PostgreSQL keeps one generic plan instead of planning every claim) or `scope_filter!()`.
 macro_rules! claim_candidate {
-    () => {
-        "\
+    ($($scope:tt)*) => {
+        concat!(
+            "\
 WITH RECURSIVE
 heads AS (
   (SELECT h.RecordKey, h.CreatedDate, h.Id
@@ -119,9 +122,9 @@ in_prefix AS (
           AND older.Status NOT IN ('processed', 'failed')
       )
     )
-    AND ($4::text[] IS NULL OR e.EventType = ANY($4))
-    AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
-  ORDER BY w.CreatedDate, w.Id
+",
+            $($scope)*,
+            "  ORDER BY w.CreatedDate, w.Id
   LIMIT 1
   FOR UPDATE OF e SKIP LOCKED
 ),
@@ -141,9 +144,9 @@ by_head AS (
     AND (e.Status <> 'pending'
          OR e.RetryCount = 0
          OR e.LastModifiedDate < $3)
-    AND ($4::text[] IS NULL OR e.EventType = ANY($4))
-    AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
-  ORDER BY c.CreatedDate, c.Id
+",
+            $($scope)*,
+            "  ORDER BY c.CreatedDate, c.Id
   LIMIT 1
   FOR UPDATE OF e SKIP LOCKED
 ),
@@ -153,17 +156,38 @@ candidate AS (
   SELECT Id, old_status FROM by_head
   LIMIT 1
 )"
+        )
     };
 }
 
-/// The candidate selection of `claim_next` alone, ending in the `candidate` CTE (for `EXPLAIN`).
-pub const CLAIM_CANDIDATE: &str = claim_candidate!();
+/// The scope predicates of a narrowed claim: `$4` event types only, `$5` event types except.
+macro_rules! scope_filter {
+    () => {
+        "    AND ($4::text[] IS NULL OR e.EventType = ANY($4))
+    AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
+"
+    };
+}
 
-/// Select-and-claim in one statement: [`CLAIM_CANDIDATE`] locks its row with
+/// Select-and-claim in one statement: the candidate selection above locks its row with
 /// `FOR UPDATE OF e SKIP LOCKED` and the update moves it to `processing`. Parameters: `$1` now,
 /// `$2` stale cutoff, `$3` retry cutoff, `$4`/`$5` the scope's event types.
 pub const CLAIM_NEXT: &str = concat!(
-    claim_candidate!(),
+    claim_candidate!(scope_filter!()),
+    "
+UPDATE _System_OutboxEvent t
+SET Status = 'processing',
+    LastModifiedDate = GREATEST($1, t.LastModifiedDate + interval '1 microsecond')
+FROM candidate c
+WHERE t.Id = c.Id
+RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
+          t.LastModifiedDate, t.LastError, c.old_status"
+);
+
+/// [`CLAIM_NEXT`] for [`Scope::All`]: the same statement without the scope predicates.
+/// Parameters: `$1` now, `$2` stale cutoff, `$3` retry cutoff.
+pub const CLAIM_NEXT_ALL: &str = concat!(
+    claim_candidate!(""),
     "
 UPDATE _System_OutboxEvent t
 SET Status = 'processing',
@@ -434,14 +458,19 @@ ORDER BY e.CreatedDate ASC",
     }
 
     async fn claim_next(&self, cutoffs: Cutoffs, scope: &Scope) -> Result<Option<Claim>> {
-        let row = sqlx::query(CLAIM_NEXT)
+        let query = match scope {
+            Scope::All => sqlx::query(CLAIM_NEXT_ALL),
+            _ => sqlx::query(CLAIM_NEXT),
+        };
+        let query = query
             .bind(cutoffs.now)
             .bind(cutoffs.stale_cutoff)
-            .bind(cutoffs.retry_cutoff)
-            .bind(scope.only())
-            .bind(scope.except())
-            .fetch_optional(&self.pool)
-            .await?;
+            .bind(cutoffs.retry_cutoff);
+        let query = match scope {
+            Scope::All => query,
+            _ => query.bind(scope.only()).bind(scope.except()),
+        };
+        let row = query.fetch_optional(&self.pool).await?;
         row.as_ref().map(claim_from_row).transpose()
     }
 

@@ -1,0 +1,266 @@
+//! `outbox bench` (hidden; run it as `cargo xtask bench`): throughput, latency, head-of-line
+//! blocking, scaling and bloat of the pull workers and the legacy dispatcher, measured side by
+//! side against the PostgreSQL ceilings of the same server in one run.
+//!
+//! The command creates a fresh database next to the one `--database-url` names, migrates it,
+//! runs every scenario there and drops it. Figures are printed, never asserted: the targets are
+//! listed next to them so that a reader sees the gap. `--explain` instead seeds the claim
+//! shapes and prints the plans of the design's query and of `claim_next` (`cargo xtask explain`).
+
+mod ceiling;
+mod claim;
+mod report;
+mod scenarios;
+
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use outbox_persistence::{ConnectConfig, Database};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Connection};
+
+pub use report::Report;
+
+/// `outbox bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Smaller sizes and shorter runs (under two minutes on two cores), for CI.
+    #[arg(long)]
+    pub quick: bool,
+    /// Print one JSON document after the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Print the plans of the eligible query and of `claim_next` on seeded tables instead.
+    #[arg(long)]
+    pub explain: bool,
+    /// Run only the scenarios whose name contains one of these words (for example `claim`).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+}
+
+/// Sizes of one run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sizes {
+    pub quick: bool,
+    /// Events of a drain.
+    pub drain_events: usize,
+    /// Records the drain's events are about.
+    pub records: usize,
+    /// How long each ceiling runs per connection count.
+    pub ceiling_run: Duration,
+    /// How long a head-of-line block lasts.
+    pub block: Duration,
+    /// Events that flow during the block.
+    pub block_events: usize,
+    /// Events of the hot key and of the other keys in the hot-key drain.
+    pub hot_events: usize,
+    /// Events of the slow-handler run.
+    pub slow_events: usize,
+    /// Backlog sizes of the select-and-claim measurement.
+    pub claim_backlogs: &'static [usize],
+    /// The hot key's backlog in the select-and-claim measurement.
+    pub claim_hot_backlog: usize,
+    /// Claims timed per backlog shape.
+    pub claim_samples: usize,
+    /// Longest time spent timing one query on one shape (at least five claims are timed).
+    pub claim_budget: Duration,
+    /// Idle pickups timed.
+    pub idle_samples: usize,
+    /// Connection counts of the drains and ceilings.
+    pub workers: &'static [usize],
+}
+
+impl Sizes {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                quick,
+                drain_events: 2_000,
+                records: 1_000,
+                ceiling_run: Duration::from_secs(2),
+                block: Duration::from_secs(5),
+                block_events: 2_000,
+                hot_events: 1_000,
+                slow_events: 320,
+                claim_backlogs: &[10_000, 100_000],
+                claim_hot_backlog: 100_000,
+                claim_samples: 100,
+                claim_budget: Duration::from_secs(3),
+                idle_samples: 6,
+                workers: &[2, 8, 32],
+            }
+        } else {
+            Self {
+                quick,
+                drain_events: 20_000,
+                records: 1_000,
+                ceiling_run: Duration::from_secs(5),
+                block: Duration::from_secs(10),
+                block_events: 5_000,
+                hot_events: 10_000,
+                slow_events: 1_280,
+                claim_backlogs: &[10_000, 100_000, 1_000_000],
+                claim_hot_backlog: 100_000,
+                claim_samples: 300,
+                claim_budget: Duration::from_secs(10),
+                idle_samples: 30,
+                workers: &[2, 8, 32],
+            }
+        }
+    }
+}
+
+/// The bench database: created fresh, dropped at the end.
+pub(crate) struct BenchDb {
+    /// The URL of the bench database.
+    pub url: String,
+    admin: PgConnectOptions,
+    name: String,
+}
+
+impl BenchDb {
+    async fn create(url: &str) -> Result<Self> {
+        let admin = PgConnectOptions::from_str(url).with_context(|| {
+            format!(
+                "invalid database url {}",
+                outbox_persistence::redact_url(url)
+            )
+        })?;
+        let name = format!("outbox_bench_{}", uuid::Uuid::now_v7().simple());
+        let mut conn = admin.connect().await.context("cannot reach PostgreSQL")?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut conn)
+            .await?;
+        conn.close().await?;
+        let url = with_database(url, &name);
+        let db = Database::connect(&url, ConnectConfig::default()).await?;
+        db.migrate().await?;
+        db.close().await;
+        Ok(Self { url, admin, name })
+    }
+
+    async fn drop_database(&self) -> Result<()> {
+        let mut conn = self.admin.connect().await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        )))
+        .execute(&mut conn)
+        .await?;
+        conn.close().await?;
+        Ok(())
+    }
+
+    /// A pool of `connections` on the bench database.
+    pub async fn connect(&self, connections: u32) -> Result<Database> {
+        let config = ConnectConfig {
+            max_connections: connections,
+            acquire_timeout: Duration::from_secs(60),
+            ..ConnectConfig::default()
+        };
+        Ok(Database::connect(&self.url, config).await?)
+    }
+}
+
+/// `url` with its database name replaced by `name`.
+fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let base = match base[scheme_end..].find('/') {
+        Some(slash) => &base[..scheme_end + slash],
+        None => base,
+    };
+    match query {
+        Some(q) => format!("{base}/{name}?{q}"),
+        None => format!("{base}/{name}"),
+    }
+}
+
+/// Runs the benchmark (or the plans, with `--explain`).
+pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<ExitCode> {
+    let Some(url) = url else {
+        bail!("no database given: {}", crate::db::URL_HELP);
+    };
+    if !url.starts_with("postgres") {
+        bail!("`outbox bench` measures PostgreSQL; point --database-url at a PostgreSQL server");
+    }
+    let sizes = Sizes::new(args.quick);
+    let db = BenchDb::create(url).await?;
+    eprintln!("bench database {} created", db.name);
+    let result = if args.explain {
+        claim::explain(&db, &sizes).await.map(|()| None)
+    } else {
+        run_scenarios(&db, sizes, &args.only).await.map(Some)
+    };
+    if let Err(e) = db.drop_database().await {
+        eprintln!(
+            "warning: could not drop the bench database {}: {e:#}",
+            db.name
+        );
+    }
+    if let Some(report) = result? {
+        print!("{}", report.table());
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&report.json())?);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Report> {
+    let mut report = Report::new(sizes.quick, db).await?;
+    let wanted = |name: &str| only.is_empty() || only.iter().any(|w| name.contains(w.as_str()));
+    if wanted("ceiling") {
+        ceiling::run(db, &sizes, &mut report).await?;
+    }
+    if wanted("drain") {
+        scenarios::drains(db, &sizes, &mut report).await?;
+    }
+    if wanted("head-of-line") {
+        scenarios::head_of_line(db, &sizes, &mut report).await?;
+    }
+    if wanted("hot") {
+        scenarios::hot_key(db, &sizes, &mut report).await?;
+    }
+    if wanted("slow") {
+        scenarios::slow_handlers(db, &sizes, &mut report).await?;
+    }
+    if wanted("enqueue") {
+        scenarios::enqueue_rate(db, &sizes, &mut report).await?;
+    }
+    if wanted("idle") {
+        scenarios::idle_pickup(db, &sizes, &mut report).await?;
+    }
+    if wanted("cost") {
+        scenarios::cost(db, &sizes, &mut report).await?;
+    }
+    if wanted("claim") {
+        claim::select_and_claim(db, &sizes, &mut report).await?;
+    }
+    report.finish().await;
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn with_database_replaces_only_the_name() {
+        assert_eq!(
+            with_database("postgres://root@127.0.0.1:5432/test", "b"),
+            "postgres://root@127.0.0.1:5432/b"
+        );
+        assert_eq!(
+            with_database("postgres://u:p@h/x?sslmode=disable", "b"),
+            "postgres://u:p@h/b?sslmode=disable"
+        );
+        assert_eq!(with_database("postgres://h", "b"), "postgres://h/b");
+    }
+}

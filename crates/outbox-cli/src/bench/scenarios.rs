@@ -1,0 +1,701 @@
+//! The dispatcher scenarios: drains, head-of-line blocking, a hot key, slow handlers, enqueue,
+//! idle pickup and the cost per event. Each runs the real [`Dispatcher`] (pull workers, or the
+//! legacy batch dispatcher) over the real repository; latencies are enqueue-to-processed, read
+//! from the table afterwards (`LastModifiedDate` of the `processed` row minus `CreatedDate`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use outbox_events::{
+    AttemptContext, DispatchMode, Dispatcher, DispatcherHandle, Handler, HandlerError, Handlers,
+    OutboxEvent, WorkerConfig,
+};
+use outbox_persistence::{Database, NewEvent, OutboxRepository};
+use sqlx::{PgPool, Row as _};
+
+use super::report::{Report, Row};
+use super::{BenchDb, Sizes};
+
+/// The event type every bench event has.
+const EVENT_TYPE: &str = "bench";
+/// The record whose handler the head-of-line scenario blocks on a row lock.
+const BLOCKED_KEY: &str = "Lead:blocked";
+/// The hot record of the hot-key scenario.
+const HOT_KEY: &str = "Lead:hot";
+/// Longest a single dispatcher run may take before the bench gives up.
+const RUN_LIMIT: Duration = Duration::from_secs(600);
+
+/// A handler that does nothing, sleeps, or (for one record) waits for a row lock, always in
+/// the attempt transaction.
+struct BenchHandler {
+    sleep: Option<Duration>,
+    lock_key: Option<&'static str>,
+}
+
+#[async_trait]
+impl Handler for BenchHandler {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        if let Some(d) = self.sleep {
+            tokio::time::sleep(d).await;
+        }
+        if self.lock_key.is_some() && event.record_key.as_deref() == self.lock_key {
+            outbox_persistence::with_tx!(ctx.tx(), |conn| {
+                sqlx::query("UPDATE bench_lock SET n = n + 1 WHERE id = 1")
+                    .execute(conn)
+                    .await
+                    .map(|_| ())
+            })
+            .map_err(HandlerError::db)?;
+        }
+        Ok(())
+    }
+}
+
+fn handlers(sleep: Option<Duration>, lock_key: Option<&'static str>) -> Handlers {
+    Handlers::new().register(EVENT_TYPE, BenchHandler { sleep, lock_key })
+}
+
+/// A payload about record `Lead:{record}`, or about no record.
+fn payload(record: Option<&str>) -> String {
+    match record {
+        Some(id) => format!(r#"{{"object":"Lead","record_id":"{id}","snapshot":{{}}}}"#),
+        None => r#"{"snapshot":{}}"#.to_string(),
+    }
+}
+
+fn keyed_events(n: usize, records: usize, keyed: bool) -> Vec<NewEvent> {
+    (0..n)
+        .map(|i| {
+            let id = format!("r{}", i % records);
+            NewEvent::new(EVENT_TYPE, payload(keyed.then_some(id.as_str())))
+        })
+        .collect()
+}
+
+fn pg(db: &Database) -> Result<&PgPool> {
+    match db {
+        Database::Postgres(pool) => Ok(pool),
+        Database::Sqlite(_) => bail!("the bench runs on PostgreSQL"),
+    }
+}
+
+/// Empties the outbox and the bench tables of the scenarios.
+async fn reset(db: &BenchDb) -> Result<()> {
+    let pool = db.connect(1).await?;
+    sqlx::raw_sql(
+        "TRUNCATE _System_OutboxEvent;
+         CREATE TABLE IF NOT EXISTS bench_lock (id int PRIMARY KEY, n bigint NOT NULL);
+         INSERT INTO bench_lock VALUES (1, 0) ON CONFLICT DO NOTHING;",
+    )
+    .execute(pg(&pool)?)
+    .await?;
+    sqlx::raw_sql("VACUUM ANALYZE _System_OutboxEvent")
+        .execute(pg(&pool)?)
+        .await?;
+    pool.close().await;
+    Ok(())
+}
+
+/// Enqueues `events` in transactions of `per_tx`.
+async fn enqueue(
+    repo: &Arc<dyn OutboxRepository>,
+    events: &[NewEvent],
+    per_tx: usize,
+) -> Result<()> {
+    for chunk in events.chunks(per_tx.max(1)) {
+        let mut tx = repo.begin().await?;
+        repo.enqueue(&mut tx, chunk, Utc::now()).await?;
+        tx.commit().await?;
+    }
+    Ok(())
+}
+
+fn config(mode: DispatchMode, workers: usize) -> WorkerConfig {
+    WorkerConfig::default()
+        .with_mode(mode)
+        .with_workers(workers)
+        .with_lock_timeout(Duration::from_secs(60))
+}
+
+fn mode_name(mode: DispatchMode) -> &'static str {
+    match mode {
+        DispatchMode::Pull => "pull",
+        DispatchMode::Legacy => "legacy",
+    }
+}
+
+/// A running dispatcher with its own pool (closed at the end, which also flushes the
+/// backends' table statistics).
+struct Running {
+    handle: DispatcherHandle,
+    db: Database,
+    started: DateTime<Utc>,
+    started_at: Instant,
+}
+
+async fn start(db: &BenchDb, config: WorkerConfig, handlers: Handlers) -> Result<Running> {
+    let pool = db.connect((config.workers * 2 + 4) as u32).await?;
+    let started = Utc::now();
+    let handle = Dispatcher::new(pool.repository(), handlers, config).start();
+    Ok(Running {
+        handle,
+        db: pool,
+        started,
+        started_at: Instant::now(),
+    })
+}
+
+impl Running {
+    /// Waits until `n` attempts ended (processed or failed), polling the in-process counters.
+    async fn wait_for(&self, n: u64) -> Result<()> {
+        loop {
+            let m = self.handle.metrics();
+            if m.processed + m.failed >= n {
+                return Ok(());
+            }
+            if self.started_at.elapsed() > RUN_LIMIT {
+                bail!("the dispatcher did not finish {n} events within {RUN_LIMIT:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    async fn stop(self) -> Result<()> {
+        let report = self.handle.shutdown().await;
+        self.db.close().await;
+        if report.metrics.failed > 0 {
+            bail!("{} bench events failed", report.metrics.failed);
+        }
+        Ok(())
+    }
+}
+
+/// Latency figures of processed rows matching `filter` (SQL over the outbox table).
+struct Figures {
+    n: usize,
+    p50_ms: f64,
+    p99_ms: f64,
+    /// Seconds from `since` to the last processed row.
+    span_s: f64,
+}
+
+async fn figures(pool: &PgPool, filter: &str, since: DateTime<Utc>) -> Result<Figures> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*),
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY lat),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY lat),
+                EXTRACT(EPOCH FROM (max(LastModifiedDate) - $1))::float8
+         FROM (SELECT LastModifiedDate,
+                      EXTRACT(EPOCH FROM (LastModifiedDate - CreatedDate))::float8 * 1000 AS lat
+               FROM _System_OutboxEvent
+               WHERE Status = 'processed' AND ({filter})) s"
+    )))
+    .bind(since)
+    .fetch_one(pool)
+    .await?;
+    Ok(Figures {
+        n: row.try_get::<i64, _>(0)? as usize,
+        p50_ms: row.try_get::<Option<f64>, _>(1)?.unwrap_or(0.0),
+        p99_ms: row.try_get::<Option<f64>, _>(2)?.unwrap_or(0.0),
+        span_s: row.try_get::<Option<f64>, _>(3)?.unwrap_or(0.0),
+    })
+}
+
+/// Rows of one key processed before an older row of the same key (must be zero).
+async fn order_violations(pool: &PgPool) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM (
+           SELECT LastModifiedDate < lag(LastModifiedDate)
+                    OVER (PARTITION BY RecordKey ORDER BY CreatedDate, Id) AS early
+           FROM _System_OutboxEvent WHERE RecordKey IS NOT NULL AND Status = 'processed') s
+         WHERE early",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Drains `events` (already enqueued) with a fresh dispatcher; the figures of every row.
+async fn drain(
+    db: &BenchDb,
+    mode: DispatchMode,
+    workers: usize,
+    events: usize,
+    handlers: Handlers,
+) -> Result<(Figures, i64)> {
+    let run = start(db, config(mode, workers), handlers).await?;
+    run.wait_for(events as u64).await?;
+    let since = run.started;
+    run.stop().await?;
+    let pool = db.connect(1).await?;
+    let f = figures(pg(&pool)?, "true", since).await?;
+    let violations = order_violations(pg(&pool)?).await?;
+    pool.close().await;
+    Ok((f, violations))
+}
+
+pub(super) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+    eprintln!("drains");
+    let mut pull_keyed_8 = None;
+    let mut pull_unkeyed_8 = None;
+    for &workers in sizes.workers {
+        for keyed in [true, false] {
+            for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+                reset(db).await?;
+                let pool = db.connect(2).await?;
+                let events = keyed_events(sizes.drain_events, sizes.records, keyed);
+                enqueue(&pool.repository(), &events, 1_000).await?;
+                pool.close().await;
+                let (f, violations) =
+                    drain(db, mode, workers, sizes.drain_events, handlers(None, None)).await?;
+                let rate = f.n as f64 / f.span_s.max(1e-9);
+                if mode == DispatchMode::Pull && workers == 8 {
+                    if keyed {
+                        pull_keyed_8 = Some(rate);
+                    } else {
+                        pull_unkeyed_8 = Some(rate);
+                    }
+                }
+                report.push(Row {
+                    scenario: format!(
+                        "drain {} no-op, {}",
+                        sizes.drain_events,
+                        if keyed {
+                            format!("{} records", sizes.records)
+                        } else {
+                            "no RecordKey".into()
+                        }
+                    ),
+                    dispatcher: mode_name(mode).into(),
+                    workers: Some(workers),
+                    events: Some(f.n),
+                    per_second: Some(rate),
+                    p50_ms: Some(f.p50_ms),
+                    p99_ms: Some(f.p99_ms),
+                    note: if keyed {
+                        format!("order violations {violations}; backlog enqueued before start")
+                    } else {
+                        "backlog enqueued before start".into()
+                    },
+                    ..Row::default()
+                });
+            }
+        }
+    }
+    if let (Some(k), Some(u)) = (pull_keyed_8, pull_unkeyed_8) {
+        let b = report.ceiling_b.get(&8).copied();
+        if let Some(b) = b {
+            report.target(
+                "8 pull workers, keyed no-op drain >= 1.0x ceiling (b)",
+                format!("{k:.0}/s = {:.2}x of {b:.0}/s", k / b),
+                k >= b,
+            );
+        }
+        let cost = 1.0 - k / u;
+        report.target(
+            "ordering costs < 20% against no RecordKey (8 pull workers)",
+            format!(
+                "keyed {k:.0}/s vs unkeyed {u:.0}/s: {:.0}% slower",
+                cost * 100.0
+            ),
+            cost < 0.20,
+        );
+    }
+    Ok(())
+}
+
+pub(super) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+    eprintln!("head-of-line");
+    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+        reset(db).await?;
+        let run = start(db, config(mode, 8), handlers(None, Some(BLOCKED_KEY))).await?;
+        let feeder = db.connect(2).await?;
+        let repo = feeder.repository();
+        // Hold the row lock the blocked record's handler needs.
+        let mut blocker = pg(&feeder)?.begin().await?;
+        sqlx::query("SELECT n FROM bench_lock WHERE id = 1 FOR UPDATE")
+            .execute(&mut *blocker)
+            .await?;
+        let block_start = Utc::now();
+        let blocked: Vec<NewEvent> = (0..3)
+            .map(|_| NewEvent::new(EVENT_TYPE, payload(Some("blocked"))))
+            .collect();
+        enqueue(&repo, &blocked, 3).await?;
+        // The other records' events flow at a steady rate during the block.
+        let ticks = (sizes.block.as_millis() / 10).max(1) as usize;
+        let per_tick = sizes.block_events.div_ceil(ticks);
+        let began = Instant::now();
+        let mut sent = 0;
+        let mut i = 0;
+        while sent < sizes.block_events {
+            let n = per_tick.min(sizes.block_events - sent);
+            let batch: Vec<NewEvent> = (0..n)
+                .map(|_| {
+                    i += 1;
+                    NewEvent::new(
+                        EVENT_TYPE,
+                        payload(Some(&format!("r{}", i % sizes.records))),
+                    )
+                })
+                .collect();
+            enqueue(&repo, &batch, n).await?;
+            sent += n;
+            let next = Duration::from_millis(10) * (sent / per_tick) as u32;
+            if let Some(wait) = next.checked_sub(began.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+        }
+        if let Some(wait) = sizes.block.checked_sub(began.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+        let block_end = Utc::now();
+        blocker.commit().await?;
+        run.wait_for((sizes.block_events + blocked.len()) as u64)
+            .await?;
+        run.stop().await?;
+        let pool = feeder;
+        let others = format!("RecordKey <> '{BLOCKED_KEY}'");
+        let f = figures(pg(&pool)?, &others, block_start).await?;
+        let during: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM _System_OutboxEvent
+             WHERE Status = 'processed' AND {others} AND LastModifiedDate <= $1"
+        )))
+        .bind(block_end)
+        .fetch_one(pg(&pool)?)
+        .await?;
+        let blocked_f = figures(
+            pg(&pool)?,
+            &format!("RecordKey = '{BLOCKED_KEY}'"),
+            block_start,
+        )
+        .await?;
+        pool.close().await;
+        let block_s = (block_end - block_start).as_seconds_f64();
+        let rate = during as f64 / block_s;
+        report.push(Row {
+            scenario: format!(
+                "head-of-line: 1 record blocked {}s, {} others flow",
+                sizes.block.as_secs(),
+                sizes.block_events
+            ),
+            dispatcher: mode_name(mode).into(),
+            workers: Some(8),
+            events: Some(f.n),
+            per_second: Some(rate),
+            p50_ms: Some(f.p50_ms),
+            p99_ms: Some(f.p99_ms),
+            note: format!(
+                "others processed during the block: {during} of {} offered ({:.0}/s offered); blocked record p50 {:.0} ms",
+                sizes.block_events,
+                sizes.block_events as f64 / sizes.block.as_secs_f64(),
+                blocked_f.p50_ms
+            ),
+            ..Row::default()
+        });
+        if mode == DispatchMode::Pull {
+            report.target(
+                "head-of-line: other records' p99 < 100 ms while one record is blocked",
+                format!("p99 {:.1} ms", f.p99_ms),
+                f.p99_ms < 100.0,
+            );
+        }
+    }
+    Ok(())
+}
+
+pub(super) async fn hot_key(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+    eprintln!("hot key");
+    let n = sizes.hot_events;
+    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+        reset(db).await?;
+        let pool = db.connect(2).await?;
+        // The hot record's events first, then the others: the design query's worst case.
+        let mut events: Vec<NewEvent> = (0..n)
+            .map(|_| NewEvent::new(EVENT_TYPE, payload(Some("hot"))))
+            .collect();
+        events.extend(keyed_events(n, sizes.records, true));
+        enqueue(&pool.repository(), &events, 1_000).await?;
+        pool.close().await;
+        let run = start(db, config(mode, 8), handlers(None, None)).await?;
+        run.wait_for(2 * n as u64).await?;
+        let since = run.started;
+        run.stop().await?;
+        let pool = db.connect(1).await?;
+        let all = figures(pg(&pool)?, "true", since).await?;
+        let others = figures(pg(&pool)?, &format!("RecordKey <> '{HOT_KEY}'"), since).await?;
+        let hot = figures(pg(&pool)?, &format!("RecordKey = '{HOT_KEY}'"), since).await?;
+        let violations = order_violations(pg(&pool)?).await?;
+        pool.close().await;
+        report.push(Row {
+            scenario: format!("hot key: {n} on 1 record + {n} over {}", sizes.records),
+            dispatcher: mode_name(mode).into(),
+            workers: Some(8),
+            events: Some(all.n),
+            per_second: Some(all.n as f64 / all.span_s.max(1e-9)),
+            p50_ms: Some(others.p50_ms),
+            p99_ms: Some(others.p99_ms),
+            note: format!(
+                "latency of the other records; others drained in {:.1}s, hot record at {:.0}/s (serial); order violations {violations}",
+                others.span_s,
+                hot.n as f64 / hot.span_s.max(1e-9)
+            ),
+            ..Row::default()
+        });
+    }
+    Ok(())
+}
+
+pub(super) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+    eprintln!("slow handlers");
+    let workers = 32;
+    let sleep = Duration::from_millis(50);
+    let ideal = workers as f64 / sleep.as_secs_f64();
+    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+        reset(db).await?;
+        let pool = db.connect(2).await?;
+        enqueue(
+            &pool.repository(),
+            &keyed_events(sizes.slow_events, sizes.records, true),
+            1_000,
+        )
+        .await?;
+        pool.close().await;
+        let (f, violations) = drain(
+            db,
+            mode,
+            workers,
+            sizes.slow_events,
+            handlers(Some(sleep), None),
+        )
+        .await?;
+        let rate = f.n as f64 / f.span_s.max(1e-9);
+        report.push(Row {
+            scenario: format!("slow handlers 50 ms, {} events", sizes.slow_events),
+            dispatcher: mode_name(mode).into(),
+            workers: Some(workers),
+            events: Some(f.n),
+            per_second: Some(rate),
+            p50_ms: Some(f.p50_ms),
+            p99_ms: Some(f.p99_ms),
+            note: format!(
+                "{:.0}% of the ideal {ideal:.0}/s; order violations {violations}",
+                100.0 * rate / ideal
+            ),
+            ..Row::default()
+        });
+        if mode == DispatchMode::Pull {
+            report.target(
+                "slow handlers (50 ms, 32 workers) reach 90% of the ideal 640/s",
+                format!("{rate:.0}/s = {:.0}%", 100.0 * rate / ideal),
+                rate >= 0.9 * ideal,
+            );
+        }
+    }
+    Ok(())
+}
+
+pub(super) async fn enqueue_rate(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+    eprintln!("enqueue");
+    let tasks = 8;
+    for per_tx in [1usize, 1_000] {
+        reset(db).await?;
+        let pool = db.connect(tasks as u32 + 1).await?;
+        let started = Instant::now();
+        let deadline = started + sizes.ceiling_run;
+        let mut handles = Vec::new();
+        for t in 0..tasks {
+            let repo = pool.repository();
+            handles.push(tokio::spawn(async move {
+                let mut n = 0usize;
+                while Instant::now() < deadline {
+                    let events: Vec<NewEvent> = (0..per_tx)
+                        .map(|i| {
+                            NewEvent::new(
+                                EVENT_TYPE,
+                                payload(Some(&format!("r{}", (t * per_tx + i + n) % 1000))),
+                            )
+                        })
+                        .collect();
+                    let mut tx = repo.begin().await?;
+                    repo.enqueue(&mut tx, &events, Utc::now()).await?;
+                    tx.commit().await?;
+                    n += per_tx;
+                }
+                Ok::<_, anyhow::Error>(n)
+            }));
+        }
+        let mut total = 0;
+        for h in handles {
+            total += h.await??;
+        }
+        let rate = total as f64 / started.elapsed().as_secs_f64();
+        pool.close().await;
+        report.push(Row {
+            scenario: format!("enqueue, {per_tx} per transaction"),
+            dispatcher: "enqueue".into(),
+            workers: Some(tasks),
+            events: Some(total),
+            per_second: Some(rate),
+            note: format!("{tasks} concurrent writers, events/s"),
+            ..Row::default()
+        });
+    }
+    Ok(())
+}
+
+pub(super) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+    eprintln!("idle pickup");
+    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+        reset(db).await?;
+        let run = start(db, config(mode, 8), handlers(None, None)).await?;
+        let feeder = db.connect(1).await?;
+        let repo = feeder.repository();
+        for i in 0..sizes.idle_samples {
+            // Let the workers go idle (their poll backs off to the poll interval).
+            tokio::time::sleep(Duration::from_millis(300 + (i as u64 * 97) % 400)).await;
+            enqueue(
+                &repo,
+                &[NewEvent::new(EVENT_TYPE, payload(Some(&format!("r{i}"))))],
+                1,
+            )
+            .await?;
+            run.wait_for(i as u64 + 1).await?;
+        }
+        let since = run.started;
+        run.stop().await?;
+        let f = figures(pg(&feeder)?, "true", since).await?;
+        feeder.close().await;
+        report.push(Row {
+            scenario: "idle pickup: one event into an idle pool".into(),
+            dispatcher: mode_name(mode).into(),
+            workers: Some(8),
+            events: Some(f.n),
+            p50_ms: Some(f.p50_ms),
+            p99_ms: Some(f.p99_ms),
+            note: "enqueue-to-processed; LISTEN/NOTIFY wakes pull workers".into(),
+            ..Row::default()
+        });
+        if mode == DispatchMode::Pull {
+            report.target(
+                "idle pickup p50 < 20 ms",
+                format!("p50 {:.1} ms", f.p50_ms),
+                f.p50_ms < 20.0,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Counters of the outbox table and the server's WAL position.
+#[derive(Debug, Clone, Copy)]
+struct Counters {
+    upd: i64,
+    hot_upd: i64,
+    dead: i64,
+    wal: f64,
+}
+
+async fn counters(pool: &PgPool) -> Result<Counters> {
+    // Backends flush their table statistics when they exit; the dispatcher's pool is closed
+    // before this is called, so give the flush a moment.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let row = sqlx::query(
+        "SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup,
+                pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8
+         FROM pg_stat_user_tables WHERE relname = '_system_outboxevent'",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Counters {
+        upd: row.try_get(0)?,
+        hot_upd: row.try_get(1)?,
+        dead: row.try_get(2)?,
+        wal: row.try_get(3)?,
+    })
+}
+
+pub(super) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+    eprintln!("cost per event");
+    // No-op drains: WAL, dead tuples and updates per event.
+    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+        reset(db).await?;
+        let pool = db.connect(2).await?;
+        let n = sizes.drain_events;
+        enqueue(
+            &pool.repository(),
+            &keyed_events(n, sizes.records, true),
+            1_000,
+        )
+        .await?;
+        let before = counters(pg(&pool)?).await?;
+        let run = start(db, config(mode, 8), handlers(None, None)).await?;
+        run.wait_for(n as u64).await?;
+        run.stop().await?;
+        let after = counters(pg(&pool)?).await?;
+        pool.close().await;
+        let per = |v: f64| v / n as f64;
+        report.push(Row {
+            scenario: format!("cost per no-op event ({n} drained)"),
+            dispatcher: mode_name(mode).into(),
+            workers: Some(8),
+            events: Some(n),
+            note: format!(
+                "WAL {:.0} B/event (server-wide); dead tuples left {:.2}/event; updates {:.2}/event, HOT {:.2}/event",
+                per(after.wal - before.wal),
+                per((after.dead - before.dead) as f64),
+                per((after.upd - before.upd) as f64),
+                per((after.hot_upd - before.hot_upd) as f64),
+            ),
+            ..Row::default()
+        });
+    }
+    // Heartbeats: handlers that outlive several heartbeat intervals.
+    reset(db).await?;
+    let pool = db.connect(2).await?;
+    let n = 256;
+    enqueue(
+        &pool.repository(),
+        &keyed_events(n, sizes.records, true),
+        1_000,
+    )
+    .await?;
+    let before = counters(pg(&pool)?).await?;
+    let config = config(DispatchMode::Pull, 32)
+        .with_heartbeat_interval(Duration::from_millis(50))
+        .with_stale_after(Duration::from_secs(5));
+    let run = start(db, config, handlers(Some(Duration::from_millis(300)), None)).await?;
+    run.wait_for(n as u64).await?;
+    run.stop().await?;
+    let after = counters(pg(&pool)?).await?;
+    pool.close().await;
+    // Claims and `processed` change Status (in the partial indexes' predicates), so they are
+    // never HOT; the rest of the updates are heartbeats.
+    let updates = after.upd - before.upd;
+    let heartbeats = updates - 2 * n as i64;
+    let hot = after.hot_upd - before.hot_upd;
+    let share = if heartbeats > 0 {
+        hot as f64 / heartbeats as f64
+    } else {
+        0.0
+    };
+    report.push(Row {
+        scenario: format!("heartbeats: {n} events x 300 ms, beat every 50 ms"),
+        dispatcher: "pull".into(),
+        workers: Some(32),
+        events: Some(n),
+        note: format!(
+            "{heartbeats} heartbeat updates, {:.0}% HOT; dead tuples left {:.2}/event; WAL {:.0} B/event (server-wide)",
+            share * 100.0,
+            (after.dead - before.dead) as f64 / n as f64,
+            (after.wal - before.wal) / n as f64
+        ),
+        ..Row::default()
+    });
+    Ok(())
+}
