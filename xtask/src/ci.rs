@@ -102,8 +102,18 @@ const STEPS: &[Step] = &[
     ),
     Step::xtask("tests", "test", test_all),
     Step::xtask("demo on SQLite and PostgreSQL", "demo", demo::demo),
-    Step::xtask("benchmark (figures, not asserted)", "bench --quick", bench::quick),
+    Step::xtask("fault suite (quick)", "faults --quick", faults_quick),
+    Step::xtask(
+        "benchmark (figures, not asserted)",
+        "bench --quick",
+        bench::quick,
+    ),
 ];
+
+/// The CI fault step: `cargo xtask faults --quick` on PostgreSQL and SQLite.
+fn faults_quick() -> Result<()> {
+    crate::faults::run(&["--quick".to_string()])
+}
 
 /// Runs every CI step in order, printing each one's command and duration, and stops at the first
 /// failure.
@@ -208,10 +218,17 @@ mod tests {
         ] {
             assert!(position(check) < tests, "{check} runs before the tests");
         }
-        assert!(position("cargo xtask demo") > tests, "the demo runs after the tests");
+        assert!(
+            position("cargo xtask demo") > tests,
+            "the demo runs after the tests"
+        );
         assert!(
             position("cargo xtask bench --quick") > tests,
             "the benchmark runs after the tests"
+        );
+        assert!(
+            position("cargo xtask faults --quick") > tests,
+            "the fault suite runs after the tests"
         );
     }
 }

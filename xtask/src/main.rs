@@ -9,6 +9,7 @@ mod ci;
 mod cmd;
 mod demo;
 mod deps;
+mod faults;
 mod postgres;
 
 use std::path::{Path, PathBuf};
@@ -32,6 +33,9 @@ commands:
   consumer-map [--check]
                    write docs/consumer-map.md from the binary (--check: fail when stale)
   demo             run `outbox demo` on SQLite and on a fresh PostgreSQL database
+  faults [--quick] [--backend postgres|sqlite|both] [--report FILE] [--seed N]
+                   the fault suite: killed workers, cut connections, a restarted PostgreSQL,
+                   lock timeouts; then drain and verify (--quick: the CI size)
   help             print this message
 
 environment:
@@ -71,6 +75,7 @@ fn run(args: Vec<String>) -> Result<()> {
             no_arguments(command, rest)?;
             demo::demo()
         }
+        "faults" => faults::run(rest),
         "bench" => bench::run(&bench::BenchOptions::parse(rest)?),
         "explain" => {
             no_arguments(command, rest)?;

@@ -111,6 +111,9 @@ pub struct WorkerArgs {
     /// Base retry delay in milliseconds.
     #[arg(long)]
     pub retry_delay_ms: Option<u64>,
+    /// Longest retry delay in milliseconds (the delay doubles per failure up to this).
+    #[arg(long)]
+    pub max_retry_delay_ms: Option<u64>,
     /// MaxRetryAttempts.
     #[arg(long)]
     pub max_retry_attempts: Option<i32>,
@@ -132,6 +135,9 @@ impl WorkerArgs {
         }
         if let Some(v) = self.retry_delay_ms {
             c = c.with_retry_delay(ms(v));
+        }
+        if let Some(v) = self.max_retry_delay_ms {
+            c = c.with_max_retry_delay(ms(v));
         }
         if let Some(v) = self.max_retry_attempts {
             c = c.with_max_retry_attempts(v);
@@ -163,6 +169,12 @@ pub struct SeedArgs {
     /// Share of seeded events that ask their handler to fail once (exercised by `work`).
     #[arg(long, default_value_t = 0.0)]
     pub fault_rate: f64,
+    /// Slow events to add, spread over the workload (their handler sleeps `--slow-ms`).
+    #[arg(long, default_value_t = 0)]
+    pub slow_events: usize,
+    /// How long a slow event's handler sleeps, in milliseconds.
+    #[arg(long, default_value_t = 5_000)]
+    pub slow_ms: u64,
 }
 
 /// `outbox work`.
@@ -177,6 +189,9 @@ pub struct WorkArgs {
     /// OUTBOX_PULL_WORKER. Pull mode still needs the rollout gate to pass.
     #[arg(long)]
     pub pull_worker: Option<bool>,
+    /// Print the end-of-run counters as one JSON document instead of a sentence.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `outbox retry`.

@@ -14,7 +14,7 @@ use outbox_events::{
 use outbox_persistence::with_tx;
 
 use super::sink::MailSink;
-use super::workload::{ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, WELCOME_EMAIL};
+use super::workload::{ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, SLOW_REPORT, WELCOME_EMAIL};
 
 /// The handler id the welcome mail's delivery ledger is keyed by.
 pub const WELCOME_HANDLER_ID: &str = "welcome-mail/v1";
@@ -52,20 +52,31 @@ impl Faults {
             && envelope.raw.get("demo_fault").and_then(|v| v.as_str()) == Some("fail_first_attempt")
         {
             self.marked_errors.fetch_add(1, Ordering::Relaxed);
-            return Err(HandlerError::Retryable(
-                "injected fault: the first attempt of a marked event fails".into(),
-            ));
+            return Err(HandlerError::Retryable(format!(
+                "injected fault: the first attempt of a marked event fails ({})",
+                attempt_tag(event)
+            )));
         }
         if self.rate > 0.0 && draw(event, phase) < self.rate / 2.0 {
             self.random_errors.fetch_add(1, Ordering::Relaxed);
             let when = if phase == 0 { "before" } else { "after" };
             return Err(HandlerError::Retryable(format!(
-                "injected handler error {when} the effects"
+                "injected handler error {when} the effects ({})",
+                attempt_tag(event)
             )));
         }
         Ok(())
     }
 }
+
+/// Names the attempt an injected failure belongs to, so that verification can prove from
+/// `LastError` that attempt N's failure is the N-th count in `RetryCount`, and no other.
+fn attempt_tag(event: &OutboxEvent) -> String {
+    format!("{INJECTED_ATTEMPT_TAG}{}", event.retry_count + 1)
+}
+
+/// The text before the attempt number in an injected failure's message.
+pub const INJECTED_ATTEMPT_TAG: &str = "injected at attempt ";
 
 /// A stable draw in `[0, 1)` per event, attempt and phase.
 fn draw(event: &OutboxEvent, phase: u64) -> f64 {
@@ -311,9 +322,42 @@ impl Handler for WelcomeMail {
     }
 }
 
+/// A slow handler: sleeps the snapshot's `SleepMs` (its heartbeat keeps the claim alive),
+/// journaling its start and the end of its sleep on the side, then writes its effect-log row.
+/// A reclaim while it is alive would show in the journal as a second start of the same attempt
+/// before the first one's sleep ended.
+struct SlowReport {
+    sink: MailSink,
+}
+
+#[async_trait]
+impl Handler for SlowReport {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        let envelope = envelope(event)?;
+        let sleep_ms = envelope
+            .snapshot
+            .get("SleepMs")
+            .and_then(|v| v.as_u64())
+            .ok_or_else(|| HandlerError::Permanent("slow report without SleepMs".into()))?;
+        let journal = |e: anyhow::Error| HandlerError::Retryable(format!("slow journal: {e:#}"));
+        let seq = self
+            .sink
+            .slow_started(&event.id.to_string(), event.retry_count)
+            .await
+            .map_err(journal)?;
+        tokio::time::sleep(std::time::Duration::from_millis(sleep_ms)).await;
+        self.sink.slow_finished(seq).await.map_err(journal)?;
+        log_effect(ctx, event).await
+    }
+}
+
 /// The demo's consumer declarations, derived from the actions themselves where they can
 /// classify their own effects. This list is the binary's consumer map.
-pub fn consumers(actions: &Actions) -> [Consumer; 4] {
+pub fn consumers(actions: &Actions) -> [Consumer; 5] {
     let account = field_set_effect(
         &actions.account_capture,
         Consumer::new("account-field-capture", ACCOUNT_UPDATED),
@@ -350,12 +394,17 @@ pub fn consumers(actions: &Actions) -> [Consumer; 4] {
             "delivery ledger DemoDeliveryLedger({WELCOME_HANDLER_ID}, EventId) written in the attempt before the send; the event id is the provider's idempotency key"
         ))),
     );
-    [account, lead, conversion, mail]
+    let slow = Consumer::new("slow-report", SLOW_REPORT).effect(
+        EffectKind::DeterministicFieldSet,
+        "no record change: sleeps SleepMs from the snapshot, then appends its effect-log row (a slow handler for the fault suite)",
+        None,
+    );
+    [account, lead, conversion, mail, slow]
 }
 
 /// The demo's handlers, each registered with its consumer declaration.
 pub fn handlers(actions: Arc<Actions>, sink: MailSink, faults: Arc<Faults>) -> Handlers {
-    let [account, lead, conversion, mail] = consumers(&actions);
+    let [account, lead, conversion, mail, slow] = consumers(&actions);
     Handlers::new()
         .register_consumer(
             account,
@@ -378,5 +427,12 @@ pub fn handlers(actions: Arc<Actions>, sink: MailSink, faults: Arc<Faults>) -> H
                 faults: faults.clone(),
             },
         )
-        .register_consumer(mail, WelcomeMail { sink, faults })
+        .register_consumer(
+            mail,
+            WelcomeMail {
+                sink: sink.clone(),
+                faults,
+            },
+        )
+        .register_consumer(slow, SlowReport { sink })
 }

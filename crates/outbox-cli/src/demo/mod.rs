@@ -135,6 +135,7 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
         args.workload.records,
         0.0,
         Utc::now().timestamp_millis() as u64,
+        workload::SlowEvents::default(),
     )
     .await?;
     let fault_rate = args.workers.fault_rate.unwrap_or(DEFAULT_DEMO_FAULT_RATE);
@@ -350,11 +351,18 @@ pub async fn seed_command(url: Option<&str>, args: SeedArgs) -> Result<ExitCode>
         args.workload.records,
         args.fault_rate,
         Utc::now().timestamp_millis() as u64,
+        workload::SlowEvents {
+            count: args.slow_events,
+            sleep_ms: args.slow_ms,
+        },
     )
     .await?;
+    // Create the provider's tables now, so that work processes starting together do not race
+    // to create them.
+    MailSink::open(url.unwrap_or_default()).await?.close().await;
     println!(
-        "seeded {} events over {} records ({} marked to fail their first attempt)",
-        seeded.events, args.workload.records, seeded.marked_faults
+        "seeded {} events over {} records ({} marked to fail their first attempt, {} slow)",
+        seeded.events, args.workload.records, seeded.marked_faults, args.slow_events
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -422,15 +430,42 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
         }
         if args.until_drained {
-            let s = stats(&repo).await?;
-            if s.pending + s.processing == 0 {
-                break;
+            // A database that is briefly away (restarted, connection cut) is not the end of
+            // the run: the workers ride it out, and so does this check.
+            match stats(&repo).await {
+                Ok(s) if s.pending + s.processing == 0 => break,
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the outbox counts; trying again")
+                }
             }
         }
     }
     let faults = fault_task.stop().await;
     let report = dispatcher.shutdown().await;
     let m = report.metrics;
+    let handler_errors = injected
+        .random_errors
+        .load(std::sync::atomic::Ordering::Relaxed)
+        + injected
+            .marked_errors
+            .load(std::sync::atomic::Ordering::Relaxed);
+    if args.json {
+        let doc = serde_json::json!({
+            "pid": std::process::id(),
+            "seconds": start.elapsed().as_secs_f64(),
+            "mode": format!("{mode:?}").to_lowercase(),
+            "graceful": report.graceful,
+            "metrics": Observed::from(m),
+            "cancelled": m.cancelled,
+            "handler_errors": handler_errors,
+            "lock_holds": faults.lock_holds,
+        });
+        println!("{doc}");
+        sink.close().await;
+        db.close().await;
+        return Ok(ExitCode::SUCCESS);
+    }
     println!(
         "worked {:.1} s in {:?} mode: {} claimed, {} processed, {} retried, {} failed, {} lock timeouts, {} stale reclaims, {} lost claims; faults: {} handler errors, {} lock holds",
         start.elapsed().as_secs_f64(),

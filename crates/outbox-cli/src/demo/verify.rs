@@ -1,7 +1,7 @@
 //! Verification of the demo's invariants, read from the database (never from logs), so that
 //! `outbox verify` can check any run, including several `outbox work` processes.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use anyhow::Result;
 use chrono::{DateTime, Utc};
@@ -9,6 +9,7 @@ use outbox_persistence::{Database, with_pool};
 use serde::Serialize;
 use uuid::Uuid;
 
+use super::handlers::INJECTED_ATTEMPT_TAG;
 use super::sink::MailSink;
 use super::workload::{ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, WELCOME_EMAIL};
 
@@ -42,6 +43,27 @@ pub struct Verification {
     pub emails: i64,
     /// Duplicate sends the provider absorbed by its idempotency key.
     pub duplicate_sends_absorbed: i64,
+    /// Counted failures (rows of the retry audit) by cause.
+    pub failures_by_cause: BTreeMap<&'static str, i64>,
+    /// Slow attempts journaled.
+    pub slow_attempts: usize,
+    /// Slow attempts that died before their sleep ended and were followed by another attempt
+    /// of the same event at the same `RetryCount` (a reclaim): the fault suite checks that each
+    /// one's process was killed before the reclaim.
+    pub slow_superseded: Vec<Superseded>,
+}
+
+/// A slow attempt that was superseded by a later attempt at the same `RetryCount`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Superseded {
+    /// The event.
+    pub event_id: String,
+    /// The process of the earlier attempt.
+    pub pid: i64,
+    /// When the earlier attempt started (Unix milliseconds).
+    pub started_ms: i64,
+    /// When the later attempt started.
+    pub next_started_ms: i64,
 }
 
 impl Verification {
@@ -51,6 +73,21 @@ impl Verification {
     }
 }
 
+/// `(Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount)` on PostgreSQL.
+type PgEventRow = (
+    Uuid,
+    String,
+    String,
+    Option<String>,
+    DateTime<Utc>,
+    String,
+    i32,
+);
+/// The same on SQLite, where ids and times are text.
+type SqliteEventRow = (String, String, String, Option<String>, String, String, i32);
+/// `(Id, CapturedName, CapturedIndustry, CapturedRevision)` of a demo account.
+type AccountRow = (String, Option<String>, Option<String>, Option<i64>);
+
 struct Row {
     id: Uuid,
     event_type: String,
@@ -58,13 +95,14 @@ struct Row {
     record_key: Option<String>,
     created: DateTime<Utc>,
     payload: String,
+    retry_count: i32,
 }
 
 async fn load_events(db: &Database) -> Result<Vec<Row>> {
     let rows = match db {
         Database::Postgres(pool) => {
-            let rows: Vec<(Uuid, String, String, Option<String>, DateTime<Utc>, String)> = sqlx::query_as(
-                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload FROM _System_OutboxEvent",
+            let rows: Vec<PgEventRow> = sqlx::query_as(
+                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount FROM _System_OutboxEvent",
             )
             .fetch_all(pool)
             .await?;
@@ -76,12 +114,13 @@ async fn load_events(db: &Database) -> Result<Vec<Row>> {
                     record_key: r.3,
                     created: r.4,
                     payload: r.5,
+                    retry_count: r.6,
                 })
                 .collect()
         }
         Database::Sqlite(pool) => {
-            let rows: Vec<(String, String, String, Option<String>, String, String)> = sqlx::query_as(
-                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload FROM _System_OutboxEvent",
+            let rows: Vec<SqliteEventRow> = sqlx::query_as(
+                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount FROM _System_OutboxEvent",
             )
             .fetch_all(pool)
             .await?;
@@ -94,6 +133,7 @@ async fn load_events(db: &Database) -> Result<Vec<Row>> {
                     record_key: r.3,
                     created: DateTime::parse_from_rfc3339(&r.4)?.with_timezone(&Utc),
                     payload: r.5,
+                    retry_count: r.6,
                 });
             }
             out
@@ -238,14 +278,13 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         let snapshot = serde_json::from_str::<serde_json::Value>(&e.payload)?["snapshot"].clone();
         newest.insert(key, (e, snapshot));
     }
-    let accounts: Vec<(String, Option<String>, Option<String>, Option<i64>)> =
-        with_pool!(db, |pool| {
-            sqlx::query_as(
-                "SELECT Id, CapturedName, CapturedIndustry, CapturedRevision FROM DemoAccount",
-            )
-            .fetch_all(pool)
-            .await
-        })?;
+    let accounts: Vec<AccountRow> = with_pool!(db, |pool| {
+        sqlx::query_as(
+            "SELECT Id, CapturedName, CapturedIndustry, CapturedRevision FROM DemoAccount",
+        )
+        .fetch_all(pool)
+        .await
+    })?;
     let leads: Vec<(String, Option<String>, Option<i64>)> = with_pool!(db, |pool| {
         sqlx::query_as("SELECT Id, CapturedStatus, CapturedRevision FROM DemoLead")
             .fetch_all(pool)
@@ -339,6 +378,8 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         .fetch_one(pool)
         .await
     })?;
+    let failures_by_cause = check_retry_audit(db, &events, retries, &mut checks).await?;
+    let (slow_attempts, slow_superseded) = check_slow_attempts(sink, &mut checks).await?;
     Ok(Verification {
         checks,
         processed,
@@ -348,5 +389,137 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         opportunities: opportunities.len() as i64,
         emails: deliveries.len() as i64,
         duplicate_sends_absorbed: absorbed,
+        failures_by_cause,
+        slow_attempts,
+        slow_superseded,
     })
+}
+
+/// The cause of a counted failure, from its `LastError`.
+fn cause(error: Option<&str>) -> &'static str {
+    let error = error.unwrap_or_default();
+    if error.contains("injected") {
+        "injected"
+    } else if error.contains("lock timeout") {
+        "lock_timeout"
+    } else if error.contains("unavailable") {
+        "connection_lost"
+    } else if error.is_empty() {
+        "no_error_recorded"
+    } else {
+        "other"
+    }
+}
+
+/// "Every failure counted once in `RetryCount`", from the retry audit the trigger writes in
+/// the transaction of each count: every change is +1 (or an operator's reset to 0); each
+/// event's counts since its last reset are 1..=RetryCount, each exactly once, each with the
+/// error that caused it; and an injected failure, which names its attempt, is the count of
+/// that attempt (a failure counted twice would show up as a later count naming an earlier
+/// attempt). Returns the counted failures by cause.
+async fn check_retry_audit(
+    db: &Database,
+    events: &[Row],
+    retries: i64,
+    checks: &mut Vec<Check>,
+) -> Result<BTreeMap<&'static str, i64>> {
+    let audit: Vec<(String, i32, i32, Option<String>)> = with_pool!(db, |pool| {
+        sqlx::query_as(
+            "SELECT EventId, OldRetryCount, NewRetryCount, LastError FROM DemoRetryAudit ORDER BY Seq",
+        )
+        .fetch_all(pool)
+        .await
+    })?;
+    let mut by_cause: BTreeMap<&'static str, i64> = BTreeMap::new();
+    let mut counts: HashMap<&str, Vec<i32>> = HashMap::new();
+    let (mut jumps, mut misattributed) = (0, 0);
+    for (event_id, old, new, error) in &audit {
+        let list = counts.entry(event_id.as_str()).or_default();
+        if *new == 0 {
+            list.clear();
+            continue;
+        }
+        if *new != old + 1 {
+            jumps += 1;
+        }
+        list.push(*new);
+        *by_cause.entry(cause(error.as_deref())).or_default() += 1;
+        let named = error
+            .as_deref()
+            .and_then(|e| e.split_once(INJECTED_ATTEMPT_TAG))
+            .and_then(|(_, rest)| {
+                rest.split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .and_then(|n| n.parse::<i32>().ok())
+            });
+        if named.is_some_and(|attempt| attempt != *new) {
+            misattributed += 1;
+        }
+    }
+    let mut uncounted_or_twice = 0;
+    for e in events {
+        let final_count = e.retry_count;
+        let list = counts.get(e.id.to_string().as_str());
+        let expected: Vec<i32> = (1..=final_count).collect();
+        if list.map_or(final_count != 0, |l| *l != expected) {
+            uncounted_or_twice += 1;
+        }
+    }
+    let counted: i64 = by_cause.values().sum();
+    check(
+        checks,
+        "every failure counted once in RetryCount (retry audit)",
+        jumps == 0 && misattributed == 0 && uncounted_or_twice == 0 && counted == retries,
+        format!(
+            "{counted} counted failures audited for sum(RetryCount) = {retries}; {jumps} counts not +1, {uncounted_or_twice} events whose counts are not exactly 1..=RetryCount, {misattributed} injected failures counted for another attempt; by cause {by_cause:?}"
+        ),
+    );
+    Ok(by_cause)
+}
+
+/// "A slow handler with a live heartbeat is never reclaimed", from the slow journal: no later
+/// attempt of an event at the same `RetryCount` started before an earlier one's sleep ended.
+/// Attempts that died first (their process killed) and were then reclaimed are returned for
+/// the caller, who knows which processes it killed.
+async fn check_slow_attempts(
+    sink: &MailSink,
+    checks: &mut Vec<Check>,
+) -> Result<(usize, Vec<Superseded>)> {
+    let attempts = sink.slow_attempts().await?;
+    let mut by_attempt: BTreeMap<(&str, i32), Vec<&super::sink::SlowAttempt>> = BTreeMap::new();
+    for a in &attempts {
+        by_attempt
+            .entry((a.event_id.as_str(), a.retry_count))
+            .or_default()
+            .push(a);
+    }
+    let mut overlaps = 0;
+    let mut superseded = Vec::new();
+    for runs in by_attempt.values() {
+        for pair in runs.windows(2) {
+            let (earlier, later) = (pair[0], pair[1]);
+            match earlier.finished_ms {
+                Some(finished) if finished > later.started_ms => overlaps += 1,
+                Some(_) => {}
+                None => superseded.push(Superseded {
+                    event_id: earlier.event_id.clone(),
+                    pid: earlier.pid,
+                    started_ms: earlier.started_ms,
+                    next_started_ms: later.started_ms,
+                }),
+            }
+        }
+    }
+    check(
+        checks,
+        "no slow handler reclaimed while it ran",
+        overlaps == 0,
+        format!(
+            "{} slow attempts journaled over {} attempts of slow events; {overlaps} started again while the earlier one still slept; {} superseded after dying",
+            attempts.len(),
+            by_attempt.len(),
+            superseded.len()
+        ),
+    );
+    Ok((attempts.len(), superseded))
 }
