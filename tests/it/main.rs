@@ -3,5 +3,6 @@
 
 mod create_action;
 mod gate;
+mod hostile;
 mod repository;
 mod workers;
