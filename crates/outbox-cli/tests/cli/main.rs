@@ -2,6 +2,7 @@
 //! and on PostgreSQL when reachable). One test binary for the package; each file under
 //! `tests/cli/` beside this `main.rs` is a module.
 
+mod errors;
 mod operator;
 
 use std::process::{Command, Output};
