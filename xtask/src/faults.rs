@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::fs::File;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -272,6 +273,9 @@ enum Phase {
     Drain,
 }
 
+/// The signal number of SIGINT.
+const SIGINT: i32 = 2;
+
 /// Whether a work process's stderr says its connection was cut while it started (before any
 /// worker ran): it exits non-zero with the error, as a supervisor expects, and is replaced.
 fn startup_cut(stderr: &str) -> bool {
@@ -298,6 +302,7 @@ struct Chaos {
     reclaim_ms: Vec<u64>,
     crashed: Vec<String>,
     startup_cuts: usize,
+    stopped_while_starting: usize,
     process_reports: Vec<Value>,
     spawned: usize,
     chaos_time: Duration,
@@ -500,6 +505,11 @@ impl<'a> Suite<'a> {
                     match out.lines().last().map(serde_json::from_str::<Value>) {
                         Some(Ok(doc)) if status.success() => chaos.process_reports.push(doc),
                         _ if startup_cut(&err) => chaos.startup_cuts += 1,
+                        // SIGINT sent at the end of the chaos reached a process that was still
+                        // starting, before it listens for SIGINT: stopped, not crashed.
+                        _ if phase == Phase::Calm && status.signal() == Some(SIGINT) => {
+                            chaos.stopped_while_starting += 1
+                        }
                         _ => chaos.crashed.push(format!(
                             "work process {} exited with {status}: {}",
                             w.number,
@@ -881,10 +891,11 @@ impl<'a> Suite<'a> {
             chaos.crashed.is_empty(),
             if chaos.crashed.is_empty() {
                 format!(
-                    "{} processes started, {} killed by the suite, {} refused to start because their connection was cut while starting (exit 1 with the error, replaced), the rest exited 0",
+                    "{} processes started, {} killed by the suite, {} refused to start because their connection was cut while starting (exit 1 with the error, replaced), {} stopped by the end-of-chaos SIGINT while still starting, the rest exited 0",
                     chaos.spawned,
                     chaos.kills.len(),
-                    chaos.startup_cuts
+                    chaos.startup_cuts,
+                    chaos.stopped_while_starting
                 )
             } else {
                 chaos.crashed.join("; ")
