@@ -188,13 +188,14 @@ async fn log_effect(ctx: &mut AttemptContext<'_>, event: &OutboxEvent) -> Result
     .map_err(HandlerError::db)
 }
 
-struct AccountCapture {
-    actions: Arc<Actions>,
+/// An after-save field capture: one deterministic field set from the snapshot, in the attempt.
+struct Capture {
+    action: FieldSet,
     faults: Arc<Faults>,
 }
 
 #[async_trait]
-impl Handler for AccountCapture {
+impl Handler for Capture {
     async fn handle(
         &self,
         event: &OutboxEvent,
@@ -202,31 +203,7 @@ impl Handler for AccountCapture {
     ) -> Result<(), HandlerError> {
         let envelope = envelope(event)?;
         self.faults.check(event, &envelope, 0)?;
-        let action = &self.actions.account_capture;
-        with_tx!(ctx.tx(), |conn| action
-            .run(conn, &envelope, SystemTime::now())
-            .await)
-        .map_err(action_error)?;
-        log_effect(ctx, event).await?;
-        self.faults.check(event, &envelope, 1)
-    }
-}
-
-struct LeadCapture {
-    actions: Arc<Actions>,
-    faults: Arc<Faults>,
-}
-
-#[async_trait]
-impl Handler for LeadCapture {
-    async fn handle(
-        &self,
-        event: &OutboxEvent,
-        ctx: &mut AttemptContext<'_>,
-    ) -> Result<(), HandlerError> {
-        let envelope = envelope(event)?;
-        self.faults.check(event, &envelope, 0)?;
-        let action = &self.actions.lead_capture;
+        let action = &self.action;
         with_tx!(ctx.tx(), |conn| action
             .run(conn, &envelope, SystemTime::now())
             .await)
@@ -408,15 +385,15 @@ pub fn handlers(actions: Arc<Actions>, sink: MailSink, faults: Arc<Faults>) -> H
     Handlers::new()
         .register_consumer(
             account,
-            AccountCapture {
-                actions: actions.clone(),
+            Capture {
+                action: actions.account_capture.clone(),
                 faults: faults.clone(),
             },
         )
         .register_consumer(
             lead,
-            LeadCapture {
-                actions: actions.clone(),
+            Capture {
+                action: actions.lead_capture.clone(),
                 faults: faults.clone(),
             },
         )
