@@ -68,8 +68,9 @@ pub const CLAIM_PREFIX_ROWS: u32 = 64;
 /// 2. `by_head` (only when the prefix holds nothing claimable, for example a hot key's backlog
 ///    fills it): a keyed row is eligible only as the first non-terminal row of its key, so the
 ///    candidates are each key's head (a skip scan over `outbox_record_key_idx`, one descent per
-///    key with non-terminal rows) and the unkeyed rows, checked and taken oldest first. A
-///    blocked key's backlog is never walked.
+///    key with non-terminal rows) and the unkeyed rows, sorted first (`OFFSET 0` keeps the
+///    planner from sorting after the join) and then checked oldest first until one is
+///    claimable. A blocked key's backlog is never walked; the cost is one descent per key.
 ///
 /// Parameters: `$2` stale cutoff, `$3` retry cutoff; `$scope` is spliced in twice, empty for
 /// [`Scope::All`] (so that the statement has no parameter that changes its plan, and
@@ -136,6 +137,8 @@ by_head AS (
     SELECT u.Id, u.CreatedDate
     FROM _System_OutboxEvent u
     WHERE u.RecordKey IS NULL AND u.Status NOT IN ('processed', 'failed')
+    ORDER BY 2, 1
+    OFFSET 0
   ) c
   JOIN _System_OutboxEvent e ON e.Id = c.Id
   WHERE

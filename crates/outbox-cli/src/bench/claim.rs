@@ -81,17 +81,17 @@ impl Shape {
 }
 
 fn count(n: usize) -> String {
-    if n >= 1_000_000 && n % 1_000_000 == 0 {
+    if n >= 1_000_000 && n.is_multiple_of(1_000_000) {
         format!("{}M", n / 1_000_000)
-    } else if n >= 1_000 && n % 1_000 == 0 {
+    } else if n >= 1_000 && n.is_multiple_of(1_000) {
         format!("{}k", n / 1_000)
     } else {
         n.to_string()
     }
 }
 
-/// Seeds `shape` into the (emptied) outbox table, with [`IN_FLIGHT`] heads claimed by live
-/// workers (their heartbeat is fresh for the whole run).
+/// Seeds `shape` into the (emptied) outbox table, with the [`IN_FLIGHT`] oldest keys' heads
+/// claimed by live workers (their heartbeat is fresh for the whole run).
 async fn seed(pool: &PgPool, shape: Shape) -> Result<()> {
     let (hot, rows) = match shape {
         Shape::Backlog(n) => (0, n),
@@ -111,7 +111,11 @@ async fn seed(pool: &PgPool, shape: Shape) -> Result<()> {
                FROM generate_series(1, {rows}) i) s;
          UPDATE _System_OutboxEvent SET Status = 'processing',
                 LastModifiedDate = now() + interval '1 day'
-         WHERE Id IN (SELECT Id FROM _System_OutboxEvent ORDER BY CreatedDate, Id LIMIT {IN_FLIGHT});"
+         WHERE Id IN (
+           SELECT Id FROM (
+             SELECT DISTINCT ON (RecordKey) Id, CreatedDate
+             FROM _System_OutboxEvent ORDER BY RecordKey, CreatedDate, Id) heads
+           ORDER BY CreatedDate, Id LIMIT {IN_FLIGHT});"
     )))
     .execute(pool)
     .await?;
