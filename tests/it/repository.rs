@@ -794,6 +794,38 @@ async fn hot_key_backlog_does_not_hide_other_heads(db: TestDb) {
     assert!(!seconds.contains(&claim.event.id));
 }
 
+/// A failure whose text holds a NUL byte (echoing payload data) is still recorded: PostgreSQL
+/// text cannot hold NUL, and an unrecordable failure would loop forever.
+async fn error_text_with_nul_is_recorded(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    enqueue(&repo, &[NewEvent::new("t", lead("nul"))], now).await;
+    let claim = repo
+        .claim_next(cutoffs(now), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
+    let outcome = repo
+        .increment_retry(
+            claim.fence,
+            now,
+            Duration::ZERO,
+            "bad byte: \0 in the payload",
+        )
+        .await
+        .unwrap();
+    assert_eq!(outcome, FenceOutcome::Written);
+    let row = repo.get_event(claim.event.id).await.unwrap().unwrap();
+    assert_eq!(
+        row.last_error.as_deref(),
+        Some("bad byte: \u{FFFD} in the payload")
+    );
+    assert!(
+        row.last_modified_date > claim.fence.last_written,
+        "the fence moved forward"
+    );
+}
+
 /// Migrating twice is a no-op, and the schema check passes on a migrated database.
 async fn migrations_are_idempotent(db: TestDb) {
     db.db.migrate().await.unwrap();
@@ -812,5 +844,6 @@ backend_tests!(
     stats_reports_the_queue,
     migrations_are_idempotent,
     scope_narrows_types_but_not_order,
+    error_text_with_nul_is_recorded,
     hot_key_backlog_does_not_hide_other_heads,
 );

@@ -8,6 +8,8 @@
 //! 5. if the attempt transaction itself fails (lost connection, commit error, restart), the
 //!    heartbeat keeps the claim alive while the same bookkeeping lands on a connection of its
 //!    own, retried with backoff; a worker that gives up lets the row go stale, to be reclaimed;
+//!    an attempt that cannot even begin is retried the same way but counts nothing (its handler
+//!    never ran);
 //! 6. a claim found lost (reclaimed, or finished elsewhere) is abandoned: roll back, write
 //!    nothing.
 
@@ -39,7 +41,8 @@ pub enum AttemptOutcome {
     LostClaim,
     /// A hard shutdown cancelled the attempt; rolled back and left to stale reclaim.
     Cancelled,
-    /// The detached bookkeeping could not land; the row will go stale and be reclaimed.
+    /// The attempt could not begin, or its detached bookkeeping could not land; the row will go
+    /// stale and be reclaimed.
     Abandoned,
 }
 
@@ -138,7 +141,7 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
         // A backend whose attempts exclude other writers needs no heartbeat during the attempt
         // (and could not write one): nobody can reclaim the row until the attempt commits.
         if !env.repo.serializes_writers() {
-            beat.ensure_running();
+            beat.ensure_running(false);
         }
         let outcome = attempt(env, &claim, &mut beat).await;
         drop(beat);
@@ -167,7 +170,9 @@ struct Beat<'a> {
 }
 
 impl Beat<'_> {
-    fn ensure_running(&mut self) {
+    /// Starts the heartbeat unless it runs; `beat_now` beats at once (the claim may have gone
+    /// without beats so far).
+    fn ensure_running(&mut self, beat_now: bool) {
         if self.guard.is_none() {
             self.guard = Some(HeartbeatGuard::start(
                 self.env.repo.clone(),
@@ -175,30 +180,73 @@ impl Beat<'_> {
                 self.env.config.heartbeat_interval,
                 self.env.clock.clone(),
                 self.lost.clone(),
+                beat_now,
             ));
         }
     }
+
+    /// Stops the heartbeat (a backend whose attempt excludes other writers needs none).
+    fn stop(&mut self) {
+        self.guard = None;
+    }
+}
+
+/// Opens the attempt transaction. A failure to begin (the database is down, the pool is
+/// exhausted, SQLite's writer is busy) is not a failed attempt: the handler never ran, so
+/// nothing is counted. The claim is kept alive while beginning is retried with backoff; a
+/// worker that gives up leaves the row to go stale and be reclaimed as it was.
+async fn begin(env: &AttemptEnv, beat: &mut Beat<'_>) -> Result<Box<dyn Attempt>, AttemptOutcome> {
+    let mut backoff = DETACHED_FIRST_BACKOFF;
+    for try_number in 1..=DETACHED_MAX_TRIES {
+        let begun = {
+            // The fence cannot move while the attempt checks it (SQLite checks it at begin).
+            let state = beat.fence.lock().await;
+            if state.lost {
+                return Err(AttemptOutcome::LostClaim);
+            }
+            env.repo
+                .begin_attempt(env.config.lock_timeout, state.fence)
+                .await
+        };
+        match begun {
+            Ok(Some(tx)) => {
+                if env.repo.serializes_writers() {
+                    // The attempt now holds the only write lock: a heartbeat could not write
+                    // and nobody can reclaim the row until it commits.
+                    beat.stop();
+                }
+                return Ok(tx);
+            }
+            Ok(None) => return Err(AttemptOutcome::LostClaim),
+            Err(e) => {
+                if e.is_lock_timeout() {
+                    env.metrics.inc_lock_timeouts();
+                }
+                tracing::warn!(
+                    error = %e.chain(),
+                    try_number,
+                    "could not begin the attempt; the claim is kept while it retries"
+                );
+                beat.ensure_running(true);
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = beat.lost.cancelled() => return Err(AttemptOutcome::LostClaim),
+            _ = env.hard_stop.cancelled() => return Err(AttemptOutcome::Cancelled),
+        }
+        backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
+    }
+    tracing::error!(
+        "giving up on beginning the attempt; the row goes stale and will be reclaimed uncounted"
+    );
+    Err(AttemptOutcome::Abandoned)
 }
 
 async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> AttemptOutcome {
-    let begun = env
-        .repo
-        .begin_attempt(env.config.lock_timeout, claim.fence)
-        .await;
-    let mut tx = match begun {
-        Ok(Some(tx)) => tx,
-        Ok(None) => return AttemptOutcome::LostClaim,
-        Err(e) => {
-            if e.is_lock_timeout() {
-                env.metrics.inc_lock_timeouts();
-            }
-            let failure = env.failure(
-                claim,
-                true,
-                format!("could not begin the attempt: {}", e.chain()),
-            );
-            return detached(env, beat, failure).await;
-        }
+    let mut tx = match begin(env, beat).await {
+        Ok(tx) => tx,
+        Err(outcome) => return outcome,
     };
     let lost = beat.lost.clone();
     let lost = &lost;
@@ -355,8 +403,9 @@ const DETACHED_MAX_TRIES: u32 = 12;
 /// while the heartbeat (still running) keeps the claim alive.
 async fn detached(env: &AttemptEnv, beat: &mut Beat<'_>, failure: Failure) -> AttemptOutcome {
     env.metrics.inc_detached_bookkeeping();
-    // The claim must stay visibly alive while the bookkeeping lands.
-    beat.ensure_running();
+    // The claim must stay visibly alive while the bookkeeping lands (at once: on a backend that
+    // serializes writers it went without beats during the attempt).
+    beat.ensure_running(true);
     let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for attempt in 1..=DETACHED_MAX_TRIES {

@@ -44,8 +44,9 @@ pub(crate) struct HeartbeatGuard {
 }
 
 impl HeartbeatGuard {
-    /// Starts beating every `interval` (the first beat after one interval, so an attempt that
-    /// finishes sooner costs no heartbeat write). `lost` is cancelled when the row turns out to
+    /// Starts beating every `interval`: the first beat after one interval (so an attempt that
+    /// finishes sooner costs no heartbeat write), or at once with `beat_now` (a claim that went
+    /// without heartbeats until now). `lost` is cancelled when the row turns out to
     /// be no longer this worker's.
     pub fn start(
         repo: Arc<dyn OutboxRepository>,
@@ -53,10 +54,14 @@ impl HeartbeatGuard {
         interval: Duration,
         clock: Arc<dyn Clock>,
         lost: CancellationToken,
+        beat_now: bool,
     ) -> Self {
         let task = tokio::spawn(async move {
+            let mut first = beat_now;
             loop {
-                tokio::time::sleep(interval).await;
+                if !std::mem::take(&mut first) {
+                    tokio::time::sleep(interval).await;
+                }
                 let mut state = fence.lock().await;
                 if state.lost {
                     return;

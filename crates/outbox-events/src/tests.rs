@@ -425,28 +425,77 @@ async fn shutdown_mid_attempt_rolls_back() {
     assert_eq!(metrics.snapshot().cancelled, 1);
 }
 
-/// The attempt transaction cannot even begin (database down): the retry is recorded on the
-/// detached path.
+/// The attempt transaction cannot begin for a while (database down): nothing is counted, the
+/// claim is kept alive by the heartbeat, and the attempt runs once beginning works again.
 #[tokio::test(start_paused = true)]
-async fn attempt_that_cannot_begin_is_retried_detached() {
+async fn attempt_that_cannot_begin_yet_is_retried_uncounted() {
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_, _| Ok(FenceOutcome::Written));
+    attempt.expect_commit().times(1).returning(|| Ok(()));
     let mut repo = MockOutboxRepository::new();
     repo.expect_serializes_writers().return_const(false);
-    repo.expect_begin_attempt()
-        .times(1)
-        .returning(|_, _| Err(unavailable()));
-    repo.expect_heartbeat().returning(|f, _| Ok(Some(f)));
-    repo.expect_increment_retry()
-        .withf(|_, _, _, e| e.contains("could not begin"))
-        .times(1)
-        .returning(|_, _, _, _| Ok(FenceOutcome::Written));
-    let (outcome, _) = run(
+    let mut begins = 0;
+    let mut attempt = Some(attempt);
+    // Six failures: 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s of backoff, longer than the 1 s heartbeat.
+    repo.expect_begin_attempt().times(7).returning(move |_, _| {
+        begins += 1;
+        if begins < 7 {
+            Err(unavailable())
+        } else {
+            Ok(Some(Box::new(attempt.take().unwrap()) as Box<dyn Attempt>))
+        }
+    });
+    let beats = Arc::new(Mutex::new(0));
+    let b = Arc::clone(&beats);
+    repo.expect_heartbeat().returning(move |fence, now| {
+        *b.lock().unwrap() += 1;
+        Ok(Some(Fence {
+            id: fence.id,
+            last_written: outbox_persistence::truncate_micros(now),
+        }))
+    });
+    repo.expect_increment_retry().never();
+    repo.expect_update_status().never();
+    let (outcome, metrics) = run(
         repo,
         handlers(Duration::ZERO, || Ok(())),
         claim("t", 0),
         CancellationToken::new(),
     )
     .await;
-    assert_eq!(outcome, AttemptOutcome::Retried);
+    assert_eq!(outcome, AttemptOutcome::Processed);
+    assert_eq!(metrics.snapshot().retried, 0);
+    assert!(
+        *beats.lock().unwrap() >= 1,
+        "the claim was kept alive while beginning was retried"
+    );
+}
+
+/// An attempt that never begins is abandoned without counting a failure: the row goes stale
+/// and is reclaimed as it was.
+#[tokio::test(start_paused = true)]
+async fn attempt_that_never_begins_is_abandoned_uncounted() {
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_serializes_writers().return_const(true);
+    repo.expect_begin_attempt()
+        .returning(|_, _| Err(Error::LockTimeout(sqlx::Error::PoolTimedOut)));
+    repo.expect_heartbeat().returning(|f, _| Ok(Some(f)));
+    repo.expect_increment_retry().never();
+    repo.expect_update_status().never();
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::ZERO, || Ok(())),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Abandoned);
+    let m = metrics.snapshot();
+    assert_eq!((m.retried, m.failed), (0, 0));
+    assert!(m.lock_timeouts > 0);
 }
 
 /// A panicking handler does not take its worker down: the attempt rolls back to the savepoint

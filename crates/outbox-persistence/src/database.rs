@@ -56,8 +56,15 @@ impl Database {
     /// (the file is created when missing).
     pub async fn connect(url: &str, config: ConnectConfig) -> Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            // A session lock timeout bounds every wait outside the attempts too (heartbeats and
+            // detached bookkeeping hold the claim's fence while they wait); attempts set their
+            // own with SET LOCAL.
             let options = PgConnectOptions::from_str(url)
-                .map_err(|e| Error::InvalidUrl(format!("{}: {e}", redact(url))))?;
+                .map_err(|e| Error::InvalidUrl(format!("{}: {e}", redact(url))))?
+                .options([(
+                    "lock_timeout",
+                    format!("{}ms", config.lock_timeout.as_millis().max(1)),
+                )]);
             let pool = PgPoolOptions::new()
                 .max_connections(config.max_connections)
                 .acquire_timeout(config.acquire_timeout)

@@ -80,7 +80,13 @@ impl From<sqlx::Error> for Error {
         match &e {
             sqlx::Error::Database(db) => {
                 let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-                if is_lock_code(&code) {
+                let sqlite = db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some();
+                let lock = if sqlite {
+                    is_sqlite_lock_code(&code)
+                } else {
+                    is_postgres_lock_code(&code)
+                };
+                if lock {
                     Error::LockTimeout(e)
                 } else if is_unavailable_code(&code) {
                     Error::Unavailable(e)
@@ -105,19 +111,21 @@ impl From<sqlx::migrate::MigrateError> for Error {
     }
 }
 
-/// PostgreSQL lock_not_available, deadlock_detected, serialization_failure; SQLite BUSY and
-/// LOCKED with their extended codes.
-fn is_lock_code(code: &str) -> bool {
-    match code {
-        "55P03" | "40P01" | "40001" => true,
-        _ => code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6)),
-    }
+/// PostgreSQL lock_not_available, deadlock_detected, serialization_failure.
+fn is_postgres_lock_code(code: &str) -> bool {
+    matches!(code, "55P03" | "40P01" | "40001")
+}
+
+/// SQLite BUSY and LOCKED, with their extended codes (the primary code is the low byte). Only
+/// for SQLite errors: an all-digit SQLSTATE such as PostgreSQL's 22021 would match too.
+fn is_sqlite_lock_code(code: &str) -> bool {
+    code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
 }
 
 /// PostgreSQL connection exceptions (class 08) and operator intervention (class 57: shutdown,
-/// terminated backends, cannot connect now).
+/// terminated backends, cannot connect now), but not a canceled statement (57014).
 fn is_unavailable_code(code: &str) -> bool {
-    code.starts_with("08") || code.starts_with("57")
+    code.starts_with("08") || (code.starts_with("57") && code != "57014")
 }
 
 #[cfg(test)]
@@ -126,13 +134,18 @@ mod tests {
 
     #[test]
     fn codes_are_classified() {
-        assert!(is_lock_code("55P03"));
-        assert!(is_lock_code("40P01"));
-        assert!(is_lock_code("5"));
-        assert!(is_lock_code("517"));
-        assert!(is_lock_code("6"));
-        assert!(!is_lock_code("23505"));
-        assert!(!is_lock_code("19"));
+        assert!(is_postgres_lock_code("55P03"));
+        assert!(is_postgres_lock_code("40P01"));
+        assert!(
+            !is_postgres_lock_code("22021"),
+            "an all-digit SQLSTATE is not SQLite's BUSY"
+        );
+        assert!(!is_postgres_lock_code("23505"));
+        assert!(is_sqlite_lock_code("5"));
+        assert!(is_sqlite_lock_code("517"));
+        assert!(is_sqlite_lock_code("6"));
+        assert!(!is_sqlite_lock_code("19"));
+        assert!(!is_unavailable_code("57014"));
         assert!(is_unavailable_code("57P01"));
         assert!(is_unavailable_code("08006"));
         assert!(!is_unavailable_code("23505"));

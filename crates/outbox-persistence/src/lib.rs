@@ -217,6 +217,15 @@ pub trait Attempt: Send {
 /// Caps an error text before it is stored in `LastError`.
 pub fn clip_error(error: &str) -> String {
     const MAX: usize = 2000;
+    // PostgreSQL text cannot hold NUL; an error that echoes payload bytes must still be storable,
+    // or the failure could never be recorded.
+    let cleaned;
+    let error = if error.contains('\0') {
+        cleaned = error.replace('\0', "\u{FFFD}");
+        cleaned.as_str()
+    } else {
+        error
+    };
     if error.len() <= MAX {
         return error.to_string();
     }
@@ -304,4 +313,18 @@ macro_rules! with_pool {
             }
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clip_error;
+
+    #[test]
+    fn error_text_is_storable_and_bounded() {
+        assert_eq!(clip_error("a\0b"), "a\u{FFFD}b");
+        let long = "é".repeat(3000);
+        let clipped = clip_error(&long);
+        assert!(clipped.len() <= 2003 && clipped.ends_with('…'));
+        assert_eq!(clip_error("fine"), "fine");
+    }
 }

@@ -205,9 +205,11 @@ const CLAIM_EVENT: &str = "\
 UPDATE _System_OutboxEvent t
 SET Status = 'processing',
     LastModifiedDate = GREATEST($2, t.LastModifiedDate + interval '1 microsecond')
-FROM (SELECT Id, Status AS old_status FROM _System_OutboxEvent WHERE Id = $1 FOR UPDATE) o
+FROM (SELECT Id, Status AS old_status FROM _System_OutboxEvent WHERE Id = $1
+      FOR UPDATE SKIP LOCKED) o
 WHERE t.Id = o.Id
   AND (t.Status = 'pending' OR (t.Status = 'processing' AND t.LastModifiedDate < $3))
+  AND (t.Status <> 'pending' OR t.RetryCount = 0 OR t.LastModifiedDate < $4)
 RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
           t.LastModifiedDate, t.LastError, o.old_status";
 
@@ -236,7 +238,7 @@ const INCREMENT_RETRY: &str = "\
 UPDATE _System_OutboxEvent
 SET Status = 'pending',
     RetryCount = RetryCount + 1,
-    LastModifiedDate = $2,
+    LastModifiedDate = GREATEST($2, LastModifiedDate + interval '1 microsecond'),
     LastError = $4
 WHERE Id = $1 AND Status = 'processing' AND LastModifiedDate = $3";
 
@@ -455,6 +457,7 @@ ORDER BY e.CreatedDate ASC",
             .bind(id)
             .bind(cutoffs.now)
             .bind(cutoffs.stale_cutoff)
+            .bind(cutoffs.retry_cutoff)
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(claim_from_row).transpose()

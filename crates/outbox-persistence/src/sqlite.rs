@@ -170,7 +170,8 @@ async fn claim_on(
     event: OutboxEvent,
     cutoffs: Cutoffs,
 ) -> Result<Option<Claim>> {
-    let claimable = event.status == EventStatus::Pending
+    let claimable = (event.status == EventStatus::Pending
+        && (event.retry_count == 0 || event.last_modified_date < cutoffs.retry_cutoff))
         || (event.status == EventStatus::Processing
             && event.last_modified_date < cutoffs.stale_cutoff);
     if !claimable {
@@ -396,7 +397,7 @@ impl OutboxRepository for SqliteOutbox {
         extra_delay: Duration,
         error: &str,
     ) -> Result<FenceOutcome> {
-        let written = truncate_micros(now) + delay(extra_delay);
+        let written = next_written(now + delay(extra_delay), fence.last_written);
         self.fenced(FENCED_RETRY, fence, written, Some(error)).await
     }
 
@@ -636,7 +637,7 @@ impl Attempt for SqliteAttempt {
     ) -> Result<FenceOutcome> {
         match bookkeeping {
             FailureBookkeeping::Retry { extra_delay } => {
-                let written = truncate_micros(now) + delay(extra_delay);
+                let written = next_written(now + delay(extra_delay), fence.last_written);
                 self.fenced(FENCED_RETRY, fence, written, Some(error)).await
             }
             FailureBookkeeping::Fail => {
