@@ -172,12 +172,10 @@ macro_rules! scope_filter {
     };
 }
 
-/// Select-and-claim in one statement: the candidate selection above locks its row with
-/// `FOR UPDATE OF e SKIP LOCKED` and the update moves it to `processing`. Parameters: `$1` now,
-/// `$2` stale cutoff, `$3` retry cutoff, `$4`/`$5` the scope's event types.
-pub const CLAIM_NEXT: &str = concat!(
-    claim_candidate!(scope_filter!()),
-    "
+/// The claim itself: the candidate moves to `processing`, its `LastModifiedDate` strictly forward.
+macro_rules! claim_update {
+    () => {
+        "
 UPDATE _System_OutboxEvent t
 SET Status = 'processing',
     LastModifiedDate = GREATEST($1, t.LastModifiedDate + interval '1 microsecond')
@@ -185,20 +183,22 @@ FROM candidate c
 WHERE t.Id = c.Id
 RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
           t.LastModifiedDate, t.LastError, c.old_status"
+    };
+}
+
+/// Select-and-claim in one statement: the candidate selection above locks its row with
+/// `FOR UPDATE OF e SKIP LOCKED` and the update moves it to `processing`. Parameters: `$1` now,
+/// `$2` stale cutoff, `$3` retry cutoff, `$4`/`$5` the scope's event types.
+pub const CLAIM_NEXT: &str = concat!(
+    claim_candidate!(scope_filter!()),
+    claim_update!()
 );
 
 /// [`CLAIM_NEXT`] for [`Scope::All`]: the same statement without the scope predicates.
 /// Parameters: `$1` now, `$2` stale cutoff, `$3` retry cutoff.
 pub const CLAIM_NEXT_ALL: &str = concat!(
     claim_candidate!(""),
-    "
-UPDATE _System_OutboxEvent t
-SET Status = 'processing',
-    LastModifiedDate = GREATEST($1, t.LastModifiedDate + interval '1 microsecond')
-FROM candidate c
-WHERE t.Id = c.Id
-RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
-          t.LastModifiedDate, t.LastError, c.old_status"
+    claim_update!()
 );
 
 const CLAIM_EVENT: &str = "\
