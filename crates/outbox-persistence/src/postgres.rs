@@ -189,17 +189,11 @@ RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.C
 /// Select-and-claim in one statement: the candidate selection above locks its row with
 /// `FOR UPDATE OF e SKIP LOCKED` and the update moves it to `processing`. Parameters: `$1` now,
 /// `$2` stale cutoff, `$3` retry cutoff, `$4`/`$5` the scope's event types.
-pub const CLAIM_NEXT: &str = concat!(
-    claim_candidate!(scope_filter!()),
-    claim_update!()
-);
+pub const CLAIM_NEXT: &str = concat!(claim_candidate!(scope_filter!()), claim_update!());
 
 /// [`CLAIM_NEXT`] for [`Scope::All`]: the same statement without the scope predicates.
 /// Parameters: `$1` now, `$2` stale cutoff, `$3` retry cutoff.
-pub const CLAIM_NEXT_ALL: &str = concat!(
-    claim_candidate!(""),
-    claim_update!()
-);
+pub const CLAIM_NEXT_ALL: &str = concat!(claim_candidate!(""), claim_update!());
 
 const CLAIM_EVENT: &str = "\
 UPDATE _System_OutboxEvent t
