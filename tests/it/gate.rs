@@ -144,7 +144,7 @@ async fn excluded_consumers_run_on_the_legacy_path(db: TestDb) {
         events.push(NewEvent::new(t, lead(&format!("x{}", i % 5))));
     }
     let mut tx = repo.begin().await.unwrap();
-    repo.enqueue(&mut tx, &events, Utc::now()).await.unwrap();
+    repo.enqueue(&mut tx, &events).await.unwrap();
     tx.commit().await.unwrap();
     let (pulled, legacy) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let handlers = Handlers::new()

@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use chrono::Utc;
 use outbox_events::{
     AttemptContext, DispatchMode, Dispatcher, Handler, HandlerError, Handlers, OutboxEvent,
     WorkerConfig,
@@ -132,7 +131,7 @@ fn fast_config(workers: usize) -> WorkerConfig {
 async fn enqueue_all(repo: &Arc<dyn OutboxRepository>, events: Vec<NewEvent>) {
     for chunk in events.chunks(500) {
         let mut tx = repo.begin().await.unwrap();
-        repo.enqueue(&mut tx, chunk, Utc::now()).await.unwrap();
+        repo.enqueue(&mut tx, chunk).await.unwrap();
         tx.commit().await.unwrap();
     }
 }

@@ -10,7 +10,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_persistence::{Database, OutboxRepository};
+use outbox_persistence::{ClockShift, Database, OutboxRepository};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool, SqlitePool};
 
@@ -32,6 +32,8 @@ pub struct TestDb {
     pub db: Database,
     /// The URL of this database, for code that connects by itself (for example a CLI process).
     pub url: String,
+    /// The clock shift of [`TestDb::repository`]'s repositories: advance it to let time pass.
+    pub clock: ClockShift,
     cleanup: Cleanup,
 }
 
@@ -79,6 +81,7 @@ impl TestDb {
         Self {
             db,
             url,
+            clock: ClockShift::new(),
             cleanup: Cleanup::SqliteFile(path),
         }
     }
@@ -107,6 +110,7 @@ impl TestDb {
         Some(Self {
             db,
             url,
+            clock: ClockShift::new(),
             cleanup: Cleanup::PostgresDatabase { admin_url, name },
         })
     }
@@ -119,9 +123,9 @@ impl TestDb {
         }
     }
 
-    /// The outbox repository over this database.
+    /// An outbox repository over this database whose clock moves with [`TestDb::clock`].
     pub fn repository(&self) -> Arc<dyn OutboxRepository> {
-        self.db.repository()
+        self.db.repository_with_clock_shift(self.clock.clone())
     }
 
     /// The PostgreSQL pool, when this database is on PostgreSQL.
@@ -344,12 +348,11 @@ impl TestDb {
 pub async fn drain(repo: &Arc<dyn OutboxRepository>, limit: Duration) {
     let start = std::time::Instant::now();
     loop {
-        let now = chrono::Utc::now();
         let stats = repo
-            .stats(outbox_persistence::Cutoffs::at(
-                now,
+            .stats(outbox_persistence::ClaimPolicy::new(
                 Duration::from_secs(30),
                 Duration::ZERO,
+                5,
             ))
             .await
             .expect("read the queue's stats");

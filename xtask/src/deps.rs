@@ -65,7 +65,8 @@ const RULES: &[Rule] = &[
     },
     Rule {
         krate: "create-action",
-        workspace: WorkspaceDeps::Only(&["record-key"]),
+        // outbox-persistence for the one database-error classifier.
+        workspace: WorkspaceDeps::Only(&["record-key", "outbox-persistence"]),
         forbidden_direct: &[],
         forbidden_transitive: &[],
     },

@@ -160,21 +160,21 @@ impl Error {
     }
 
     /// Whether the action may succeed if the attempt is retried later: a lock timeout, a
-    /// deadlock or serialization failure, SQLite busy, a lost connection, or a conflict whose
-    /// winner vanished.
+    /// deadlock or serialization failure, SQLite busy, an unavailable database or lost
+    /// connection (classified by the workspace's one classifier,
+    /// [`outbox_persistence::classify_error`]), or a conflict whose winner vanished.
     pub fn is_transient(&self) -> bool {
         match self {
             Error::ConflictWithoutRow(_) => true,
-            Error::Database(sqlx::Error::Database(e)) => {
-                let code = e.code().map(|c| c.into_owned()).unwrap_or_default();
-                matches!(code.as_str(), "55P03" | "40P01" | "40001")
-                    || code.starts_with("08")
-                    || code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
-            }
-            Error::Database(
-                sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed,
-            ) => true,
+            Error::Database(e) => outbox_persistence::classify_error(e).is_transient(),
             _ => false,
         }
+    }
+
+    /// Whether this is a lock wait that ran into the lock timeout (or a deadlock, a
+    /// serialization failure, SQLite busy).
+    pub fn is_lock_timeout(&self) -> bool {
+        matches!(self, Error::Database(e)
+            if outbox_persistence::classify_error(e) == outbox_persistence::ErrorClass::LockTimeout)
     }
 }

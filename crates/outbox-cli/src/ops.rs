@@ -5,11 +5,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use chrono::Utc;
 use outbox_events::{
     Consumer, DEFAULT_RETRY_DELAY, DEFAULT_STALE_AFTER, Safeguard, Verdict, evaluate_gate,
 };
-use outbox_persistence::{ConnectConfig, Cutoffs, Database, RetryFilter};
+use outbox_persistence::{ClaimPolicy, ConnectConfig, Database, RetryFilter};
 use serde::Serialize;
 
 use crate::cli::{BackfillArgs, RetryArgs};
@@ -32,8 +31,12 @@ pub async fn migrate(url: Option<&str>) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn cutoffs() -> Cutoffs {
-    Cutoffs::at(Utc::now(), DEFAULT_STALE_AFTER, DEFAULT_RETRY_DELAY)
+fn cutoffs() -> ClaimPolicy {
+    ClaimPolicy::new(
+        DEFAULT_STALE_AFTER,
+        DEFAULT_RETRY_DELAY,
+        outbox_events::DEFAULT_MAX_RETRY_ATTEMPTS,
+    )
 }
 
 /// `outbox status`.
@@ -80,7 +83,7 @@ pub async fn retry(url: Option<&str>, args: RetryArgs) -> Result<ExitCode> {
     };
     let changed = db
         .repository()
-        .retry_failed(filter.clone(), Utc::now())
+        .retry_failed(filter.clone())
         .await?;
     tracing::warn!(?filter, changed, "operator returned failed rows to pending");
     println!("{changed} failed row(s) returned to pending");
@@ -100,33 +103,10 @@ pub async fn explain(url: Option<&str>) -> Result<ExitCode> {
             "`outbox explain` prints PostgreSQL plans; point --database-url at PostgreSQL"
         );
     };
-    let c = cutoffs();
-    let no_types: Option<Vec<String>> = None;
-    println!("== eligible-event query (the design's, as written)");
-    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "EXPLAIN {}",
-        outbox_persistence::postgres::ELIGIBLE_QUERY
-    )))
-    .bind(c.stale_cutoff)
-    .bind(c.retry_cutoff)
-    .bind(1_i64)
-    .fetch_all(pool)
-    .await?;
-    print_plan(&plan);
-    // EXPLAIN without ANALYZE runs nothing, so the claim's UPDATE changes no row.
-    println!("== select-and-claim (claim_next)");
-    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "EXPLAIN {}",
-        outbox_persistence::postgres::CLAIM_NEXT
-    )))
-    .bind(c.now)
-    .bind(c.stale_cutoff)
-    .bind(c.retry_cutoff)
-    .bind(&no_types)
-    .bind(&no_types)
-    .fetch_all(pool)
-    .await?;
-    print_plan(&plan);
+    for (name, plan) in outbox_persistence::postgres::explain(pool, cutoffs()).await? {
+        println!("== {name}");
+        print_plan(&plan);
+    }
     db.close().await;
     Ok(ExitCode::SUCCESS)
 }

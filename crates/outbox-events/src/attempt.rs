@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_persistence::{
-    Attempt, Claim, FailureBookkeeping, FenceOutcome, OutboxRepository, Terminal,
+    Attempt, Claim, EventStatus, FailureBookkeeping, FenceOutcome, OutboxRepository, Terminal,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
@@ -26,7 +26,6 @@ use crate::config::WorkerConfig;
 use crate::handler::{AttemptContext, HandlerError, Handlers};
 use crate::heartbeat::{FenceCell, HeartbeatGuard};
 use crate::metrics::Metrics;
-use crate::pool::Clock;
 
 /// How an attempt ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,7 +63,6 @@ pub(crate) struct AttemptEnv {
     pub repo: Arc<dyn OutboxRepository>,
     pub handlers: Handlers,
     pub config: WorkerConfig,
-    pub clock: Arc<dyn Clock>,
     pub metrics: Arc<Metrics>,
     /// Cancelled at hard shutdown: in-flight attempts roll back.
     pub hard_stop: CancellationToken,
@@ -99,7 +97,6 @@ pub async fn process_claim(
     repo: Arc<dyn OutboxRepository>,
     handlers: Handlers,
     config: WorkerConfig,
-    clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     hard_stop: CancellationToken,
     claim: Claim,
@@ -108,7 +105,6 @@ pub async fn process_claim(
         repo,
         handlers,
         config,
-        clock,
         metrics,
         hard_stop,
     };
@@ -178,7 +174,6 @@ impl Beat<'_> {
                 self.env.repo.clone(),
                 self.fence.clone(),
                 self.env.config.heartbeat_interval,
-                self.env.clock.clone(),
                 self.lost.clone(),
                 beat_now,
             ));
@@ -286,7 +281,7 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> Attemp
             }
             let failure = env.failure(claim, error.is_retryable(), error.to_string());
             tracing::info!(error = %failure.message, "handler failed");
-            finish_failure(env, beat, tx, failure).await
+            finish_failure(env, claim, beat, tx, failure).await
         }
     }
 }
@@ -304,7 +299,7 @@ async fn finish_success(
         rollback_quietly(tx.as_mut()).await;
         return AttemptOutcome::LostClaim;
     }
-    let written = tx.mark_processed(state.fence, env.clock.now()).await;
+    let written = tx.mark_processed(state.fence).await;
     match written {
         Ok(FenceOutcome::Written) => match tx.commit().await {
             Ok(()) => AttemptOutcome::Processed,
@@ -314,7 +309,7 @@ async fn finish_success(
                 // the side. If the commit did land, the row is `processed` and the fenced
                 // write finds nothing to change.
                 let failure = env.failure(claim, true, format!("commit failed: {}", e.chain()));
-                detached(env, beat, failure).await
+                detached(env, claim, beat, failure, Some(Landed::Processed)).await
             }
         },
         Ok(FenceOutcome::Lost) => {
@@ -333,13 +328,14 @@ async fn finish_success(
                 true,
                 format!("could not mark processed: {}", e.chain()),
             );
-            detached(env, beat, failure).await
+            detached(env, claim, beat, failure, None).await
         }
     }
 }
 
 async fn finish_failure(
     env: &AttemptEnv,
+    claim: &Claim,
     beat: &mut Beat<'_>,
     mut tx: Box<dyn Attempt>,
     failure: Failure,
@@ -348,7 +344,7 @@ async fn finish_failure(
     if let Err(e) = tx.rollback_to_savepoint().await {
         tracing::warn!(error = %e.chain(), "rollback to the post-claim savepoint failed; recording the failure on the side");
         rollback_quietly(tx.as_mut()).await;
-        return detached(env, beat, failure).await;
+        return detached(env, claim, beat, failure, None).await;
     }
     let state = fence.lock().await;
     if state.lost {
@@ -359,7 +355,6 @@ async fn finish_failure(
     let written = tx
         .record_failure(
             state.fence,
-            env.clock.now(),
             failure.bookkeeping,
             &failure.message,
         )
@@ -370,7 +365,7 @@ async fn finish_failure(
             Err(e) => {
                 drop(state);
                 tracing::warn!(error = %e.chain(), "commit of the failure bookkeeping failed; recording it on the side");
-                detached(env, beat, failure).await
+                detached(env, claim, beat, failure, Some(Landed::Failure)).await
             }
         },
         Ok(FenceOutcome::Lost) => {
@@ -382,7 +377,7 @@ async fn finish_failure(
             drop(state);
             tracing::warn!(error = %e.chain(), "failure bookkeeping in the attempt failed; recording it on the side");
             rollback_quietly(tx.as_mut()).await;
-            detached(env, beat, failure).await
+            detached(env, claim, beat, failure, None).await
         }
     }
 }
@@ -399,9 +394,68 @@ const DETACHED_FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const DETACHED_MAX_BACKOFF: Duration = Duration::from_secs(5);
 const DETACHED_MAX_TRIES: u32 = 12;
 
+/// What the row shows when an attempt's commit landed although it reported an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Landed {
+    /// The success commit: `processed` with the claim's `RetryCount`.
+    Processed,
+    /// The failure bookkeeping's commit: its retry or `failed` with one more failure counted.
+    Failure,
+}
+
+/// Whether the commit that reported an error landed after all. `RetryCount` tells this
+/// attempt's write from anyone else's: a reclaim counts the dead attempt first, so another
+/// worker's outcome always carries a higher count.
+async fn landed_anyway(
+    env: &AttemptEnv,
+    claim: &Claim,
+    landed: Landed,
+    failure: &Failure,
+) -> Option<AttemptOutcome> {
+    let row = match env.repo.get_event(claim.event.id).await {
+        Ok(Some(row)) => row,
+        Ok(None) => return None,
+        Err(e) => {
+            tracing::debug!(error = %e.chain(), "could not read the row back after a commit error");
+            return None;
+        }
+    };
+    let ours = claim.event.retry_count;
+    let matches = match (landed, failure.bookkeeping) {
+        (Landed::Processed, _) => row.status == EventStatus::Processed && row.retry_count == ours,
+        (Landed::Failure, FailureBookkeeping::Retry { .. }) => {
+            row.status == EventStatus::Pending && row.retry_count == ours + 1
+        }
+        (Landed::Failure, FailureBookkeeping::Fail) => {
+            row.status == EventStatus::Failed && row.retry_count == ours + 1
+        }
+    };
+    if !matches {
+        return None;
+    }
+    tracing::info!("the commit reported an error but landed; nothing more to record");
+    Some(match landed {
+        Landed::Processed => AttemptOutcome::Processed,
+        Landed::Failure => failure_outcome(failure),
+    })
+}
+
 /// The attempt transaction is gone: land the failure bookkeeping on connections of its own
-/// while the heartbeat (still running) keeps the claim alive.
-async fn detached(env: &AttemptEnv, beat: &mut Beat<'_>, failure: Failure) -> AttemptOutcome {
+/// while the heartbeat (still running) keeps the claim alive. `landed` says which outcome the
+/// lost transaction may have committed after all (its commit reported an error): a fenced
+/// write that finds the claim gone then checks whether the row carries that outcome.
+async fn detached(
+    env: &AttemptEnv,
+    claim: &Claim,
+    beat: &mut Beat<'_>,
+    failure: Failure,
+    landed: Option<Landed>,
+) -> AttemptOutcome {
+    if let Some(landed) = landed
+        && let Some(outcome) = landed_anyway(env, claim, landed, &failure).await
+    {
+        return outcome;
+    }
     env.metrics.inc_detached_bookkeeping();
     // The claim must stay visibly alive while the bookkeeping lands (at once: on a backend that
     // serializes writers it went without beats during the attempt).
@@ -412,13 +466,12 @@ async fn detached(env: &AttemptEnv, beat: &mut Beat<'_>, failure: Failure) -> At
         {
             let state = fence.lock().await;
             if state.lost {
-                return AttemptOutcome::LostClaim;
+                return lost_or_landed(env, claim, &failure, landed).await;
             }
-            let now = env.clock.now();
             let written = match failure.bookkeeping {
                 FailureBookkeeping::Retry { extra_delay } => {
                     env.repo
-                        .increment_retry(state.fence, now, extra_delay, &failure.message)
+                        .increment_retry(state.fence, extra_delay, &failure.message)
                         .await
                 }
                 FailureBookkeeping::Fail => {
@@ -426,7 +479,6 @@ async fn detached(env: &AttemptEnv, beat: &mut Beat<'_>, failure: Failure) -> At
                         .update_status(
                             state.fence,
                             Terminal::Failed,
-                            now,
                             Some(failure.message.clone()),
                         )
                         .await
@@ -434,7 +486,10 @@ async fn detached(env: &AttemptEnv, beat: &mut Beat<'_>, failure: Failure) -> At
             };
             match written {
                 Ok(FenceOutcome::Written) => return failure_outcome(&failure),
-                Ok(FenceOutcome::Lost) => return AttemptOutcome::LostClaim,
+                Ok(FenceOutcome::Lost) => {
+                    drop(state);
+                    return lost_or_landed(env, claim, &failure, landed).await;
+                }
                 Err(e) => tracing::warn!(
                     error = %e.chain(),
                     try_number = attempt,
@@ -453,6 +508,22 @@ async fn detached(env: &AttemptEnv, beat: &mut Beat<'_>, failure: Failure) -> At
         "giving up on the detached bookkeeping; the row goes stale and will be reclaimed"
     );
     AttemptOutcome::Abandoned
+}
+
+/// The claim is gone: either the lost transaction's commit landed after all, or another
+/// worker holds the row now.
+async fn lost_or_landed(
+    env: &AttemptEnv,
+    claim: &Claim,
+    failure: &Failure,
+    landed: Option<Landed>,
+) -> AttemptOutcome {
+    match landed {
+        Some(landed) => landed_anyway(env, claim, landed, failure)
+            .await
+            .unwrap_or(AttemptOutcome::LostClaim),
+        None => AttemptOutcome::LostClaim,
+    }
 }
 
 async fn rollback_quietly(tx: &mut dyn Attempt) {

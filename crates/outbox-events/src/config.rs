@@ -100,6 +100,16 @@ impl Default for WorkerConfig {
 }
 
 impl WorkerConfig {
+    /// The claim rules these settings give the repository: stale-after, the base retry delay
+    /// and `MaxRetryAttempts`.
+    pub fn claim_policy(&self) -> outbox_persistence::ClaimPolicy {
+        outbox_persistence::ClaimPolicy::new(
+            self.stale_after,
+            self.retry_delay,
+            self.max_retry_attempts,
+        )
+    }
+
     /// Sets the dispatch mode.
     pub fn with_mode(mut self, mode: DispatchMode) -> Self {
         self.mode = mode;

@@ -14,8 +14,6 @@ use tokio::sync::{Mutex, MutexGuard};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::pool::Clock;
-
 /// The claim's current fence, and whether it was lost.
 #[derive(Debug)]
 pub(crate) struct FenceState {
@@ -52,7 +50,6 @@ impl HeartbeatGuard {
         repo: Arc<dyn OutboxRepository>,
         fence: FenceCell,
         interval: Duration,
-        clock: Arc<dyn Clock>,
         lost: CancellationToken,
         beat_now: bool,
     ) -> Self {
@@ -66,7 +63,7 @@ impl HeartbeatGuard {
                 if state.lost {
                     return;
                 }
-                match repo.heartbeat(state.fence, clock.now()).await {
+                match repo.heartbeat(state.fence).await {
                     Ok(Some(next)) => state.fence = next,
                     Ok(None) => {
                         state.lost = true;

@@ -10,7 +10,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::attempt::{self, AttemptEnv};
-use crate::pool::{back_off, cutoffs, idle};
+use crate::pool::{back_off, idle, policy};
 
 /// The slot of an event: a stable hash of its `RecordKey` (of its `Id` when it has none), so
 /// a record's events of one batch run in order in one slot.
@@ -35,7 +35,7 @@ pub(crate) async fn run(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Sc
     while !stop.is_cancelled() {
         let batch = match env
             .repo
-            .get_pending_events(cutoffs(&env), &scope, env.config.legacy_batch_size)
+            .get_pending_events(policy(&env), &scope, env.config.legacy_batch_size)
             .await
         {
             Ok(batch) => batch,
@@ -62,7 +62,7 @@ pub(crate) async fn run(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Sc
             running.spawn(async move {
                 for event in events {
                     // The legacy path claims each fetched row by id before running it.
-                    match env.repo.claim_event(event.id, cutoffs(&env)).await {
+                    match env.repo.claim_event(event.id, policy(&env)).await {
                         Ok(Some(claim)) => {
                             attempt::run(&env, claim).await;
                         }

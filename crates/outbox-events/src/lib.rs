@@ -30,9 +30,9 @@ pub use gate::{GateReport, evaluate_gate};
 pub use handler::{AttemptContext, Handler, HandlerError, Handlers};
 pub use legacy::slot_for_event;
 pub use metrics::{Metrics, MetricsSnapshot};
-pub use pool::{Clock, Dispatcher, DispatcherHandle, ShutdownReport, SystemClock};
+pub use pool::{Dispatcher, DispatcherHandle, ShutdownReport};
 
-pub use outbox_persistence::{OutboxEvent, OutboxRepository, Scope, Tx};
+pub use outbox_persistence::{ClaimPolicy, OutboxEvent, OutboxRepository, Scope, Tx};
 
 #[cfg(test)]
 mod tests;

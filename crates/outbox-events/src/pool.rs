@@ -5,8 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use outbox_persistence::{Cutoffs, OutboxRepository, Scope};
+use outbox_persistence::{ClaimPolicy, OutboxRepository, Scope};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -15,22 +14,6 @@ use crate::config::{DispatchMode, WorkerConfig};
 use crate::handler::Handlers;
 use crate::legacy;
 use crate::metrics::{Metrics, MetricsSnapshot};
-
-/// Where workers take the time from. Tests pass their own.
-pub trait Clock: Send + Sync + 'static {
-    /// Now.
-    fn now(&self) -> DateTime<Utc>;
-}
-
-/// The system clock.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now(&self) -> DateTime<Utc> {
-        Utc::now()
-    }
-}
 
 /// The first wait of a worker that found nothing to claim; it doubles up to the poll interval.
 const FIRST_IDLE_WAIT: Duration = Duration::from_millis(10);
@@ -43,26 +26,19 @@ pub struct Dispatcher {
     repo: Arc<dyn OutboxRepository>,
     handlers: Handlers,
     config: WorkerConfig,
-    clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
 }
 
 impl Dispatcher {
-    /// A dispatcher with the system clock.
+    /// A dispatcher over `repo`. Workers read no clock of their own: the repository takes
+    /// every queue time from the database (see `docs/state-machine.md`).
     pub fn new(repo: Arc<dyn OutboxRepository>, handlers: Handlers, config: WorkerConfig) -> Self {
         Self {
             repo,
             handlers,
             config,
-            clock: Arc::new(SystemClock),
             metrics: Arc::default(),
         }
-    }
-
-    /// Uses `clock` instead of the system clock.
-    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
-        self.clock = clock;
-        self
     }
 
     /// Starts the workers of the configured mode.
@@ -74,7 +50,6 @@ impl Dispatcher {
             repo: self.repo,
             handlers: self.handlers,
             config: self.config.clone(),
-            clock: self.clock,
             metrics: self.metrics.clone(),
             hard_stop: hard_stop.clone(),
         });
@@ -124,13 +99,9 @@ impl Dispatcher {
     }
 }
 
-/// The cutoffs for a claim now.
-pub(crate) fn cutoffs(env: &AttemptEnv) -> Cutoffs {
-    Cutoffs::at(
-        env.clock.now(),
-        env.config.stale_after,
-        env.config.retry_delay,
-    )
+/// The claim rules of the configuration.
+pub(crate) fn policy(env: &AttemptEnv) -> ClaimPolicy {
+    env.config.claim_policy()
 }
 
 /// Waits for work or for `stop`, whichever comes first.
@@ -162,7 +133,7 @@ async fn pull_worker(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Scope
     let mut idle_wait = FIRST_IDLE_WAIT;
     let mut error_backoff = FIRST_ERROR_BACKOFF;
     while !stop.is_cancelled() {
-        match env.repo.claim_next(cutoffs(&env), &scope).await {
+        match env.repo.claim_next(policy(&env), &scope).await {
             Ok(Some(claim)) => {
                 idle_wait = FIRST_IDLE_WAIT;
                 error_backoff = FIRST_ERROR_BACKOFF;

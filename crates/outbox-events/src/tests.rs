@@ -12,7 +12,7 @@ use outbox_persistence::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    AttemptContext, AttemptOutcome, Handler, HandlerError, Handlers, Metrics, SystemClock,
+    AttemptContext, AttemptOutcome, Handler, HandlerError, Handlers, Metrics,
     WorkerConfig, process_claim,
 };
 
@@ -86,11 +86,11 @@ fn repo_with(attempt: MockAttempt, log: Arc<Mutex<Vec<&'static str>>>) -> MockOu
     repo.expect_begin_attempt()
         .times(1)
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
-    repo.expect_heartbeat().returning(move |fence, now| {
+    repo.expect_heartbeat().returning(move |fence: Fence| {
         log.lock().unwrap().push("heartbeat");
         Ok(Some(Fence {
             id: fence.id,
-            last_written: outbox_persistence::truncate_micros(now),
+            last_written: fence.last_written + chrono::Duration::microseconds(1),
         }))
     });
     repo
@@ -107,7 +107,6 @@ async fn run(
         Arc::new(repo),
         handlers,
         config(),
-        Arc::new(SystemClock),
         metrics.clone(),
         stop,
         claim,
@@ -123,9 +122,9 @@ async fn success_marks_processed_and_commits() {
     let mut attempt = MockAttempt::new();
     attempt
         .expect_mark_processed()
-        .withf(move |f, _| *f == fence)
+        .withf(move |f| *f == fence)
         .times(1)
-        .returning(|_, _| Ok(FenceOutcome::Written));
+        .returning(|_| Ok(FenceOutcome::Written));
     attempt.expect_commit().times(1).returning(|| Ok(()));
     attempt.expect_rollback_to_savepoint().never();
     let log = Arc::default();
@@ -157,9 +156,9 @@ fn expect_failure(
         .returning(|| Ok(()));
     attempt
         .expect_record_failure()
-        .withf(move |_, _, bookkeeping, error| want(bookkeeping) && error.contains(message))
+        .withf(move |_, bookkeeping, error| want(bookkeeping) && error.contains(message))
         .times(1)
-        .returning(|_, _, _, _| Ok(FenceOutcome::Written));
+        .returning(|_, _, _| Ok(FenceOutcome::Written));
     attempt.expect_commit().times(1).returning(|| Ok(()));
     attempt.expect_mark_processed().never();
 }
@@ -277,7 +276,7 @@ async fn failed_attempt_transaction_lands_bookkeeping_detached_with_heartbeat() 
     attempt
         .expect_mark_processed()
         .times(1)
-        .returning(|_, _| Ok(FenceOutcome::Written));
+        .returning(|_| Ok(FenceOutcome::Written));
     attempt
         .expect_commit()
         .times(1)
@@ -286,9 +285,9 @@ async fn failed_attempt_transaction_lands_bookkeeping_detached_with_heartbeat() 
     let tries = Arc::new(Mutex::new(0));
     let (l, t) = (Arc::clone(&log), Arc::clone(&tries));
     repo.expect_increment_retry()
-        .withf(|_, _, _, error| error.contains("commit failed"))
+        .withf(|_, _, error| error.contains("commit failed"))
         .times(4)
-        .returning(move |_, _, _, _| {
+        .returning(move |_, _, _| {
             let mut t = t.lock().unwrap();
             *t += 1;
             if *t < 4 {
@@ -337,7 +336,7 @@ async fn lost_claim_abandons_the_attempt() {
     repo.expect_begin_attempt()
         .times(1)
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
-    repo.expect_heartbeat().times(1).returning(|_, _| Ok(None));
+    repo.expect_heartbeat().times(1).returning(|_| Ok(None));
     repo.expect_increment_retry().never();
     repo.expect_update_status().never();
     let (outcome, metrics) = run(
@@ -358,7 +357,7 @@ async fn a_failed_heartbeat_is_not_a_lost_claim() {
     attempt
         .expect_mark_processed()
         .times(1)
-        .returning(|_, _| Ok(FenceOutcome::Written));
+        .returning(|_| Ok(FenceOutcome::Written));
     attempt.expect_commit().times(1).returning(|| Ok(()));
     let mut repo = MockOutboxRepository::new();
     repo.expect_serializes_writers().return_const(false);
@@ -367,7 +366,7 @@ async fn a_failed_heartbeat_is_not_a_lost_claim() {
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
     repo.expect_heartbeat()
         .times(2)
-        .returning(|_, _| Err(unavailable()));
+        .returning(|_| Err(unavailable()));
     let (outcome, _) = run(
         repo,
         handlers(Duration::from_millis(2500), || Ok(())),
@@ -385,7 +384,7 @@ async fn fenced_out_final_write_rolls_back() {
     attempt
         .expect_mark_processed()
         .times(1)
-        .returning(|_, _| Ok(FenceOutcome::Lost));
+        .returning(|_| Ok(FenceOutcome::Lost));
     attempt.expect_rollback().times(1).returning(|| Ok(()));
     attempt.expect_commit().never();
     let repo = repo_with(attempt, Arc::default());
@@ -433,7 +432,7 @@ async fn attempt_that_cannot_begin_yet_is_retried_uncounted() {
     attempt
         .expect_mark_processed()
         .times(1)
-        .returning(|_, _| Ok(FenceOutcome::Written));
+        .returning(|_| Ok(FenceOutcome::Written));
     attempt.expect_commit().times(1).returning(|| Ok(()));
     let mut repo = MockOutboxRepository::new();
     repo.expect_serializes_writers().return_const(false);
@@ -450,11 +449,11 @@ async fn attempt_that_cannot_begin_yet_is_retried_uncounted() {
     });
     let beats = Arc::new(Mutex::new(0));
     let b = Arc::clone(&beats);
-    repo.expect_heartbeat().returning(move |fence, now| {
+    repo.expect_heartbeat().returning(move |fence: Fence| {
         *b.lock().unwrap() += 1;
         Ok(Some(Fence {
             id: fence.id,
-            last_written: outbox_persistence::truncate_micros(now),
+            last_written: fence.last_written + chrono::Duration::microseconds(1),
         }))
     });
     repo.expect_increment_retry().never();
@@ -482,7 +481,7 @@ async fn attempt_that_never_begins_is_abandoned_uncounted() {
     repo.expect_serializes_writers().return_const(true);
     repo.expect_begin_attempt()
         .returning(|_, _| Err(Error::LockTimeout(sqlx::Error::PoolTimedOut)));
-    repo.expect_heartbeat().returning(|f, _| Ok(Some(f)));
+    repo.expect_heartbeat().returning(|f| Ok(Some(f)));
     repo.expect_increment_retry().never();
     repo.expect_update_status().never();
     let (outcome, metrics) = run(
@@ -528,7 +527,7 @@ async fn serialized_backend_heartbeats_only_for_detached_bookkeeping() {
     attempt
         .expect_mark_processed()
         .times(1)
-        .returning(|_, _| Ok(FenceOutcome::Written));
+        .returning(|_| Ok(FenceOutcome::Written));
     attempt
         .expect_commit()
         .times(1)
@@ -539,15 +538,15 @@ async fn serialized_backend_heartbeats_only_for_detached_bookkeeping() {
         .times(1)
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
     let l = Arc::clone(&log);
-    repo.expect_heartbeat().returning(move |fence, now| {
+    repo.expect_heartbeat().returning(move |fence: Fence| {
         l.lock().unwrap().push("heartbeat");
         Ok(Some(Fence {
             id: fence.id,
-            last_written: outbox_persistence::truncate_micros(now),
+            last_written: fence.last_written + chrono::Duration::microseconds(1),
         }))
     });
     let (l, tries) = (Arc::clone(&log), Arc::new(Mutex::new(0)));
-    repo.expect_increment_retry().returning(move |_, _, _, _| {
+    repo.expect_increment_retry().returning(move |_, _, _| {
         let mut t = tries.lock().unwrap();
         *t += 1;
         if *t < 12 {

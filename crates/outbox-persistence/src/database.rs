@@ -166,9 +166,22 @@ impl Database {
 
     /// The outbox repository over this pool.
     pub fn repository(&self) -> Arc<dyn OutboxRepository> {
+        self.repository_with_clock_shift(crate::ClockShift::default())
+    }
+
+    /// The outbox repository over this pool, reading its clock shifted by `shift` (tests move
+    /// it instead of sleeping; production uses [`Database::repository`]).
+    pub fn repository_with_clock_shift(
+        &self,
+        shift: crate::ClockShift,
+    ) -> Arc<dyn OutboxRepository> {
         match self {
-            Database::Postgres(pool) => Arc::new(crate::postgres::PgOutbox::new(pool.clone())),
-            Database::Sqlite(pool) => Arc::new(crate::sqlite::SqliteOutbox::new(pool.clone())),
+            Database::Postgres(pool) => Arc::new(
+                crate::postgres::PgOutbox::new(pool.clone()).with_clock_shift(shift),
+            ),
+            Database::Sqlite(pool) => Arc::new(
+                crate::sqlite::SqliteOutbox::new(pool.clone()).with_clock_shift(shift),
+            ),
         }
     }
 

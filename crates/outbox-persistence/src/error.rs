@@ -75,32 +75,63 @@ impl Error {
     }
 }
 
+/// How a database error should be treated: the one classifier of the workspace (the create
+/// action uses it too, through [`classify`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorClass {
+    /// A lock wait ran into the lock timeout, a deadlock or a serialization failure, SQLite
+    /// busy or locked: retry later.
+    LockTimeout,
+    /// The database could not be reached or the connection was lost: retry later.
+    Unavailable,
+    /// Anything else: it repeats if retried as it is.
+    Other,
+}
+
+impl ErrorClass {
+    /// Whether an operation that failed this way may succeed if tried again later.
+    pub fn is_transient(self) -> bool {
+        matches!(self, ErrorClass::LockTimeout | ErrorClass::Unavailable)
+    }
+}
+
+/// Classifies a sqlx error by its backend's error code (PostgreSQL SQLSTATE or SQLite result
+/// code) or its kind.
+pub fn classify(e: &sqlx::Error) -> ErrorClass {
+    match e {
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            let sqlite = db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some();
+            let lock = if sqlite {
+                is_sqlite_lock_code(&code)
+            } else {
+                is_postgres_lock_code(&code)
+            };
+            if lock {
+                ErrorClass::LockTimeout
+            } else if !sqlite && is_unavailable_code(&code) {
+                ErrorClass::Unavailable
+            } else {
+                ErrorClass::Other
+            }
+        }
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => ErrorClass::Unavailable,
+        _ => ErrorClass::Other,
+    }
+}
+
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
-        match &e {
-            sqlx::Error::Database(db) => {
-                let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-                let sqlite = db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some();
-                let lock = if sqlite {
-                    is_sqlite_lock_code(&code)
-                } else {
-                    is_postgres_lock_code(&code)
-                };
-                if lock {
-                    Error::LockTimeout(e)
-                } else if is_unavailable_code(&code) {
-                    Error::Unavailable(e)
-                } else {
-                    Error::Database(e)
-                }
-            }
-            sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed => Error::Unavailable(e),
-            _ => Error::Database(e),
+        match classify(&e) {
+            ErrorClass::LockTimeout => Error::LockTimeout(e),
+            ErrorClass::Unavailable => Error::Unavailable(e),
+            ErrorClass::Other => Error::Database(e),
         }
     }
 }

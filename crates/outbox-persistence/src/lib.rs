@@ -7,8 +7,12 @@
 //!
 //! A handler's effects commit atomically with `processed` because they run inside an
 //! [`Attempt`]: a transaction opened after the claim committed, with a savepoint right after it.
-//! Time always comes from the caller ([`Cutoffs`], `now` parameters), so tests move a clock
-//! instead of sleeping.
+//!
+//! Time comes from one clock, never the caller's: on PostgreSQL every queue timestamp is the
+//! database's `clock_timestamp()`, so a worker or application host whose clock is skewed
+//! changes nothing; SQLite (one host) uses that host's clock and decides staleness by observing
+//! heartbeats on a monotonic clock. Callers pass durations ([`ClaimPolicy`]); tests move a
+//! [`ClockShift`] instead of sleeping.
 
 mod database;
 mod error;
@@ -21,10 +25,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, SubsecRound, Utc};
 
+pub use sqlx;
+
 pub use database::{
     ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Database, redact as redact_url,
 };
-pub use error::Error;
+pub use error::{Error, ErrorClass, classify as classify_error};
 pub use model::*;
 
 /// The result type of this crate.
@@ -90,35 +96,40 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// Inserts `events` in the caller's transaction, in order, deriving each `RecordKey` from
     /// its payload. Ids increase in the order given. Refuses the whole batch, writing nothing,
     /// when a payload is not a valid envelope.
-    async fn enqueue(
-        &self,
-        tx: &mut Tx,
-        events: &[NewEvent],
-        now: DateTime<Utc>,
-    ) -> Result<Vec<EventId>>;
+    ///
+    /// `CreatedDate` comes from the database's clock, drawn after a per-key lock (PostgreSQL:
+    /// a transaction-scoped advisory lock; SQLite: the write lock), so one record's events are
+    /// ordered as their transactions commit.
+    async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>>;
 
     /// The design's eligible-event query: `pending` rows (a retried one once its
     /// `LastModifiedDate` is older than `retry_cutoff`) and stale `processing` rows, skipping a
-    /// row while an older row with the same `RecordKey` is not terminal, oldest first.
-    /// `scope` narrows the event types; the ordering rule still looks at every type.
+    /// row while an older row with the same `RecordKey` is not terminal, oldest first; and never
+    /// a row while another row of its key is `processing` with a live heartbeat (the in-flight
+    /// guard). `scope` narrows the event types; the ordering rule still looks at every type.
     async fn get_pending_events(
         &self,
-        cutoffs: Cutoffs,
+        policy: ClaimPolicy,
         scope: &Scope,
         limit: u32,
     ) -> Result<Vec<OutboxEvent>>;
 
     /// `ClaimEvent`: atomically moves row `id` from `pending`, or stale `processing`, to
-    /// `processing`, committed before this returns. `None` when another worker won.
-    async fn claim_event(&self, id: EventId, cutoffs: Cutoffs) -> Result<Option<Claim>>;
+    /// `processing`, committed before this returns, when it is eligible (the same rules as
+    /// `get_pending_events`). `None` when it is not, or another worker won.
+    ///
+    /// Reclaiming a stale row counts its dead attempt as failed (`RetryCount + 1`, `LastError`
+    /// starting `worker died:`); when that count reaches `MaxRetryAttempts` the row ends
+    /// `failed` instead and this returns `None`.
+    async fn claim_event(&self, id: EventId, policy: ClaimPolicy) -> Result<Option<Claim>>;
 
     /// Selects the oldest eligible row and claims it, in as few round trips as the backend
     /// allows. Same rules as `get_pending_events` followed by `claim_event`.
-    async fn claim_next(&self, cutoffs: Cutoffs, scope: &Scope) -> Result<Option<Claim>>;
+    async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>>;
 
     /// Refreshes `LastModifiedDate` of a row this worker still holds, on a connection of its
     /// own. `None` when the row is no longer this worker's (reclaimed, or finished elsewhere).
-    async fn heartbeat(&self, fence: Fence, now: DateTime<Utc>) -> Result<Option<Fence>>;
+    async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>>;
 
     /// Whether attempt transactions exclude every other writer while they run (SQLite). Then
     /// nobody can reclaim a row during its attempt, `begin_attempt` checks the fence, and the
@@ -128,10 +139,9 @@ pub trait OutboxRepository: Send + Sync + 'static {
         false
     }
 
-    /// Opens the attempt transaction for a claimed row: begin, lock timeout, post-claim
-    /// savepoint. Returns `None` when a backend that serializes writers finds the fence moved
-    /// (the row was reclaimed before the attempt began); other backends return `Some` and
-    /// leave the fence to the heartbeat and the final write.
+    /// Opens the attempt transaction for a claimed row: begin, lock timeout, fence check,
+    /// post-claim savepoint. Returns `None` when the fence moved (the row was reclaimed or
+    /// finished before the attempt began), so a handler never starts on a lost claim.
     async fn begin_attempt(
         &self,
         lock_timeout: Duration,
@@ -143,7 +153,6 @@ pub trait OutboxRepository: Send + Sync + 'static {
     async fn increment_retry(
         &self,
         fence: Fence,
-        now: DateTime<Utc>,
         extra_delay: Duration,
         error: &str,
     ) -> Result<FenceOutcome>;
@@ -154,7 +163,6 @@ pub trait OutboxRepository: Send + Sync + 'static {
         &self,
         fence: Fence,
         status: Terminal,
-        now: DateTime<Utc>,
         error: Option<String>,
     ) -> Result<FenceOutcome>;
 
@@ -169,10 +177,13 @@ pub trait OutboxRepository: Send + Sync + 'static {
     ) -> Result<BackfillPage>;
 
     /// Counts by status, the oldest pending age, stale claims and blocked keys.
-    async fn stats(&self, cutoffs: Cutoffs) -> Result<OutboxStats>;
+    async fn stats(&self, policy: ClaimPolicy) -> Result<OutboxStats>;
 
-    /// Returns `failed` rows to `pending` (operator action); the number of rows changed.
-    async fn retry_failed(&self, filter: RetryFilter, now: DateTime<Utc>) -> Result<u64>;
+    /// Returns `failed` rows to `pending` with `RetryCount` 0 (operator action); the number of
+    /// rows changed. A retried row keeps its place in its key's order: younger rows of its key
+    /// that have not run yet wait for it, and it waits while another row of its key is in
+    /// flight (it never runs beside it).
+    async fn retry_failed(&self, filter: RetryFilter) -> Result<u64>;
 
     /// Reads one row.
     async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>>;
@@ -195,13 +206,12 @@ pub trait Attempt: Send {
     async fn rollback_to_savepoint(&mut self) -> Result<()>;
 
     /// `processed`, in this transaction, fenced.
-    async fn mark_processed(&mut self, fence: Fence, now: DateTime<Utc>) -> Result<FenceOutcome>;
+    async fn mark_processed(&mut self, fence: Fence) -> Result<FenceOutcome>;
 
     /// Retry or failed state, in this transaction, fenced.
     async fn record_failure(
         &mut self,
         fence: Fence,
-        now: DateTime<Utc>,
         bookkeeping: FailureBookkeeping,
         error: &str,
     ) -> Result<FenceOutcome>;

@@ -2,6 +2,8 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -112,26 +114,60 @@ pub struct OutboxEvent {
     pub last_error: Option<String>,
 }
 
-/// The moments that decide eligibility, taken from the caller's clock.
+/// The rules that decide eligibility and count dead attempts. Durations only: the backend
+/// reads the time itself (PostgreSQL: the database's `clock_timestamp()`; SQLite: the host's
+/// clock for retry delays and a monotonic observation for staleness, see
+/// `docs/state-machine.md`), so a worker whose host clock is skewed changes nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cutoffs {
-    /// The time of the decision; claims and heartbeats write it as `LastModifiedDate`.
-    pub now: DateTime<Utc>,
-    /// A `processing` row whose `LastModifiedDate` is older than this has lost its heartbeat.
-    pub stale_cutoff: DateTime<Utc>,
-    /// A retried `pending` row is eligible once its `LastModifiedDate` is older than this.
-    pub retry_cutoff: DateTime<Utc>,
+pub struct ClaimPolicy {
+    /// A `processing` row whose heartbeat has been silent this long is stale: its attempt is
+    /// counted as failed and the row may be reclaimed.
+    pub stale_after: Duration,
+    /// A retried `pending` row is eligible once its `LastModifiedDate` (the failure time plus
+    /// any extra backoff) is this far in the past.
+    pub retry_delay: Duration,
+    /// `MaxRetryAttempts`: a stale reclaim that counts the attempt reaching this number ends
+    /// the row `failed` instead of claiming it (a poison event that kills its worker).
+    pub max_retry_attempts: i32,
 }
 
-impl Cutoffs {
-    /// The cutoffs at `now` for a stale-after and a base retry delay.
-    pub fn at(now: DateTime<Utc>, stale_after: Duration, retry_delay: Duration) -> Self {
-        let now = crate::truncate_micros(now);
+impl ClaimPolicy {
+    /// A policy with a stale-after age, a base retry delay and `MaxRetryAttempts`.
+    pub fn new(stale_after: Duration, retry_delay: Duration, max_retry_attempts: i32) -> Self {
         Self {
-            now,
-            stale_cutoff: now - chrono::Duration::from_std(stale_after).unwrap_or_default(),
-            retry_cutoff: now - chrono::Duration::from_std(retry_delay).unwrap_or_default(),
+            stale_after,
+            retry_delay,
+            max_retry_attempts: max_retry_attempts.max(1),
         }
+    }
+}
+
+/// A shift applied to the queue's clock, shared by the repositories that hold a clone of it.
+/// It is zero unless a test moves it: the backends add it to the time they read (in SQL on
+/// PostgreSQL), so a test can let time pass without sleeping and without a second clock.
+#[derive(Debug, Clone, Default)]
+pub struct ClockShift(Arc<AtomicI64>);
+
+impl ClockShift {
+    /// A shift of zero.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Moves the clock forward by `d`.
+    pub fn advance(&self, d: Duration) {
+        let micros = i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+        self.0.fetch_add(micros, Ordering::SeqCst);
+    }
+
+    /// The shift in microseconds.
+    pub fn micros(&self) -> i64 {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// The shift as a signed duration.
+    pub fn get(&self) -> chrono::Duration {
+        chrono::Duration::microseconds(self.micros())
     }
 }
 

@@ -10,14 +10,15 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{PgPool, Row};
 use tokio::sync::{Notify, OnceCell};
 
 use crate::{
-    Attempt, BackfillPage, Claim, Cutoffs, Error, EventId, FailureBookkeeping, Fence, FenceOutcome,
-    NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Scope, Terminal, Tx,
-    clip_error, new_event_id, truncate_micros,
+    Attempt, BackfillPage, Claim, ClaimPolicy, ClockShift, Error, EventId, EventStatus,
+    FailureBookkeeping, Fence, FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
+    Result, RetryFilter, Scope, Terminal, Tx, clip_error, new_event_id,
 };
 
 /// The notification channel the enqueue trigger signals.
@@ -57,6 +58,23 @@ LIMIT $3";
 /// spells it as `LIMIT 64`.
 pub const CLAIM_PREFIX_ROWS: u32 = 64;
 
+/// The advisory-lock namespace of enqueue's per-key lock (the first key of the two-key form
+/// `pg_advisory_xact_lock(int, int)`, whose lock space never overlaps the one-key form an
+/// application may use). The second key is `hashtext(RecordKey)`.
+pub const ENQUEUE_LOCK_NAMESPACE: i32 = 3477;
+
+/// The SQLSTATE `_System_OutboxCheckFence` raises when an attempt's claim was taken over
+/// before the attempt began.
+pub const CLAIM_LOST_SQLSTATE: &str = "OB001";
+
+/// The database's time, shifted by the repository's [`ClockShift`] (`$1`; zero unless a test
+/// moved it). Every queue timestamp on PostgreSQL is this expression.
+macro_rules! db_now {
+    () => {
+        "(clock_timestamp() + $1::interval)"
+    };
+}
+
 /// The candidate selection of `claim_next`: the design's eligible set and order, computed so
 /// that its cost does not grow with the backlog or with one hot key (see `docs/queries.md`).
 ///
@@ -72,14 +90,21 @@ pub const CLAIM_PREFIX_ROWS: u32 = 64;
 ///    planner from sorting after the join) and then checked oldest first until one is
 ///    claimable. A blocked key's backlog is never walked; the cost is one descent per key.
 ///
-/// Parameters: `$2` stale cutoff, `$3` retry cutoff; `$scope` is spliced in twice, empty for
-/// [`Scope::All`] (so that the statement has no parameter that changes its plan, and
-/// PostgreSQL keeps one generic plan instead of planning every claim) or `scope_filter!()`.
+/// Both add the in-flight guard to the design's rule: a keyed row is never claimed while
+/// another row of its key is `processing` with a live heartbeat, whichever path made it
+/// eligible (an operator retry of an older row, an older row written late by other code).
+/// `outbox_in_flight_idx` answers it with one probe.
+///
+/// Time is the database's (`clock` below, read once per statement). Parameters: `$1` the clock
+/// shift, `$2` stale-after, `$3` retry delay (intervals), `$4` `MaxRetryAttempts`; `$scope` is
+/// spliced in twice, empty for [`Scope::All`] (so that the statement has no parameter that
+/// changes its plan) or `scope_filter!()`.
 macro_rules! claim_candidate {
     ($($scope:tt)*) => {
         concat!(
             "\
 WITH RECURSIVE
+clock AS (SELECT ", db_now!(), " AS now),
 heads AS (
   (SELECT h.RecordKey, h.CreatedDate, h.Id
    FROM _System_OutboxEvent h
@@ -109,19 +134,22 @@ in_prefix AS (
   JOIN _System_OutboxEvent e ON e.Id = w.Id
   WHERE
     (e.Status = 'pending'
-     OR (e.Status = 'processing' AND e.LastModifiedDate < $2))
+     OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
     AND (e.Status <> 'pending'
          OR e.RetryCount = 0
-         OR e.LastModifiedDate < $3)
+         OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
     AND (
       e.RecordKey IS NULL
-      OR NOT EXISTS (
+      OR (NOT EXISTS (
         SELECT 1
         FROM _System_OutboxEvent older
         WHERE older.RecordKey = e.RecordKey
           AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
           AND older.Status NOT IN ('processed', 'failed')
       )
+",
+            in_flight_guard!(),
+            "      )
     )
 ",
             $($scope)*,
@@ -143,10 +171,14 @@ by_head AS (
   JOIN _System_OutboxEvent e ON e.Id = c.Id
   WHERE
     (e.Status = 'pending'
-     OR (e.Status = 'processing' AND e.LastModifiedDate < $2))
+     OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
     AND (e.Status <> 'pending'
          OR e.RetryCount = 0
-         OR e.LastModifiedDate < $3)
+         OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
+    AND (e.RecordKey IS NULL OR (TRUE
+",
+            in_flight_guard!(),
+            "    ))
 ",
             $($scope)*,
             "  ORDER BY c.CreatedDate, c.Id
@@ -163,22 +195,47 @@ candidate AS (
     };
 }
 
-/// The scope predicates of a narrowed claim: `$4` event types only, `$5` event types except.
-macro_rules! scope_filter {
+/// No other row of the candidate `e`'s key is `processing` with a live heartbeat (needs a
+/// `clock` CTE and the stale-after interval as `$2`).
+macro_rules! in_flight_guard {
     () => {
-        "    AND ($4::text[] IS NULL OR e.EventType = ANY($4))
-    AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
+        "      AND NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent f
+        WHERE f.RecordKey = e.RecordKey
+          AND f.Status = 'processing'
+          AND f.Id <> e.Id
+          AND f.LastModifiedDate >= (SELECT now FROM clock) - $2::interval
+      )
 "
     };
 }
 
-/// The claim itself: the candidate moves to `processing`, its `LastModifiedDate` strictly forward.
+/// The scope predicates of a narrowed claim: `$5` event types only, `$6` event types except.
+macro_rules! scope_filter {
+    () => {
+        "    AND ($5::text[] IS NULL OR e.EventType = ANY($5))
+    AND ($6::text[] IS NULL OR e.EventType <> ALL($6))
+"
+    };
+}
+
+/// The claim itself: the candidate moves to `processing`, its `LastModifiedDate` strictly
+/// forward. A stale `processing` candidate's previous attempt died without bookkeeping: it is
+/// counted as a failed attempt, and when that count reaches `MaxRetryAttempts` (`$4`) the row
+/// ends `failed` instead of being claimed, so an event that kills its worker ends.
 macro_rules! claim_update {
     () => {
         "
 UPDATE _System_OutboxEvent t
-SET Status = 'processing',
-    LastModifiedDate = GREATEST($1, t.LastModifiedDate + interval '1 microsecond')
+SET Status = CASE WHEN c.old_status = 'processing' AND t.RetryCount + 1 >= $4
+                  THEN 'failed' ELSE 'processing' END,
+    RetryCount = t.RetryCount + CASE WHEN c.old_status = 'processing' THEN 1 ELSE 0 END,
+    LastError = CASE WHEN c.old_status = 'processing'
+                     THEN format('worker died: attempt %s stopped heartbeating (last beat %s) and wrote no outcome; counted as a failed attempt',
+                                 t.RetryCount + 1, t.LastModifiedDate)
+                     ELSE t.LastError END,
+    LastModifiedDate = GREATEST((SELECT now FROM clock), t.LastModifiedDate + interval '1 microsecond')
 FROM candidate c
 WHERE t.Id = c.Id
 RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
@@ -187,60 +244,172 @@ RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.C
 }
 
 /// Select-and-claim in one statement: the candidate selection above locks its row with
-/// `FOR UPDATE OF e SKIP LOCKED` and the update moves it to `processing`. Parameters: `$1` now,
-/// `$2` stale cutoff, `$3` retry cutoff, `$4`/`$5` the scope's event types.
+/// `FOR UPDATE OF e SKIP LOCKED` and the update moves it to `processing`. Parameters: `$1` the
+/// clock shift, `$2` stale-after, `$3` retry delay, `$4` `MaxRetryAttempts`, `$5`/`$6` the
+/// scope's event types.
 pub const CLAIM_NEXT: &str = concat!(claim_candidate!(scope_filter!()), claim_update!());
 
 /// [`CLAIM_NEXT`] for [`Scope::All`]: the same statement without the scope predicates.
-/// Parameters: `$1` now, `$2` stale cutoff, `$3` retry cutoff.
+/// Parameters: `$1` the clock shift, `$2` stale-after, `$3` retry delay, `$4`
+/// `MaxRetryAttempts`.
 pub const CLAIM_NEXT_ALL: &str = concat!(claim_candidate!(""), claim_update!());
 
-const CLAIM_EVENT: &str = "\
-UPDATE _System_OutboxEvent t
-SET Status = 'processing',
-    LastModifiedDate = GREATEST($2, t.LastModifiedDate + interval '1 microsecond')
-FROM (SELECT Id, Status AS old_status FROM _System_OutboxEvent WHERE Id = $1
-      FOR UPDATE SKIP LOCKED) o
-WHERE t.Id = o.Id
-  AND (t.Status = 'pending' OR (t.Status = 'processing' AND t.LastModifiedDate < $3))
-  AND (t.Status <> 'pending' OR t.RetryCount = 0 OR t.LastModifiedDate < $4)
-RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
-          t.LastModifiedDate, t.LastError, o.old_status";
+/// `ClaimEvent` by id, with the same rules as `claim_next` (retry delay, stale reclaim counted,
+/// the key's ordering and in-flight guard). Parameters: `$1`..`$4` as [`CLAIM_NEXT`], `$5` the id.
+const CLAIM_EVENT: &str = concat!(
+    "\
+WITH clock AS (SELECT ",
+    db_now!(),
+    " AS now),
+candidate AS (
+  SELECT e.Id, e.Status AS old_status
+  FROM _System_OutboxEvent e
+  WHERE e.Id = $5
+    AND (e.Status = 'pending'
+         OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
+    AND (e.Status <> 'pending'
+         OR e.RetryCount = 0
+         OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
+    AND (
+      e.RecordKey IS NULL
+      OR (NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent older
+        WHERE older.RecordKey = e.RecordKey
+          AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
+          AND older.Status NOT IN ('processed', 'failed')
+      )
+",
+    in_flight_guard!(),
+    "      )
+    )
+  FOR UPDATE OF e SKIP LOCKED
+)",
+    claim_update!()
+);
 
-const HEARTBEAT: &str = "\
+/// The design's eligible-event query with the in-flight guard and the database's clock: what
+/// `get_pending_events` runs. Parameters: `$1` the clock shift, `$2` stale-after, `$3` retry
+/// delay, `$4` limit, `$5`/`$6` the scope's event types (NULL for none).
+const ELIGIBLE_GUARDED: &str = concat!(
+    "\
+WITH clock AS (SELECT ",
+    db_now!(),
+    " AS now)
+SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent e
+WHERE
+  (e.Status = 'pending'
+   OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
+  AND (e.Status <> 'pending'
+       OR e.RetryCount = 0
+       OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
+  AND (
+    e.RecordKey IS NULL
+    OR (NOT EXISTS (
+      SELECT 1
+      FROM _System_OutboxEvent older
+      WHERE older.RecordKey = e.RecordKey
+        AND (
+          older.CreatedDate < e.CreatedDate
+          OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
+        )
+        AND older.Status NOT IN ('processed', 'failed')
+    )
+",
+    in_flight_guard!(),
+    "    )
+  )
+  AND ($5::text[] IS NULL OR e.EventType = ANY($5))
+  AND ($6::text[] IS NULL OR e.EventType <> ALL($6))
+ORDER BY e.CreatedDate ASC, e.Id ASC
+LIMIT $4"
+);
+
+const HEARTBEAT: &str = concat!(
+    "\
 UPDATE _System_OutboxEvent
-SET LastModifiedDate = GREATEST($2, LastModifiedDate + interval '1 microsecond')
-WHERE Id = $1 AND Status = 'processing' AND LastModifiedDate = $3
-RETURNING LastModifiedDate";
+SET LastModifiedDate = GREATEST(",
+    db_now!(),
+    ", LastModifiedDate + interval '1 microsecond')
+WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3
+RETURNING LastModifiedDate"
+);
 
-const MARK_PROCESSED: &str = "\
+const MARK_PROCESSED: &str = concat!(
+    "\
 UPDATE _System_OutboxEvent
 SET Status = 'processed',
-    LastModifiedDate = GREATEST($2, LastModifiedDate + interval '1 microsecond'),
+    LastModifiedDate = GREATEST(",
+    db_now!(),
+    ", LastModifiedDate + interval '1 microsecond'),
     LastError = NULL
-WHERE Id = $1 AND Status = 'processing' AND LastModifiedDate = $3";
+WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3"
+);
 
-const MARK_FAILED: &str = "\
+const MARK_FAILED: &str = concat!(
+    "\
 UPDATE _System_OutboxEvent
 SET Status = 'failed',
     RetryCount = RetryCount + 1,
-    LastModifiedDate = GREATEST($2, LastModifiedDate + interval '1 microsecond'),
+    LastModifiedDate = GREATEST(",
+    db_now!(),
+    ", LastModifiedDate + interval '1 microsecond'),
     LastError = $4
-WHERE Id = $1 AND Status = 'processing' AND LastModifiedDate = $3";
+WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3"
+);
 
-const INCREMENT_RETRY: &str = "\
+/// Back to `pending`: `LastModifiedDate` is the database's time plus the extra backoff (`$5`).
+const INCREMENT_RETRY: &str = concat!(
+    "\
 UPDATE _System_OutboxEvent
 SET Status = 'pending',
     RetryCount = RetryCount + 1,
-    LastModifiedDate = GREATEST($2, LastModifiedDate + interval '1 microsecond'),
+    LastModifiedDate = GREATEST(",
+    db_now!(),
+    " + $5::interval, LastModifiedDate + interval '1 microsecond'),
     LastError = $4
-WHERE Id = $1 AND Status = 'processing' AND LastModifiedDate = $3";
+WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3"
+);
+
+/// The plans (`EXPLAIN`, nothing run) of the design's eligible query as written and of the
+/// claim statement, named, for `outbox explain`.
+pub async fn explain(pool: &PgPool, policy: ClaimPolicy) -> Result<Vec<(&'static str, Vec<String>)>> {
+    let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(pool)
+        .await?;
+    let cutoff = |d: Duration| now - chrono::Duration::from_std(d).unwrap_or_default();
+    let design: Vec<String> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {ELIGIBLE_QUERY}")))
+            .bind(cutoff(policy.stale_after))
+            .bind(cutoff(policy.retry_delay))
+            .bind(1_i64)
+            .fetch_all(pool)
+            .await?;
+    // EXPLAIN without ANALYZE runs nothing, so the claim's UPDATE changes no row.
+    let no_types: Option<Vec<String>> = None;
+    let claim: Vec<String> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {CLAIM_NEXT}")))
+            .bind(interval(0))
+            .bind(span(policy.stale_after))
+            .bind(span(policy.retry_delay))
+            .bind(policy.max_retry_attempts)
+            .bind(&no_types)
+            .bind(&no_types)
+            .fetch_all(pool)
+            .await?;
+    Ok(vec![
+        ("eligible-event query (the design's, as written)", design),
+        ("select-and-claim (claim_next)", claim),
+    ])
+}
 
 /// The PostgreSQL outbox repository.
 #[derive(Debug, Clone)]
 pub struct PgOutbox {
     pool: PgPool,
     wake: Arc<Wake>,
+    shift: ClockShift,
 }
 
 #[derive(Debug, Default)]
@@ -255,7 +424,18 @@ impl PgOutbox {
         Self {
             pool,
             wake: Arc::default(),
+            shift: ClockShift::default(),
         }
+    }
+
+    /// Shares `shift` as this repository's clock shift (tests move it instead of sleeping).
+    pub fn with_clock_shift(mut self, shift: ClockShift) -> Self {
+        self.shift = shift;
+        self
+    }
+
+    fn shift(&self) -> PgInterval {
+        interval(self.shift.micros())
     }
 
     /// The pool.
@@ -357,17 +537,56 @@ fn outcome(rows: u64) -> FenceOutcome {
     }
 }
 
-fn delay(d: Duration) -> chrono::Duration {
-    chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
+/// An interval of `micros` microseconds.
+fn interval(micros: i64) -> PgInterval {
+    PgInterval {
+        months: 0,
+        days: 0,
+        microseconds: micros,
+    }
 }
 
-/// Inserts `events` with one statement (arrays unnested), deriving each `RecordKey`.
-pub async fn enqueue(
+/// A duration as an interval (saturating at about 292,000 years).
+fn span(d: Duration) -> PgInterval {
+    interval(i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+/// Whether a returned claim row is a real claim: a stale row whose dead attempt used up
+/// `MaxRetryAttempts` comes back `failed` instead.
+fn claimed_or_exhausted(row: &PgRow) -> Result<Option<Claim>> {
+    let claim = claim_from_row(row)?;
+    if claim.event.status == EventStatus::Failed {
+        tracing::warn!(
+            event_id = %claim.event.id,
+            event_type = %claim.event.event_type,
+            retry_count = claim.event.retry_count,
+            "a stale claim used up MaxRetryAttempts (its worker died on every attempt): the event is failed"
+        );
+        return Ok(None);
+    }
+    Ok(Some(claim))
+}
+
+/// How many exhausted stale rows one `claim_next` call fails before it reports nothing to
+/// claim (the worker calls again at once after an empty answer only when woken).
+const MAX_EXHAUSTED_PER_CLAIM: usize = 16;
+
+/// Inserts `events` in the caller's transaction, deriving each `RecordKey`, with the
+/// database's clock. Before `CreatedDate` is drawn it takes a transaction-scoped advisory lock
+/// per record key (in key order), so one record's events are ordered as their transactions
+/// commit: an enqueue that waits for another transaction of the same record draws its
+/// `CreatedDate` after that one committed. `CreatedDate` is also never earlier than the newest
+/// non-terminal row of its key (plus one microsecond), so a step back of the server's clock
+/// cannot reorder a record either. Ids increase in the order given, breaking ties.
+pub async fn enqueue(conn: &mut sqlx::PgConnection, events: &[NewEvent]) -> Result<Vec<EventId>> {
+    enqueue_shifted(conn, events, &ClockShift::default()).await
+}
+
+async fn enqueue_shifted(
     conn: &mut sqlx::PgConnection,
     events: &[NewEvent],
-    now: DateTime<Utc>,
+    shift: &ClockShift,
 ) -> Result<Vec<EventId>> {
-    let now = truncate_micros(now);
     let mut ids = Vec::with_capacity(events.len());
     let mut types = Vec::with_capacity(events.len());
     let mut payloads = Vec::with_capacity(events.len());
@@ -383,18 +602,39 @@ pub async fn enqueue(
     if ids.is_empty() {
         return Ok(ids);
     }
-    sqlx::query(
+    if keys.iter().any(Option::is_some) {
+        sqlx::query(
+            "SELECT pg_advisory_xact_lock($1, hashtext(k))
+             FROM (SELECT DISTINCT k FROM UNNEST($2::text[]) AS u(k) WHERE k IS NOT NULL ORDER BY k) s",
+        )
+        .bind(ENQUEUE_LOCK_NAMESPACE)
+        .bind(&keys)
+        .execute(&mut *conn)
+        .await?;
+    }
+    sqlx::query(concat!(
         "INSERT INTO _System_OutboxEvent
            (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
-         SELECT id, event_type, payload, 'pending', 0, record_key, $5, $5
-         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[])
-           AS n(id, event_type, payload, record_key)",
-    )
+         SELECT id, event_type, payload, 'pending', 0, record_key, created, created
+         FROM (
+           SELECT n.ord, n.id, n.event_type, n.payload, n.record_key,
+                  GREATEST(",
+        db_now!(),
+        ",
+                           (SELECT max(o.CreatedDate) + interval '1 microsecond'
+                            FROM _System_OutboxEvent o
+                            WHERE o.RecordKey = n.record_key
+                              AND o.Status NOT IN ('processed', 'failed'))) AS created
+           FROM UNNEST($2::uuid[], $3::text[], $4::text[], $5::text[])
+             WITH ORDINALITY AS n(id, event_type, payload, record_key, ord)
+         ) s
+         ORDER BY ord"
+    ))
+    .bind(interval(shift.micros()))
     .bind(&ids)
     .bind(&types)
     .bind(&payloads)
     .bind(&keys)
-    .bind(now)
     .execute(conn)
     .await?;
     Ok(ids)
@@ -410,74 +650,72 @@ impl OutboxRepository for PgOutbox {
         Ok(Tx::Postgres(self.pool.begin().await?))
     }
 
-    async fn enqueue(
-        &self,
-        tx: &mut Tx,
-        events: &[NewEvent],
-        now: DateTime<Utc>,
-    ) -> Result<Vec<EventId>> {
-        enqueue(pg_tx(tx)?, events, now).await
+    async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>> {
+        enqueue_shifted(pg_tx(tx)?, events, &self.shift).await
     }
 
     async fn get_pending_events(
         &self,
-        cutoffs: Cutoffs,
+        policy: ClaimPolicy,
         scope: &Scope,
         limit: u32,
     ) -> Result<Vec<OutboxEvent>> {
-        let query = match scope {
-            Scope::All => sqlx::query(ELIGIBLE_QUERY),
-            _ => sqlx::query(sqlx::AssertSqlSafe(ELIGIBLE_QUERY.replace(
-                "ORDER BY e.CreatedDate ASC",
-                "  AND ($4::text[] IS NULL OR e.EventType = ANY($4))
-  AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
-ORDER BY e.CreatedDate ASC",
-            ))),
-        };
-        let query = query
-            .bind(cutoffs.stale_cutoff)
-            .bind(cutoffs.retry_cutoff)
-            .bind(i64::from(limit));
-        let query = match scope {
-            Scope::All => query,
-            _ => query.bind(scope.only()).bind(scope.except()),
-        };
-        let rows = query.fetch_all(&self.pool).await?;
+        let rows = sqlx::query(ELIGIBLE_GUARDED)
+            .bind(self.shift())
+            .bind(span(policy.stale_after))
+            .bind(span(policy.retry_delay))
+            .bind(i64::from(limit))
+            .bind(scope.only())
+            .bind(scope.except())
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(event_from_row).collect()
     }
 
-    async fn claim_event(&self, id: EventId, cutoffs: Cutoffs) -> Result<Option<Claim>> {
+    async fn claim_event(&self, id: EventId, policy: ClaimPolicy) -> Result<Option<Claim>> {
         let row = sqlx::query(CLAIM_EVENT)
+            .bind(self.shift())
+            .bind(span(policy.stale_after))
+            .bind(span(policy.retry_delay))
+            .bind(policy.max_retry_attempts)
             .bind(id)
-            .bind(cutoffs.now)
-            .bind(cutoffs.stale_cutoff)
-            .bind(cutoffs.retry_cutoff)
             .fetch_optional(&self.pool)
             .await?;
-        row.as_ref().map(claim_from_row).transpose()
+        match row {
+            Some(row) => claimed_or_exhausted(&row),
+            None => Ok(None),
+        }
     }
 
-    async fn claim_next(&self, cutoffs: Cutoffs, scope: &Scope) -> Result<Option<Claim>> {
-        let query = match scope {
-            Scope::All => sqlx::query(CLAIM_NEXT_ALL),
-            _ => sqlx::query(CLAIM_NEXT),
-        };
-        let query = query
-            .bind(cutoffs.now)
-            .bind(cutoffs.stale_cutoff)
-            .bind(cutoffs.retry_cutoff);
-        let query = match scope {
-            Scope::All => query,
-            _ => query.bind(scope.only()).bind(scope.except()),
-        };
-        let row = query.fetch_optional(&self.pool).await?;
-        row.as_ref().map(claim_from_row).transpose()
+    async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>> {
+        for _ in 0..MAX_EXHAUSTED_PER_CLAIM {
+            let query = match scope {
+                Scope::All => sqlx::query(CLAIM_NEXT_ALL),
+                _ => sqlx::query(CLAIM_NEXT),
+            };
+            let query = query
+                .bind(self.shift())
+                .bind(span(policy.stale_after))
+                .bind(span(policy.retry_delay))
+                .bind(policy.max_retry_attempts);
+            let query = match scope {
+                Scope::All => query,
+                _ => query.bind(scope.only()).bind(scope.except()),
+            };
+            let Some(row) = query.fetch_optional(&self.pool).await? else {
+                return Ok(None);
+            };
+            if let Some(claim) = claimed_or_exhausted(&row)? {
+                return Ok(Some(claim));
+            }
+        }
+        Ok(None)
     }
 
-    async fn heartbeat(&self, fence: Fence, now: DateTime<Utc>) -> Result<Option<Fence>> {
+    async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {
         let written: Option<DateTime<Utc>> = sqlx::query_scalar(HEARTBEAT)
+            .bind(self.shift())
             .bind(fence.id)
-            .bind(truncate_micros(now))
             .bind(fence.last_written)
             .fetch_optional(&self.pool)
             .await?;
@@ -490,29 +728,45 @@ ORDER BY e.CreatedDate ASC",
     async fn begin_attempt(
         &self,
         lock_timeout: Duration,
-        _fence: Fence,
+        fence: Fence,
     ) -> Result<Option<Box<dyn Attempt>>> {
-        // One round trip: BEGIN, the attempt's lock timeout, and the post-claim savepoint.
+        // One round trip: BEGIN, the attempt's lock timeout, the fence check (raises
+        // CLAIM_LOST_SQLSTATE when the claim was taken over meanwhile) and the post-claim
+        // savepoint. The values are a UUID and a timestamp this code formats itself.
         let ms = lock_timeout.as_millis().max(1);
-        let begin = format!("BEGIN; SET LOCAL lock_timeout = '{ms}ms'; SAVEPOINT outbox_claimed");
-        let tx = self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await?;
-        Ok(Some(Box::new(PgAttempt {
-            tx: Some(Tx::Postgres(tx)),
-        })))
+        let begin = format!(
+            "BEGIN; SET LOCAL lock_timeout = '{ms}ms'; \
+             SELECT _System_OutboxCheckFence('{}'::uuid, '{}'::timestamptz); \
+             SAVEPOINT outbox_claimed",
+            fence.id,
+            fence
+                .last_written
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+        );
+        match self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await {
+            Ok(tx) => Ok(Some(Box::new(PgAttempt {
+                tx: Some(Tx::Postgres(tx)),
+                shift: self.shift.clone(),
+            }))),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(CLAIM_LOST_SQLSTATE) => {
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn increment_retry(
         &self,
         fence: Fence,
-        now: DateTime<Utc>,
         extra_delay: Duration,
         error: &str,
     ) -> Result<FenceOutcome> {
         let rows = sqlx::query(INCREMENT_RETRY)
+            .bind(self.shift())
             .bind(fence.id)
-            .bind(truncate_micros(now) + delay(extra_delay))
             .bind(fence.last_written)
             .bind(clip_error(error))
+            .bind(span(extra_delay))
             .execute(&self.pool)
             .await?
             .rows_affected();
@@ -523,17 +777,16 @@ ORDER BY e.CreatedDate ASC",
         &self,
         fence: Fence,
         status: Terminal,
-        now: DateTime<Utc>,
         error: Option<String>,
     ) -> Result<FenceOutcome> {
         let query = match status {
             Terminal::Processed => sqlx::query(MARK_PROCESSED)
+                .bind(self.shift())
                 .bind(fence.id)
-                .bind(truncate_micros(now))
                 .bind(fence.last_written),
             Terminal::Failed => sqlx::query(MARK_FAILED)
+                .bind(self.shift())
                 .bind(fence.id)
-                .bind(truncate_micros(now))
                 .bind(fence.last_written)
                 .bind(clip_error(error.as_deref().unwrap_or("failed"))),
         };
@@ -579,7 +832,7 @@ ORDER BY e.CreatedDate ASC",
         Ok(page)
     }
 
-    async fn stats(&self, cutoffs: Cutoffs) -> Result<OutboxStats> {
+    async fn stats(&self, policy: ClaimPolicy) -> Result<OutboxStats> {
         let mut stats = OutboxStats::default();
         let counts =
             sqlx::query("SELECT Status, count(*) FROM _System_OutboxEvent GROUP BY Status")
@@ -597,28 +850,37 @@ ORDER BY e.CreatedDate ASC",
                 _ => {}
             }
         }
-        let row = sqlx::query(
-            "SELECT
-               (SELECT EXTRACT(EPOCH FROM ($1 - min(CreatedDate)))::float8
+        let row = sqlx::query(concat!(
+            "WITH clock AS (SELECT ",
+            db_now!(),
+            " AS now)
+             SELECT
+               (SELECT EXTRACT(EPOCH FROM ((SELECT now FROM clock) - min(CreatedDate)))::float8
                   FROM _System_OutboxEvent WHERE Status = 'pending'),
                (SELECT count(*) FROM _System_OutboxEvent
-                  WHERE Status = 'processing' AND LastModifiedDate < $2),
+                  WHERE Status = 'processing'
+                    AND LastModifiedDate < (SELECT now FROM clock) - $2::interval),
                (SELECT count(*) FROM _System_OutboxEvent
-                  WHERE Status = 'pending' AND RetryCount > 0)",
-        )
-        .bind(cutoffs.now)
-        .bind(cutoffs.stale_cutoff)
+                  WHERE Status = 'pending' AND RetryCount > 0)"
+        ))
+        .bind(self.shift())
+        .bind(span(policy.stale_after))
         .fetch_one(&self.pool)
         .await?;
         stats.oldest_pending_age_seconds = row.try_get(0)?;
         stats.stale_claims = row.try_get::<i64, _>(1)? as u64;
         stats.retrying = row.try_get::<i64, _>(2)? as u64;
-        let blocked = sqlx::query(
-            "SELECT
-               count(*) FILTER (WHERE h.Status = 'processing' AND h.LastModifiedDate >= $1),
-               count(*) FILTER (WHERE h.Status = 'processing' AND h.LastModifiedDate < $1),
+        let blocked = sqlx::query(concat!(
+            "WITH clock AS (SELECT ",
+            db_now!(),
+            " AS now)
+             SELECT
+               count(*) FILTER (WHERE h.Status = 'processing'
+                                  AND h.LastModifiedDate >= (SELECT now FROM clock) - $2::interval),
+               count(*) FILTER (WHERE h.Status = 'processing'
+                                  AND h.LastModifiedDate < (SELECT now FROM clock) - $2::interval),
                count(*) FILTER (WHERE h.Status = 'pending' AND h.RetryCount > 0
-                                  AND h.LastModifiedDate >= $2)
+                                  AND h.LastModifiedDate >= (SELECT now FROM clock) - $3::interval)
              FROM _System_OutboxEvent h
              WHERE h.RecordKey IS NOT NULL AND h.Status NOT IN ('processed', 'failed')
                AND NOT EXISTS (
@@ -628,10 +890,11 @@ ORDER BY e.CreatedDate ASC",
                AND EXISTS (
                  SELECT 1 FROM _System_OutboxEvent y
                  WHERE y.RecordKey = h.RecordKey AND y.Status NOT IN ('processed', 'failed')
-                   AND (y.CreatedDate > h.CreatedDate OR (y.CreatedDate = h.CreatedDate AND y.Id > h.Id)))",
-        )
-        .bind(cutoffs.stale_cutoff)
-        .bind(cutoffs.retry_cutoff)
+                   AND (y.CreatedDate > h.CreatedDate OR (y.CreatedDate = h.CreatedDate AND y.Id > h.Id)))"
+        ))
+        .bind(self.shift())
+        .bind(span(policy.stale_after))
+        .bind(span(policy.retry_delay))
         .fetch_one(&self.pool)
         .await?;
         stats.keys_blocked_by_running = blocked.try_get::<i64, _>(0)? as u64;
@@ -640,30 +903,47 @@ ORDER BY e.CreatedDate ASC",
         Ok(stats)
     }
 
-    async fn retry_failed(&self, filter: RetryFilter, now: DateTime<Utc>) -> Result<u64> {
-        let now = truncate_micros(now);
-        let rows = match filter {
-            RetryFilter::Id(id) => sqlx::query(
-                "UPDATE _System_OutboxEvent SET Status = 'pending', RetryCount = 0,
-                   LastModifiedDate = $2
-                 WHERE Id = $1 AND Status = 'failed'",
-            )
-            .bind(id)
-            .bind(now)
-            .execute(&self.pool)
-            .await?
-            .rows_affected(),
-            RetryFilter::Failed { event_type } => sqlx::query(
-                "UPDATE _System_OutboxEvent SET Status = 'pending', RetryCount = 0,
-                   LastModifiedDate = $2
-                 WHERE Status = 'failed' AND ($1::text IS NULL OR EventType = $1)",
-            )
-            .bind(event_type)
-            .bind(now)
-            .execute(&self.pool)
-            .await?
-            .rows_affected(),
+    async fn retry_failed(&self, filter: RetryFilter) -> Result<u64> {
+        let (id, all, event_type) = match filter {
+            RetryFilter::Id(id) => (Some(id), false, None),
+            RetryFilter::Failed { event_type } => (None, true, event_type),
         };
+        let mut tx = self.pool.begin().await?;
+        // Wait for every claim in progress on the affected keys: a claim statement that read
+        // the row as still `failed` and is claiming a younger row of its key commits first, so
+        // the retried row is then seen beside that `processing` row and waits for it (the
+        // in-flight guard) instead of running beside it.
+        sqlx::query(
+            "SELECT 1 FROM _System_OutboxEvent k
+             WHERE k.Status NOT IN ('processed', 'failed')
+               AND k.RecordKey IN (
+                 SELECT f.RecordKey FROM _System_OutboxEvent f
+                 WHERE f.Status = 'failed' AND f.RecordKey IS NOT NULL
+                   AND (($2 AND ($3::text IS NULL OR f.EventType = $3)) OR f.Id = $1))
+             ORDER BY k.Id
+             FOR UPDATE OF k",
+        )
+        .bind(id)
+        .bind(all)
+        .bind(event_type.as_deref())
+        .execute(&mut *tx)
+        .await?;
+        let rows = sqlx::query(concat!(
+            "UPDATE _System_OutboxEvent SET Status = 'pending', RetryCount = 0,
+               LastModifiedDate = GREATEST(",
+            db_now!(),
+            ", LastModifiedDate + interval '1 microsecond')
+             WHERE Status = 'failed'
+               AND (($3 AND ($4::text IS NULL OR EventType = $4)) OR Id = $2)"
+        ))
+        .bind(self.shift())
+        .bind(id)
+        .bind(all)
+        .bind(event_type.as_deref())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
         Ok(rows)
     }
 
@@ -686,6 +966,7 @@ ORDER BY e.CreatedDate ASC",
 /// The attempt transaction on PostgreSQL.
 struct PgAttempt {
     tx: Option<Tx>,
+    shift: ClockShift,
 }
 
 impl PgAttempt {
@@ -716,10 +997,11 @@ impl Attempt for PgAttempt {
         Ok(())
     }
 
-    async fn mark_processed(&mut self, fence: Fence, now: DateTime<Utc>) -> Result<FenceOutcome> {
+    async fn mark_processed(&mut self, fence: Fence) -> Result<FenceOutcome> {
+        let shift = interval(self.shift.micros());
         let rows = sqlx::query(MARK_PROCESSED)
+            .bind(shift)
             .bind(fence.id)
-            .bind(truncate_micros(now))
             .bind(fence.last_written)
             .execute(self.conn()?)
             .await?
@@ -730,23 +1012,24 @@ impl Attempt for PgAttempt {
     async fn record_failure(
         &mut self,
         fence: Fence,
-        now: DateTime<Utc>,
         bookkeeping: FailureBookkeeping,
         error: &str,
     ) -> Result<FenceOutcome> {
-        let now = truncate_micros(now);
+        let shift = interval(self.shift.micros());
         let query = match bookkeeping {
             FailureBookkeeping::Retry { extra_delay } => sqlx::query(INCREMENT_RETRY)
+                .bind(shift)
                 .bind(fence.id)
-                .bind(now + delay(extra_delay)),
-            FailureBookkeeping::Fail => sqlx::query(MARK_FAILED).bind(fence.id).bind(now),
+                .bind(fence.last_written)
+                .bind(clip_error(error))
+                .bind(span(extra_delay)),
+            FailureBookkeeping::Fail => sqlx::query(MARK_FAILED)
+                .bind(shift)
+                .bind(fence.id)
+                .bind(fence.last_written)
+                .bind(clip_error(error)),
         };
-        let rows = query
-            .bind(fence.last_written)
-            .bind(clip_error(error))
-            .execute(self.conn()?)
-            .await?
-            .rows_affected();
+        let rows = query.execute(self.conn()?).await?.rows_affected();
         Ok(outcome(rows))
     }
 

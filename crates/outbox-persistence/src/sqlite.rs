@@ -3,10 +3,20 @@
 //! SQLite has one writer at a time. Claims and attempts take the write lock up front
 //! (`BEGIN IMMEDIATE`), so a read-then-write transaction never fails on a stale snapshot; waits
 //! are bounded by the busy timeout, which surfaces as [`Error::LockTimeout`]. Timestamps are
-//! fixed-width UTC text, so the design's comparisons work on them as written.
+//! fixed-width UTC text, so the design's comparisons work on them as written; a trigger rewrites
+//! any other shape that other code writes (see migration 0003).
+//!
+//! Time: SQLite lives on one host, so its timestamps come from that host's clock (plus the
+//! repository's [`ClockShift`]). Staleness does not: a `processing` row is stale when this
+//! repository has *observed* its `LastModifiedDate` unchanged for `stale_after` of monotonic
+//! time, so a step of the wall clock never makes a live claim look stale. A repository that has
+//! just started therefore waits one `stale_after` before it reclaims anything, and it restarts
+//! its observations whenever it could not look for a while (the write lock was held by a long
+//! attempt, which cannot heartbeat meanwhile).
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -16,12 +26,15 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use crate::{
-    Attempt, BackfillPage, Claim, Cutoffs, Error, EventId, EventStatus, FailureBookkeeping, Fence,
-    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Scope,
-    Terminal, Tx, clip_error, new_event_id, truncate_micros,
+    Attempt, BackfillPage, Claim, ClaimPolicy, ClockShift, Error, EventId, EventStatus,
+    FailureBookkeeping, Fence, FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
+    Result, RetryFilter, Scope, Terminal, Tx, clip_error, new_event_id, truncate_micros,
 };
 
-/// The design's eligible-event query, as written in the design (SQLite placeholders).
+/// The design's eligible-event query, as written in the design (SQLite placeholders). The
+/// repository runs [`ELIGIBLE_OBSERVED`], which decides staleness by observation instead of a
+/// clock cutoff and adds the in-flight guard; this text is kept to show the design's query runs
+/// unchanged on the schema.
 pub const ELIGIBLE_QUERY: &str = "\
 SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
 FROM _System_OutboxEvent e
@@ -47,8 +60,51 @@ WHERE
 ORDER BY e.CreatedDate ASC, e.Id ASC
 LIMIT ?3";
 
+/// The eligible query the repository runs: the design's rule, with a `processing` row stale
+/// exactly when its id is in `?1` (a JSON array of the ids this repository observed silent for
+/// `stale_after`), the retry cutoff `?2`, the limit `?3`, the scope's event types `?4`/`?5`
+/// (JSON arrays or NULL), and the in-flight guard: a keyed row is never eligible while another
+/// row of its key is `processing` and not stale. The last column is the `rowid`, so a row that
+/// cannot be decoded can still be failed.
+pub const ELIGIBLE_OBSERVED: &str = "\
+SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError,
+       e.rowid
+FROM _System_OutboxEvent e
+WHERE
+  (e.Status = 'pending'
+   OR (e.Status = 'processing' AND e.Id IN (SELECT value FROM json_each(?1))))
+  AND (e.Status <> 'pending'
+       OR e.RetryCount = 0
+       OR e.LastModifiedDate < ?2)
+  AND (
+    e.RecordKey IS NULL
+    OR (NOT EXISTS (
+      SELECT 1
+      FROM _System_OutboxEvent older
+      WHERE older.RecordKey = e.RecordKey
+        AND (
+          older.CreatedDate < e.CreatedDate
+          OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
+        )
+        AND older.Status NOT IN ('processed', 'failed')
+    )
+    AND NOT EXISTS (
+      SELECT 1
+      FROM _System_OutboxEvent f
+      WHERE f.RecordKey = e.RecordKey
+        AND f.Status = 'processing'
+        AND f.Id <> e.Id
+        AND f.Id NOT IN (SELECT value FROM json_each(?1))
+    ))
+  )
+  AND (?4 IS NULL OR e.EventType IN (SELECT value FROM json_each(?4)))
+  AND (?5 IS NULL OR e.EventType NOT IN (SELECT value FROM json_each(?5)))
+ORDER BY e.CreatedDate ASC, e.Id ASC
+LIMIT ?3";
+
 const SELECT_BY_ID: &str = "\
-SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError,
+       rowid
 FROM _System_OutboxEvent WHERE Id = ?1";
 
 const FENCED_PROCESSED: &str = "\
@@ -65,16 +121,9 @@ UPDATE _System_OutboxEvent
 SET Status = 'pending', RetryCount = RetryCount + 1, LastModifiedDate = ?2, LastError = ?4
 WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
 
-/// The eligible query narrowed to a [`Scope`] (`?4`: only these types, `?5`: all but these, as
-/// JSON arrays or NULL).
-fn scoped(query: &str) -> String {
-    query.replace(
-        "ORDER BY e.CreatedDate ASC",
-        "  AND (?4 IS NULL OR e.EventType IN (SELECT value FROM json_each(?4)))
-  AND (?5 IS NULL OR e.EventType NOT IN (SELECT value FROM json_each(?5)))
-ORDER BY e.CreatedDate ASC",
-    )
-}
+/// How many candidates one claim looks at before it reports nothing: each one it passes was
+/// failed as undecodable, failed as exhausted by dead workers, or lost a race.
+const MAX_CANDIDATES_PER_CLAIM: u32 = 16;
 
 fn json_list(types: Option<&[String]>) -> Option<String> {
     types.map(|t| serde_json::to_string(t).expect("a list of strings serializes"))
@@ -85,14 +134,20 @@ pub fn format_ts(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Micros, true)
 }
 
-fn parse_ts(s: &str) -> Result<DateTime<Utc>> {
-    DateTime::parse_from_rfc3339(s)
-        .map(|t| t.with_timezone(&Utc))
-        .map_err(|e| {
-            Error::Database(sqlx::Error::Decode(
-                format!("bad timestamp {s:?}: {e}").into(),
-            ))
-        })
+/// Reads a stored timestamp: the canonical shape, any RFC 3339 time, or SQLite's
+/// `YYYY-MM-DD HH:MM:SS[.fff]` (UTC).
+pub fn parse_ts(s: &str) -> Result<DateTime<Utc>> {
+    if let Ok(t) = DateTime::parse_from_rfc3339(s) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    for format in ["%Y-%m-%d %H:%M:%S%.f", "%Y-%m-%dT%H:%M:%S%.f"] {
+        if let Ok(t) = chrono::NaiveDateTime::parse_from_str(s, format) {
+            return Ok(t.and_utc());
+        }
+    }
+    Err(Error::Database(sqlx::Error::Decode(
+        format!("bad timestamp {s:?}").into(),
+    )))
 }
 
 fn parse_id(s: &str) -> Result<EventId> {
@@ -107,6 +162,7 @@ fn next_written(now: DateTime<Utc>, previous: DateTime<Utc>) -> DateTime<Utc> {
 
 fn event_from_row(row: &SqliteRow) -> Result<OutboxEvent> {
     let status: String = row.try_get(3)?;
+    let record_key: Option<String> = row.try_get(5)?;
     Ok(OutboxEvent {
         id: parse_id(&row.try_get::<String, _>(0)?)?,
         event_type: row.try_get(1)?,
@@ -115,7 +171,7 @@ fn event_from_row(row: &SqliteRow) -> Result<OutboxEvent> {
             .parse()
             .map_err(|e: String| Error::Database(sqlx::Error::Decode(e.into())))?,
         retry_count: row.try_get(4)?,
-        record_key: row.try_get(5)?,
+        record_key,
         created_date: parse_ts(&row.try_get::<String, _>(6)?)?,
         last_modified_date: parse_ts(&row.try_get::<String, _>(7)?)?,
         last_error: row.try_get(8)?,
@@ -135,19 +191,58 @@ fn delay(d: Duration) -> chrono::Duration {
 }
 
 /// Inserts `events` in order on `conn` (the caller's transaction), deriving each `RecordKey`.
-pub async fn enqueue(
+///
+/// It takes the database's write lock first (SQLite's one writer), then draws `CreatedDate`
+/// from the host clock, never earlier than the newest non-terminal row of the same key plus one
+/// microsecond: one record's events are ordered as their transactions commit, even when the
+/// application opened a deferred transaction or the clock stepped back.
+pub async fn enqueue(conn: &mut SqliteConnection, events: &[NewEvent]) -> Result<Vec<EventId>> {
+    enqueue_shifted(conn, events, &ClockShift::default()).await
+}
+
+async fn enqueue_shifted(
     conn: &mut SqliteConnection,
     events: &[NewEvent],
-    now: DateTime<Utc>,
+    shift: &ClockShift,
 ) -> Result<Vec<EventId>> {
-    let now = format_ts(truncate_micros(now));
     let mut rows = Vec::with_capacity(events.len());
     for event in events {
         let key =
             record_key::record_key_from_payload(&event.payload).map_err(Error::InvalidPayload)?;
         rows.push((new_event_id(), key.map(record_key::RecordKey::into_string)));
     }
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    // A write that changes nothing takes the write lock of a deferred transaction, so the
+    // time drawn below is after every earlier writer committed.
+    sqlx::query("UPDATE _System_OutboxEvent SET Status = Status WHERE 0")
+        .execute(&mut *conn)
+        .await?;
+    let now = truncate_micros(Utc::now() + shift.get());
+    let mut newest: HashMap<String, DateTime<Utc>> = HashMap::new();
     for (event, (id, key)) in events.iter().zip(&rows) {
+        let mut created = now;
+        if let Some(key) = key {
+            let floor = match newest.get(key) {
+                Some(t) => Some(*t),
+                None => {
+                    let stored: Option<String> = sqlx::query_scalar(
+                        "SELECT max(CreatedDate) FROM _System_OutboxEvent
+                         WHERE RecordKey = ?1 AND Status NOT IN ('processed', 'failed')",
+                    )
+                    .bind(key)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                    stored.as_deref().map(parse_ts).transpose()?
+                }
+            };
+            if let Some(floor) = floor {
+                created = created.max(floor + chrono::Duration::microseconds(1));
+            }
+            newest.insert(key.clone(), created);
+        }
+        let created = format_ts(created);
         sqlx::query(
             "INSERT INTO _System_OutboxEvent
                (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
@@ -157,42 +252,183 @@ pub async fn enqueue(
         .bind(&event.event_type)
         .bind(&event.payload)
         .bind(key)
-        .bind(&now)
+        .bind(&created)
         .execute(&mut *conn)
         .await?;
     }
     Ok(rows.into_iter().map(|(id, _)| id).collect())
 }
 
-/// Claims `event` (already read inside the write transaction on `conn`) when its state allows.
+/// What this repository has seen of the `processing` rows: each row's `LastModifiedDate` and
+/// since when (monotonic, plus the clock shift) it has been seen unchanged. A row unchanged for
+/// `stale_after` is stale. Observations restart when the repository could not look for a
+/// while: it waited long for the write lock, a lock wait timed out, or its last look is long
+/// ago. Meanwhile a claim's holder may have been inside an attempt (which holds the write lock
+/// and cannot heartbeat) and would be reclaimed the moment that attempt released the lock.
+#[derive(Debug)]
+struct Liveness {
+    origin: Instant,
+    seen: HashMap<String, Seen>,
+    last_look: Option<Duration>,
+    restart: bool,
+}
+
+#[derive(Debug)]
+struct Seen {
+    last_modified: String,
+    since_micros: i64,
+}
+
+impl Liveness {
+    fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+            seen: HashMap::new(),
+            last_look: None,
+            restart: false,
+        }
+    }
+
+    /// Monotonic microseconds since the origin, plus the clock shift.
+    fn now_micros(&self, shift: &ClockShift) -> i64 {
+        i64::try_from(self.origin.elapsed().as_micros())
+            .unwrap_or(i64::MAX)
+            .saturating_add(shift.micros())
+    }
+
+    /// Records a fresh `LastModifiedDate` this repository wrote (a claim or a heartbeat).
+    fn note(&mut self, id: EventId, last_modified: DateTime<Utc>, shift: &ClockShift) {
+        let since_micros = self.now_micros(shift);
+        self.seen.insert(
+            id.to_string(),
+            Seen {
+                last_modified: format_ts(last_modified),
+                since_micros,
+            },
+        );
+    }
+
+    /// Takes one look at the `processing` rows and returns the ids observed silent for
+    /// `stale_after`. `lock_wait` is how long the write lock took, when the look holds it.
+    fn look(
+        &mut self,
+        processing: Vec<(String, String)>,
+        stale_after: Duration,
+        lock_wait: Option<Duration>,
+        shift: &ClockShift,
+    ) -> Vec<String> {
+        let now = self.now_micros(shift);
+        let real = self.origin.elapsed();
+        let blind = self.restart
+            || lock_wait.is_some_and(|w| w > stale_after / 3)
+            || self.last_look.is_some_and(|last| real - last > stale_after / 2);
+        if blind {
+            for seen in self.seen.values_mut() {
+                seen.since_micros = now;
+            }
+        }
+        self.restart = false;
+        self.last_look = Some(real);
+        let mut next = HashMap::with_capacity(processing.len());
+        for (id, last_modified) in processing {
+            let since_micros = match self.seen.remove(&id) {
+                Some(seen) if seen.last_modified == last_modified => seen.since_micros,
+                _ => now,
+            };
+            next.insert(
+                id,
+                Seen {
+                    last_modified,
+                    since_micros,
+                },
+            );
+        }
+        self.seen = next;
+        let stale_micros = i64::try_from(stale_after.as_micros()).unwrap_or(i64::MAX);
+        let mut stale: Vec<String> = self
+            .seen
+            .iter()
+            .filter(|(_, seen)| now.saturating_sub(seen.since_micros) >= stale_micros)
+            .map(|(id, _)| id.clone())
+            .collect();
+        stale.sort();
+        stale
+    }
+}
+
+/// Claims the candidate `row` (read inside the write transaction on `conn`) when its state
+/// allows. A stale `processing` row's dead attempt is counted as failed, and ends the row
+/// `failed` when that reaches `MaxRetryAttempts`; a row that cannot be decoded is failed with
+/// the reason. `Ok(None)` means: look at the next candidate.
 async fn claim_on(
     conn: &mut SqliteConnection,
-    event: OutboxEvent,
-    cutoffs: Cutoffs,
+    row: &SqliteRow,
+    now: DateTime<Utc>,
+    policy: ClaimPolicy,
 ) -> Result<Option<Claim>> {
-    let claimable = (event.status == EventStatus::Pending
-        && (event.retry_count == 0 || event.last_modified_date < cutoffs.retry_cutoff))
-        || (event.status == EventStatus::Processing
-            && event.last_modified_date < cutoffs.stale_cutoff);
-    if !claimable {
-        return Ok(None);
-    }
-    let written = next_written(cutoffs.now, event.last_modified_date);
+    let rowid: i64 = row.try_get(9)?;
+    let event = match event_from_row(row) {
+        Ok(event) => event,
+        Err(e) => {
+            let reason = format!("unreadable outbox row written by other code: {}", e.chain());
+            tracing::warn!(rowid, error = %reason, "failing an outbox row that cannot be read");
+            sqlx::query(
+                "UPDATE _System_OutboxEvent SET Status = 'failed', LastError = ?2
+                 WHERE rowid = ?1 AND Status NOT IN ('processed', 'failed')",
+            )
+            .bind(rowid)
+            .bind(clip_error(&reason))
+            .execute(&mut *conn)
+            .await?;
+            return Ok(None);
+        }
+    };
+    let raw_last_modified: String = row.try_get(7)?;
+    let reclaimed = event.status == EventStatus::Processing;
+    let written = next_written(now, event.last_modified_date);
+    let exhausted = reclaimed && event.retry_count.saturating_add(1) >= policy.max_retry_attempts;
+    let (status, retry_count, last_error) = if reclaimed {
+        let error = format!(
+            "worker died: attempt {} stopped heartbeating (last beat {}) and wrote no outcome; counted as a failed attempt",
+            event.retry_count + 1,
+            raw_last_modified
+        );
+        let status = if exhausted {
+            EventStatus::Failed
+        } else {
+            EventStatus::Processing
+        };
+        (status, event.retry_count + 1, Some(error))
+    } else {
+        (EventStatus::Processing, event.retry_count, event.last_error.clone())
+    };
     let rows = sqlx::query(
-        "UPDATE _System_OutboxEvent SET Status = 'processing', LastModifiedDate = ?2
-         WHERE Id = ?1 AND Status = ?3 AND LastModifiedDate = ?4",
+        "UPDATE _System_OutboxEvent
+         SET Status = ?2, LastModifiedDate = ?3, RetryCount = ?4, LastError = ?5
+         WHERE rowid = ?1 AND Status = ?6 AND LastModifiedDate = ?7",
     )
-    .bind(event.id.to_string())
+    .bind(rowid)
+    .bind(status.as_str())
     .bind(format_ts(written))
+    .bind(retry_count)
+    .bind(last_error.as_deref().map(clip_error))
     .bind(event.status.as_str())
-    .bind(format_ts(event.last_modified_date))
+    .bind(&raw_last_modified)
     .execute(&mut *conn)
     .await?
     .rows_affected();
     if rows != 1 {
         return Ok(None);
     }
-    let reclaimed = event.status == EventStatus::Processing;
+    if exhausted {
+        tracing::warn!(
+            event_id = %event.id,
+            event_type = %event.event_type,
+            retry_count,
+            "a stale claim used up MaxRetryAttempts (its worker died on every attempt): the event is failed"
+        );
+        return Ok(None);
+    }
     Ok(Some(Claim {
         fence: Fence {
             id: event.id,
@@ -202,6 +438,8 @@ async fn claim_on(
         event: OutboxEvent {
             status: EventStatus::Processing,
             last_modified_date: written,
+            retry_count,
+            last_error,
             ..event
         },
     }))
@@ -212,6 +450,8 @@ async fn claim_on(
 pub struct SqliteOutbox {
     pool: SqlitePool,
     enqueued: Arc<Notify>,
+    shift: ClockShift,
+    liveness: Arc<Mutex<Liveness>>,
 }
 
 impl SqliteOutbox {
@@ -220,12 +460,60 @@ impl SqliteOutbox {
         Self {
             pool,
             enqueued: Arc::default(),
+            shift: ClockShift::default(),
+            liveness: Arc::new(Mutex::new(Liveness::new())),
         }
+    }
+
+    /// Shares `shift` as this repository's clock shift (tests move it instead of sleeping).
+    pub fn with_clock_shift(mut self, shift: ClockShift) -> Self {
+        self.shift = shift;
+        self
     }
 
     /// The pool.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// The host's time plus the clock shift.
+    fn now(&self) -> DateTime<Utc> {
+        truncate_micros(Utc::now() + self.shift.get())
+    }
+
+    fn liveness(&self) -> std::sync::MutexGuard<'_, Liveness> {
+        self.liveness.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Opens a write transaction, timing the wait for the lock (a long wait restarts the
+    /// liveness observations; a failed one too).
+    async fn begin_write(&self) -> Result<(sqlx::Transaction<'static, sqlx::Sqlite>, Duration)> {
+        let started = Instant::now();
+        match self.pool.begin_with("BEGIN IMMEDIATE").await {
+            Ok(tx) => Ok((tx, started.elapsed())),
+            Err(e) => {
+                self.liveness().restart = true;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Looks at the `processing` rows and returns the JSON array of the stale ones' ids.
+    async fn stale_ids(
+        &self,
+        conn: &mut SqliteConnection,
+        stale_after: Duration,
+        lock_wait: Option<Duration>,
+    ) -> Result<String> {
+        let processing: Vec<(String, String)> = sqlx::query_as(
+            "SELECT Id, LastModifiedDate FROM _System_OutboxEvent WHERE Status = 'processing'",
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        let stale = self
+            .liveness()
+            .look(processing, stale_after, lock_wait, &self.shift);
+        Ok(serde_json::to_string(&stale).expect("a list of strings serializes"))
     }
 
     async fn fenced(
@@ -245,6 +533,64 @@ impl SqliteOutbox {
             .rows_affected();
         Ok(outcome(rows))
     }
+
+    /// One claim transaction: the eligible rows (`limit` candidates, or the one `id`) are tried
+    /// oldest first until one is claimed.
+    async fn claim_in_tx(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        id: Option<EventId>,
+    ) -> Result<Option<Claim>> {
+        let (mut tx, waited) = self.begin_write().await?;
+        let stale = self
+            .stale_ids(&mut tx, policy.stale_after, Some(waited))
+            .await?;
+        let now = self.now();
+        let retry_cutoff = format_ts(now - delay(policy.retry_delay));
+        let rows = match id {
+            None => {
+                sqlx::query(ELIGIBLE_OBSERVED)
+                    .bind(&stale)
+                    .bind(&retry_cutoff)
+                    .bind(i64::from(MAX_CANDIDATES_PER_CLAIM))
+                    .bind(json_list(scope.only()))
+                    .bind(json_list(scope.except()))
+                    .fetch_all(&mut *tx)
+                    .await?
+            }
+            Some(id) => {
+                // The same rule, narrowed to one id.
+                let sql = ELIGIBLE_OBSERVED.replacen(
+                    "WHERE\n",
+                    "WHERE e.Id = ?6 AND\n",
+                    1,
+                );
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(&stale)
+                    .bind(&retry_cutoff)
+                    .bind(1_i64)
+                    .bind(json_list(scope.only()))
+                    .bind(json_list(scope.except()))
+                    .bind(id.to_string())
+                    .fetch_all(&mut *tx)
+                    .await?
+            }
+        };
+        let mut claim = None;
+        for row in &rows {
+            if let Some(c) = claim_on(&mut tx, row, now, policy).await? {
+                claim = Some(c);
+                break;
+            }
+        }
+        tx.commit().await?;
+        if let Some(claim) = &claim {
+            self.liveness()
+                .note(claim.fence.id, claim.fence.last_written, &self.shift);
+        }
+        Ok(claim)
+    }
 }
 
 #[async_trait]
@@ -257,14 +603,9 @@ impl OutboxRepository for SqliteOutbox {
         Ok(Tx::Sqlite(self.pool.begin_with("BEGIN IMMEDIATE").await?))
     }
 
-    async fn enqueue(
-        &self,
-        tx: &mut Tx,
-        events: &[NewEvent],
-        now: DateTime<Utc>,
-    ) -> Result<Vec<EventId>> {
+    async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>> {
         let ids = match tx {
-            Tx::Sqlite(tx) => enqueue(tx, events, now).await?,
+            Tx::Sqlite(tx) => enqueue_shifted(tx, events, &self.shift).await?,
             other => {
                 return Err(Error::BackendMismatch {
                     expected: "sqlite",
@@ -278,69 +619,43 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn get_pending_events(
         &self,
-        cutoffs: Cutoffs,
+        policy: ClaimPolicy,
         scope: &Scope,
         limit: u32,
     ) -> Result<Vec<OutboxEvent>> {
-        let query = match scope {
-            Scope::All => sqlx::query(ELIGIBLE_QUERY),
-            _ => sqlx::query(sqlx::AssertSqlSafe(scoped(ELIGIBLE_QUERY))),
-        };
-        let query = query
-            .bind(format_ts(cutoffs.stale_cutoff))
-            .bind(format_ts(cutoffs.retry_cutoff))
-            .bind(i64::from(limit));
-        let query = match scope {
-            Scope::All => query,
-            _ => query
-                .bind(json_list(scope.only()))
-                .bind(json_list(scope.except())),
-        };
-        let rows = query.fetch_all(&self.pool).await?;
-        rows.iter().map(event_from_row).collect()
-    }
-
-    async fn claim_event(&self, id: EventId, cutoffs: Cutoffs) -> Result<Option<Claim>> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let row = sqlx::query(SELECT_BY_ID)
-            .bind(id.to_string())
-            .fetch_optional(&mut *tx)
+        let mut conn = self.pool.acquire().await?;
+        let stale = self.stale_ids(&mut conn, policy.stale_after, None).await?;
+        let retry_cutoff = format_ts(self.now() - delay(policy.retry_delay));
+        let rows = sqlx::query(ELIGIBLE_OBSERVED)
+            .bind(&stale)
+            .bind(&retry_cutoff)
+            .bind(i64::from(limit))
+            .bind(json_list(scope.only()))
+            .bind(json_list(scope.except()))
+            .fetch_all(&mut *conn)
             .await?;
-        let claim = match row {
-            Some(row) => claim_on(&mut tx, event_from_row(&row)?, cutoffs).await?,
-            None => None,
-        };
-        tx.commit().await?;
-        Ok(claim)
+        let mut events = Vec::with_capacity(rows.len());
+        for row in &rows {
+            match event_from_row(row) {
+                Ok(event) => events.push(event),
+                // A row that cannot be read is failed by the claim that meets it; listing it
+                // here would only hand the caller an id it cannot parse.
+                Err(e) => tracing::warn!(error = %e.chain(), "skipping an unreadable outbox row"),
+            }
+        }
+        Ok(events)
     }
 
-    async fn claim_next(&self, cutoffs: Cutoffs, scope: &Scope) -> Result<Option<Claim>> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let query = match scope {
-            Scope::All => sqlx::query(ELIGIBLE_QUERY),
-            _ => sqlx::query(sqlx::AssertSqlSafe(scoped(ELIGIBLE_QUERY))),
-        };
-        let query = query
-            .bind(format_ts(cutoffs.stale_cutoff))
-            .bind(format_ts(cutoffs.retry_cutoff))
-            .bind(1_i64);
-        let query = match scope {
-            Scope::All => query,
-            _ => query
-                .bind(json_list(scope.only()))
-                .bind(json_list(scope.except())),
-        };
-        let row = query.fetch_optional(&mut *tx).await?;
-        let claim = match row {
-            Some(row) => claim_on(&mut tx, event_from_row(&row)?, cutoffs).await?,
-            None => None,
-        };
-        tx.commit().await?;
-        Ok(claim)
+    async fn claim_event(&self, id: EventId, policy: ClaimPolicy) -> Result<Option<Claim>> {
+        self.claim_in_tx(policy, &Scope::All, Some(id)).await
     }
 
-    async fn heartbeat(&self, fence: Fence, now: DateTime<Utc>) -> Result<Option<Fence>> {
-        let written = next_written(now, fence.last_written);
+    async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>> {
+        self.claim_in_tx(policy, scope, None).await
+    }
+
+    async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {
+        let written = next_written(self.now(), fence.last_written);
         let rows = sqlx::query(
             "UPDATE _System_OutboxEvent SET LastModifiedDate = ?2
              WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3",
@@ -351,7 +666,11 @@ impl OutboxRepository for SqliteOutbox {
         .execute(&self.pool)
         .await?
         .rows_affected();
-        Ok((rows == 1).then_some(Fence {
+        if rows != 1 {
+            return Ok(None);
+        }
+        self.liveness().note(fence.id, written, &self.shift);
+        Ok(Some(Fence {
             id: fence.id,
             last_written: written,
         }))
@@ -387,17 +706,17 @@ impl OutboxRepository for SqliteOutbox {
             .await?;
         Ok(Some(Box::new(SqliteAttempt {
             tx: Some(Tx::Sqlite(tx)),
+            shift: self.shift.clone(),
         })))
     }
 
     async fn increment_retry(
         &self,
         fence: Fence,
-        now: DateTime<Utc>,
         extra_delay: Duration,
         error: &str,
     ) -> Result<FenceOutcome> {
-        let written = next_written(now + delay(extra_delay), fence.last_written);
+        let written = next_written(self.now() + delay(extra_delay), fence.last_written);
         self.fenced(FENCED_RETRY, fence, written, Some(error)).await
     }
 
@@ -405,10 +724,9 @@ impl OutboxRepository for SqliteOutbox {
         &self,
         fence: Fence,
         status: Terminal,
-        now: DateTime<Utc>,
         error: Option<String>,
     ) -> Result<FenceOutcome> {
-        let written = next_written(now, fence.last_written);
+        let written = next_written(self.now(), fence.last_written);
         match status {
             Terminal::Processed => self.fenced(FENCED_PROCESSED, fence, written, None).await,
             Terminal::Failed => {
@@ -468,11 +786,12 @@ impl OutboxRepository for SqliteOutbox {
         Ok(page)
     }
 
-    async fn stats(&self, cutoffs: Cutoffs) -> Result<OutboxStats> {
+    async fn stats(&self, policy: ClaimPolicy) -> Result<OutboxStats> {
         let mut stats = OutboxStats::default();
+        let mut conn = self.pool.acquire().await?;
         let counts =
             sqlx::query("SELECT Status, count(*) FROM _System_OutboxEvent GROUP BY Status")
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *conn)
                 .await?;
         for row in counts {
             let status: String = row.try_get(0)?;
@@ -485,20 +804,22 @@ impl OutboxRepository for SqliteOutbox {
                 _ => {}
             }
         }
+        let stale = self.stale_ids(&mut conn, policy.stale_after, None).await?;
+        let now = self.now();
         let row = sqlx::query(
             "SELECT
                (SELECT min(CreatedDate) FROM _System_OutboxEvent WHERE Status = 'pending'),
                (SELECT count(*) FROM _System_OutboxEvent
-                  WHERE Status = 'processing' AND LastModifiedDate < ?1),
+                  WHERE Status = 'processing' AND Id IN (SELECT value FROM json_each(?1))),
                (SELECT count(*) FROM _System_OutboxEvent
                   WHERE Status = 'pending' AND RetryCount > 0)",
         )
-        .bind(format_ts(cutoffs.stale_cutoff))
-        .fetch_one(&self.pool)
+        .bind(&stale)
+        .fetch_one(&mut *conn)
         .await?;
         let oldest: Option<String> = row.try_get(0)?;
         if let Some(oldest) = oldest {
-            let age = cutoffs.now - parse_ts(&oldest)?;
+            let age = now - parse_ts(&oldest)?;
             stats.oldest_pending_age_seconds =
                 Some(age.num_microseconds().unwrap_or(0) as f64 / 1e6);
         }
@@ -506,8 +827,8 @@ impl OutboxRepository for SqliteOutbox {
         stats.retrying = row.try_get::<i64, _>(2)? as u64;
         let blocked = sqlx::query(
             "SELECT
-               coalesce(sum(h.Status = 'processing' AND h.LastModifiedDate >= ?1), 0),
-               coalesce(sum(h.Status = 'processing' AND h.LastModifiedDate < ?1), 0),
+               coalesce(sum(h.Status = 'processing' AND h.Id NOT IN (SELECT value FROM json_each(?1))), 0),
+               coalesce(sum(h.Status = 'processing' AND h.Id IN (SELECT value FROM json_each(?1))), 0),
                coalesce(sum(h.Status = 'pending' AND h.RetryCount > 0 AND h.LastModifiedDate >= ?2), 0)
              FROM _System_OutboxEvent h
              WHERE h.RecordKey IS NOT NULL AND h.Status NOT IN ('processed', 'failed')
@@ -520,9 +841,9 @@ impl OutboxRepository for SqliteOutbox {
                  WHERE y.RecordKey = h.RecordKey AND y.Status NOT IN ('processed', 'failed')
                    AND (y.CreatedDate > h.CreatedDate OR (y.CreatedDate = h.CreatedDate AND y.Id > h.Id)))",
         )
-        .bind(format_ts(cutoffs.stale_cutoff))
-        .bind(format_ts(cutoffs.retry_cutoff))
-        .fetch_one(&self.pool)
+        .bind(&stale)
+        .bind(format_ts(now - delay(policy.retry_delay)))
+        .fetch_one(&mut *conn)
         .await?;
         stats.keys_blocked_by_running = blocked.try_get::<i64, _>(0)? as u64;
         stats.keys_blocked_by_stale = blocked.try_get::<i64, _>(1)? as u64;
@@ -530,30 +851,39 @@ impl OutboxRepository for SqliteOutbox {
         Ok(stats)
     }
 
-    async fn retry_failed(&self, filter: RetryFilter, now: DateTime<Utc>) -> Result<u64> {
-        let now = format_ts(truncate_micros(now));
-        let rows = match filter {
-            RetryFilter::Id(id) => sqlx::query(
+    async fn retry_failed(&self, filter: RetryFilter) -> Result<u64> {
+        // One writer: no claim runs while this transaction holds the write lock, and the
+        // in-flight guard keeps the retried row waiting while its key has a live claim.
+        let (mut tx, _) = self.begin_write().await?;
+        let now = self.now();
+        let (id, all, event_type) = match filter {
+            RetryFilter::Id(id) => (Some(id.to_string()), false, None),
+            RetryFilter::Failed { event_type } => (None, true, event_type),
+        };
+        let failed: Vec<(String, String)> = sqlx::query_as(
+            "SELECT Id, LastModifiedDate FROM _System_OutboxEvent
+             WHERE Status = 'failed' AND ((?2 AND (?3 IS NULL OR EventType = ?3)) OR Id = ?1)",
+        )
+        .bind(&id)
+        .bind(all)
+        .bind(&event_type)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut rows = 0;
+        for (id, last_modified) in failed {
+            let written = next_written(now, parse_ts(&last_modified).unwrap_or(now));
+            rows += sqlx::query(
                 "UPDATE _System_OutboxEvent SET Status = 'pending', RetryCount = 0,
                    LastModifiedDate = ?2
                  WHERE Id = ?1 AND Status = 'failed'",
             )
-            .bind(id.to_string())
-            .bind(now)
-            .execute(&self.pool)
+            .bind(id)
+            .bind(format_ts(written))
+            .execute(&mut *tx)
             .await?
-            .rows_affected(),
-            RetryFilter::Failed { event_type } => sqlx::query(
-                "UPDATE _System_OutboxEvent SET Status = 'pending', RetryCount = 0,
-                   LastModifiedDate = ?2
-                 WHERE Status = 'failed' AND (?1 IS NULL OR EventType = ?1)",
-            )
-            .bind(event_type)
-            .bind(now)
-            .execute(&self.pool)
-            .await?
-            .rows_affected(),
-        };
+            .rows_affected();
+        }
+        tx.commit().await?;
         Ok(rows)
     }
 
@@ -575,6 +905,7 @@ impl OutboxRepository for SqliteOutbox {
 /// The attempt transaction on SQLite.
 struct SqliteAttempt {
     tx: Option<Tx>,
+    shift: ClockShift,
 }
 
 impl SqliteAttempt {
@@ -623,7 +954,8 @@ impl Attempt for SqliteAttempt {
         Ok(())
     }
 
-    async fn mark_processed(&mut self, fence: Fence, now: DateTime<Utc>) -> Result<FenceOutcome> {
+    async fn mark_processed(&mut self, fence: Fence) -> Result<FenceOutcome> {
+        let now = truncate_micros(Utc::now() + self.shift.get());
         let written = next_written(now, fence.last_written);
         self.fenced(FENCED_PROCESSED, fence, written, None).await
     }
@@ -631,10 +963,10 @@ impl Attempt for SqliteAttempt {
     async fn record_failure(
         &mut self,
         fence: Fence,
-        now: DateTime<Utc>,
         bookkeeping: FailureBookkeeping,
         error: &str,
     ) -> Result<FenceOutcome> {
+        let now = truncate_micros(Utc::now() + self.shift.get());
         match bookkeeping {
             FailureBookkeeping::Retry { extra_delay } => {
                 let written = next_written(now + delay(extra_delay), fence.last_written);

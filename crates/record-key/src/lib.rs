@@ -15,13 +15,15 @@
 //! | `snapshot`  | object | the frozen field snapshot taken when the event was written         |
 //!
 //! An event *about a record* has `record_id`; it must then also have `object`, and its key is
-//! `object:record_id` (for example `Lead:00Q5e00000AbCdE`). An event about no record has no
+//! `object:record_id` with the object name in lower case (for example `lead:00Q5e00000AbCdE`:
+//! object API names are case-insensitive identifiers, so `Lead` and `lead` must give one key). An event about no record has no
 //! `record_id` member (or `record_id: null`) and gets no key: it is unordered.
 //!
 //! A payload that claims a record but is malformed (a `record_id` that is not a non-empty string
 //! without surrounding white space or control characters, a missing or invalid `object`) is an
-//! error, never a guess: the derivation does not trim, lowercase or convert numbers, because a
-//! silently different key would put the record's events in two unordered groups.
+//! error, never a guess: apart from folding the object name's case, the derivation does not
+//! trim, lowercase or convert numbers, because a silently different key would put the record's
+//! events in two unordered groups.
 
 use std::fmt;
 
@@ -44,7 +46,15 @@ impl RecordKey {
     pub fn new(object: &str, record_id: &str) -> Result<Self, RecordKeyError> {
         validate_object(object)?;
         validate_record_id(record_id)?;
-        Ok(Self(format!("{object}:{record_id}")))
+        Ok(Self::join(object, record_id))
+    }
+
+    /// `object:record_id` with the object name folded to ASCII lower case: object API names
+    /// are case-insensitive identifiers (`Lead` and `lead` name one object, as the create
+    /// action's registry treats them), so both spellings must give one key. The record id is
+    /// never changed.
+    fn join(object: &str, record_id: &str) -> Self {
+        Self(format!("{}:{record_id}", object.to_ascii_lowercase()))
     }
 
     /// The key as stored in the `RecordKey` column.
@@ -159,7 +169,7 @@ impl EventEnvelope {
     /// The record key of this event, or `None` for an event about no record.
     pub fn record_key(&self) -> Option<RecordKey> {
         match (&self.object, &self.record_id) {
-            (Some(object), Some(record_id)) => Some(RecordKey(format!("{object}:{record_id}"))),
+            (Some(object), Some(record_id)) => Some(RecordKey::join(object, record_id)),
             _ => None,
         }
     }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use chrono::Utc;
-use outbox_persistence::{Cutoffs, Database, Scope};
+use outbox_persistence::{ClaimPolicy, Database, Scope};
 use sqlx::PgPool;
 
 use super::report::{Report, Row};
@@ -135,12 +135,40 @@ fn shapes(sizes: &Sizes) -> Vec<Shape> {
     shapes
 }
 
-fn cutoffs() -> Cutoffs {
-    Cutoffs::at(
-        Utc::now(),
+fn cutoffs() -> ClaimPolicy {
+    ClaimPolicy::new(
         outbox_events::DEFAULT_STALE_AFTER,
         outbox_events::DEFAULT_RETRY_DELAY,
+        outbox_events::DEFAULT_MAX_RETRY_ATTEMPTS,
     )
+}
+
+/// The design's query as written takes its cutoffs as timestamps: the bench computes them on
+/// this host, which is the database's host in every bench run.
+struct DesignCutoffs {
+    now: chrono::DateTime<Utc>,
+    stale_cutoff: chrono::DateTime<Utc>,
+    retry_cutoff: chrono::DateTime<Utc>,
+}
+
+fn design_cutoffs() -> DesignCutoffs {
+    let now = outbox_persistence::truncate_micros(Utc::now());
+    let policy = cutoffs();
+    let span = |d: std::time::Duration| chrono::Duration::from_std(d).unwrap_or_default();
+    DesignCutoffs {
+        now,
+        stale_cutoff: now - span(policy.stale_after),
+        retry_cutoff: now - span(policy.retry_delay),
+    }
+}
+
+/// An interval for the repository's claim statement.
+fn interval(d: std::time::Duration) -> sqlx::postgres::types::PgInterval {
+    sqlx::postgres::types::PgInterval {
+        months: 0,
+        days: 0,
+        microseconds: i64::try_from(d.as_micros()).unwrap_or(i64::MAX),
+    }
 }
 
 /// Times `claim` (which claims one row and returns its id) up to `samples` times or
@@ -208,7 +236,7 @@ pub(super) async fn select_and_claim(
                 .await?
             } else {
                 time_claims(pool, sizes.claim_samples, sizes.claim_budget, || {
-                    let c = cutoffs();
+                    let c = design_cutoffs();
                     let no_types = no_types.clone();
                     async move {
                         Ok(sqlx::query_scalar(DESIGN_CLAIM_NEXT)
@@ -284,13 +312,22 @@ pub(super) async fn explain(db: &BenchDb, sizes: &Sizes) -> Result<()> {
                 outbox_persistence::postgres::CLAIM_NEXT,
             ),
         ] {
-            let c = cutoffs();
+            let c = design_cutoffs();
+            let p = cutoffs();
             let mut tx = pool.begin().await?;
             let query = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
                 "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {sql}"
             )));
             let query = if sql == outbox_persistence::postgres::ELIGIBLE_QUERY {
                 query.bind(c.stale_cutoff).bind(c.retry_cutoff).bind(1_i64)
+            } else if sql == outbox_persistence::postgres::CLAIM_NEXT {
+                query
+                    .bind(interval(std::time::Duration::ZERO))
+                    .bind(interval(p.stale_after))
+                    .bind(interval(p.retry_delay))
+                    .bind(p.max_retry_attempts)
+                    .bind(no_types.clone())
+                    .bind(no_types.clone())
             } else {
                 query
                     .bind(c.now)

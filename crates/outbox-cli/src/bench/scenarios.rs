@@ -111,7 +111,7 @@ async fn enqueue(
 ) -> Result<()> {
     for chunk in events.chunks(per_tx.max(1)) {
         let mut tx = repo.begin().await?;
-        repo.enqueue(&mut tx, chunk, Utc::now()).await?;
+        repo.enqueue(&mut tx, chunk).await?;
         tx.commit().await?;
     }
     Ok(())
@@ -523,7 +523,7 @@ pub(super) async fn enqueue_rate(db: &BenchDb, sizes: &Sizes, report: &mut Repor
                         })
                         .collect();
                     let mut tx = repo.begin().await?;
-                    repo.enqueue(&mut tx, &events, Utc::now()).await?;
+                    repo.enqueue(&mut tx, &events).await?;
                     tx.commit().await?;
                     n += per_tx;
                 }

@@ -6,12 +6,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use chrono::Utc;
 use outbox_events::{
-    AttemptContext, Handler, HandlerError, Handlers, Metrics, OutboxEvent, SystemClock,
+    AttemptContext, Handler, HandlerError, Handlers, Metrics, OutboxEvent,
     WorkerConfig, process_claim,
 };
-use outbox_persistence::{Cutoffs, Database, EventStatus, OutboxRepository, Scope};
+use outbox_persistence::{Database, EventStatus, OutboxRepository, Scope};
 use serde::Serialize;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -173,9 +172,9 @@ async fn kill_a_worker(
     stop: &CancellationToken,
 ) -> Option<Option<u64>> {
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let cutoffs = Cutoffs::at(Utc::now(), config.stale_after, config.retry_delay);
+    let policy = config.claim_policy();
     let scope = Scope::Only(vec![ACCOUNT_UPDATED.to_string()]);
-    let claim = repo.claim_next(cutoffs, &scope).await.ok().flatten()?;
+    let claim = repo.claim_next(policy, &scope).await.ok().flatten()?;
     let id = claim.event.id;
     let entered = Arc::new(Notify::new());
     let doomed = Handlers::new().register(claim.event.event_type.clone(), Parked(entered.clone()));
@@ -184,7 +183,6 @@ async fn kill_a_worker(
         repo.clone(),
         doomed,
         config.clone(),
-        Arc::new(SystemClock),
         Arc::new(Metrics::default()),
         CancellationToken::new(),
         claim,

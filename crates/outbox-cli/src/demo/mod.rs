@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use chrono::Utc;
 use indicatif::{ProgressBar, ProgressStyle};
 use outbox_events::{DispatchMode, Dispatcher, MetricsSnapshot, WorkerConfig, evaluate_gate};
-use outbox_persistence::{ConnectConfig, Cutoffs, Database, OutboxRepository};
+use outbox_persistence::{ClaimPolicy, ConnectConfig, Database, OutboxRepository};
 use serde::Serialize;
 
 use crate::cli::{DemoArgs, SeedArgs, WorkArgs};
@@ -250,10 +250,10 @@ fn print_report(r: &Report) {
 
 async fn stats(repo: &Arc<dyn OutboxRepository>) -> Result<outbox_persistence::OutboxStats> {
     Ok(repo
-        .stats(Cutoffs::at(
-            Utc::now(),
+        .stats(ClaimPolicy::new(
             Duration::from_secs(30),
             Duration::ZERO,
+            outbox_events::DEFAULT_MAX_RETRY_ATTEMPTS,
         ))
         .await?)
 }

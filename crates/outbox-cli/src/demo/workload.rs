@@ -6,7 +6,6 @@
 //! outbox requires.
 
 use anyhow::Result;
-use chrono::Utc;
 use outbox_persistence::{Database, NewEvent, OutboxRepository, with_tx};
 use serde_json::json;
 
@@ -223,7 +222,7 @@ pub async fn seed(
             new_events.push(slow_event(slow.count - slow_left, slow.sleep_ms));
             slow_left -= 1;
         }
-        repo.enqueue(&mut tx, &new_events, Utc::now()).await?;
+        repo.enqueue(&mut tx, &new_events).await?;
         tx.commit().await?;
     }
     if slow_left > 0 {
@@ -231,7 +230,7 @@ pub async fn seed(
         let rest: Vec<NewEvent> = (slow.count - slow_left..slow.count)
             .map(|n| slow_event(n, slow.sleep_ms))
             .collect();
-        repo.enqueue(&mut tx, &rest, Utc::now()).await?;
+        repo.enqueue(&mut tx, &rest).await?;
         tx.commit().await?;
     }
     Ok(Seeded {
