@@ -24,8 +24,25 @@ END;
 $$;
 
 -- RecordKey folds the object name's case (object API names are case-insensitive identifiers,
--- as create-action treats them), so `Lead:1` and `lead:1` are one record. Fold the keys of rows
--- that are still to run; terminal rows no longer take part in ordering.
+-- as create-action treats them), so `Lead:1` and `lead:1` are one record. Enqueue derives
+-- folded keys; a row written by other code with another case is folded as it is written (the
+-- WHEN clause keeps the function off folded keys, so enqueue pays one comparison per row).
+CREATE FUNCTION outbox_fold_record_key() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.RecordKey := lower(split_part(NEW.RecordKey, ':', 1))
+        || substr(NEW.RecordKey, strpos(NEW.RecordKey, ':'));
+    RETURN NEW;
+END;
+$$;
+
+CREATE TRIGGER outbox_fold_record_key
+    BEFORE INSERT OR UPDATE OF RecordKey ON _System_OutboxEvent
+    FOR EACH ROW
+    WHEN (NEW.RecordKey IS NOT NULL AND strpos(NEW.RecordKey, ':') > 0
+          AND split_part(NEW.RecordKey, ':', 1) <> lower(split_part(NEW.RecordKey, ':', 1)))
+    EXECUTE FUNCTION outbox_fold_record_key();
+
+-- Fold the keys of rows that are still to run; terminal rows no longer take part in ordering.
 UPDATE _System_OutboxEvent
 SET RecordKey = lower(split_part(RecordKey, ':', 1)) || substr(RecordKey, strpos(RecordKey, ':'))
 WHERE RecordKey IS NOT NULL

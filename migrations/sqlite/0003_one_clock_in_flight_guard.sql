@@ -154,7 +154,31 @@ UPDATE _System_OutboxEvent
 WHERE (_System_OutboxEvent.CreatedDate NOT GLOB '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]T[0-9][0-9]:[0-9][0-9]:[0-9][0-9].[0-9][0-9][0-9][0-9][0-9][0-9]Z' OR _System_OutboxEvent.LastModifiedDate NOT GLOB '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]T[0-9][0-9]:[0-9][0-9]:[0-9][0-9].[0-9][0-9][0-9][0-9][0-9][0-9]Z' OR typeof(_System_OutboxEvent.CreatedDate) <> 'text' OR typeof(_System_OutboxEvent.LastModifiedDate) <> 'text');
 
 -- RecordKey folds the object name's case (object API names are case-insensitive identifiers,
--- as create-action treats them), so `Lead:1` and `lead:1` are one record.
+-- as create-action treats them), so `Lead:1` and `lead:1` are one record. Enqueue derives
+-- folded keys; a row written by other code with another case is folded as it is written.
+CREATE TRIGGER outbox_fold_record_key_insert AFTER INSERT ON _System_OutboxEvent
+WHEN NEW.RecordKey IS NOT NULL AND instr(NEW.RecordKey, ':') > 0
+  AND substr(NEW.RecordKey, 1, instr(NEW.RecordKey, ':') - 1)
+      <> lower(substr(NEW.RecordKey, 1, instr(NEW.RecordKey, ':') - 1))
+BEGIN
+    UPDATE _System_OutboxEvent
+    SET RecordKey = lower(substr(NEW.RecordKey, 1, instr(NEW.RecordKey, ':') - 1))
+        || substr(NEW.RecordKey, instr(NEW.RecordKey, ':'))
+    WHERE rowid = NEW.rowid;
+END;
+
+CREATE TRIGGER outbox_fold_record_key_update AFTER UPDATE OF RecordKey ON _System_OutboxEvent
+WHEN NEW.RecordKey IS NOT NULL AND instr(NEW.RecordKey, ':') > 0
+  AND substr(NEW.RecordKey, 1, instr(NEW.RecordKey, ':') - 1)
+      <> lower(substr(NEW.RecordKey, 1, instr(NEW.RecordKey, ':') - 1))
+BEGIN
+    UPDATE _System_OutboxEvent
+    SET RecordKey = lower(substr(NEW.RecordKey, 1, instr(NEW.RecordKey, ':') - 1))
+        || substr(NEW.RecordKey, instr(NEW.RecordKey, ':'))
+    WHERE rowid = NEW.rowid;
+END;
+
+-- Rows already written: fold the keys of rows still to run.
 UPDATE _System_OutboxEvent
 SET RecordKey = lower(substr(RecordKey, 1, instr(RecordKey, ':') - 1)) || substr(RecordKey, instr(RecordKey, ':'))
 WHERE RecordKey IS NOT NULL

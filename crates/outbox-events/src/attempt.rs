@@ -134,11 +134,11 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
             lost: lost.clone(),
             guard: None,
         };
-        // A backend whose attempts exclude other writers needs no heartbeat during the attempt
-        // (and could not write one): nobody can reclaim the row until the attempt commits.
-        if !env.repo.serializes_writers() {
-            beat.ensure_running(false);
-        }
+        // The claim beats from now on. A backend whose attempts exclude other writers stops
+        // it once the attempt has begun (nobody can reclaim the row until the attempt commits,
+        // and the beat could not write meanwhile); until then the claim may wait for the
+        // write lock behind other attempts, and must not look silent.
+        beat.ensure_running(false);
         let outcome = attempt(env, &claim, &mut beat).await;
         drop(beat);
         match outcome {

@@ -39,6 +39,22 @@ fn claim(event_type: &str, retry_count: i32) -> Claim {
     }
 }
 
+/// The row `id` as `get_event` reads it back.
+fn row(id: outbox_persistence::EventId, status: EventStatus, retry_count: i32) -> OutboxEvent {
+    let now = outbox_persistence::truncate_micros(Utc::now());
+    OutboxEvent {
+        id,
+        event_type: "t".into(),
+        payload: "{}".into(),
+        status,
+        retry_count,
+        record_key: Some("lead:1".into()),
+        created_date: now,
+        last_modified_date: now,
+        last_error: None,
+    }
+}
+
 /// A handler that waits `delay` (paused time) and then returns what `result` makes.
 struct TestHandler {
     delay: Duration,
@@ -282,6 +298,9 @@ async fn failed_attempt_transaction_lands_bookkeeping_detached_with_heartbeat() 
         .times(1)
         .returning(|| Err(unavailable()));
     let mut repo = repo_with(attempt, Arc::clone(&log));
+    // The commit did not land: the row still shows the claim.
+    repo.expect_get_event()
+        .returning(|id| Ok(Some(row(id, EventStatus::Processing, 0))));
     let tries = Arc::new(Mutex::new(0));
     let (l, t) = (Arc::clone(&log), Arc::clone(&tries));
     repo.expect_increment_retry()
@@ -534,6 +553,8 @@ async fn serialized_backend_heartbeats_only_for_detached_bookkeeping() {
         .returning(|| Err(unavailable()));
     let mut repo = MockOutboxRepository::new();
     repo.expect_serializes_writers().return_const(true);
+    repo.expect_get_event()
+        .returning(|id| Ok(Some(row(id, EventStatus::Processing, 0))));
     repo.expect_begin_attempt()
         .times(1)
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
@@ -576,4 +597,111 @@ async fn serialized_backend_heartbeats_only_for_detached_bookkeeping() {
         log[first..].contains(&"heartbeat"),
         "the heartbeat keeps the detached claim: {log:?}"
     );
+}
+
+/// The commit reports an error but landed (the reply was lost): the row reads back
+/// `processed` with the claim's `RetryCount`, so the attempt is processed, not retried and not
+/// counted as a lost claim.
+#[tokio::test(start_paused = true)]
+async fn commit_that_landed_despite_an_error_counts_as_processed() {
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt
+        .expect_commit()
+        .times(1)
+        .returning(|| Err(unavailable()));
+    attempt.expect_rollback().returning(|| Ok(()));
+    let mut repo = repo_with(attempt, Arc::default());
+    repo.expect_get_event()
+        .times(1)
+        .returning(|id| Ok(Some(row(id, EventStatus::Processed, 2))));
+    repo.expect_increment_retry().never();
+    repo.expect_update_status().never();
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::ZERO, || Ok(())),
+        claim("t", 2),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Processed);
+    let m = metrics.snapshot();
+    assert_eq!((m.processed, m.lost_claims, m.retried), (1, 0, 0));
+}
+
+/// A row that another worker finished after a reclaim carries a higher `RetryCount`: the
+/// commit error is then a lost claim, never mistaken for this attempt's success.
+#[tokio::test(start_paused = true)]
+async fn commit_error_with_a_reclaimed_row_is_a_lost_claim() {
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt
+        .expect_commit()
+        .times(1)
+        .returning(|| Err(unavailable()));
+    let mut repo = repo_with(attempt, Arc::default());
+    repo.expect_get_event()
+        .returning(|id| Ok(Some(row(id, EventStatus::Processed, 1))));
+    repo.expect_increment_retry()
+        .times(1)
+        .returning(|_, _, _| Ok(FenceOutcome::Lost));
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || Ok(())),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::LostClaim);
+}
+
+/// Heartbeats move the fence; the final write compares against the fence the last heartbeat
+/// wrote, not the claim's.
+#[tokio::test(start_paused = true)]
+async fn final_write_uses_the_fence_the_last_heartbeat_wrote() {
+    let c = claim("t", 0);
+    let claimed = c.fence;
+    let beats = Arc::new(Mutex::new(Vec::new()));
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_backend_name().return_const("mock");
+    repo.expect_serializes_writers().return_const(false);
+    let b = Arc::clone(&beats);
+    repo.expect_heartbeat().returning(move |fence: Fence| {
+        let next = Fence {
+            id: fence.id,
+            last_written: fence.last_written + chrono::Duration::seconds(1),
+        };
+        b.lock().unwrap().push(next);
+        Ok(Some(next))
+    });
+    let b = Arc::clone(&beats);
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .withf(move |f| {
+            let last = *b.lock().unwrap().last().expect("the heartbeat ran");
+            *f == last && *f != claimed
+        })
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt.expect_commit().times(1).returning(|| Ok(()));
+    repo.expect_begin_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
+    // The handler runs 3.5 heartbeat intervals: three beats before the final write.
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::from_millis(3500), || Ok(())),
+        c,
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Processed);
+    assert_eq!(beats.lock().unwrap().len(), 3);
 }

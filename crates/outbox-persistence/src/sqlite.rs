@@ -655,6 +655,10 @@ impl OutboxRepository for SqliteOutbox {
     }
 
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {
+        // This process holds the claim and is alive: say so to its own observers at once,
+        // before the write waits for the lock (another attempt may hold it for a while).
+        self.liveness()
+            .note(fence.id, fence.last_written, &self.shift);
         let written = next_written(self.now(), fence.last_written);
         let rows = sqlx::query(
             "UPDATE _System_OutboxEvent SET LastModifiedDate = ?2

@@ -22,9 +22,9 @@ use super::{BenchDb, Sizes};
 /// The event type every bench event has.
 const EVENT_TYPE: &str = "bench";
 /// The record whose handler the head-of-line scenario blocks on a row lock.
-const BLOCKED_KEY: &str = "Lead:blocked";
+const BLOCKED_KEY: &str = "lead:blocked";
 /// The hot record of the hot-key scenario.
-const HOT_KEY: &str = "Lead:hot";
+const HOT_KEY: &str = "lead:hot";
 /// Longest a single dispatcher run may take before the bench gives up.
 const RUN_LIMIT: Duration = Duration::from_secs(600);
 

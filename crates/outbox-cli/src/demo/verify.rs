@@ -292,7 +292,10 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
     })?;
     let mut wrong = Vec::new();
     for (id, name, industry, revision) in &accounts {
-        let expected = newest.get(format!("Account:{id}").as_str()).map(|(_, s)| {
+        let key = record_key::RecordKey::new("Account", id)
+            .map(record_key::RecordKey::into_string)
+            .unwrap_or_default();
+        let expected = newest.get(key.as_str()).map(|(_, s)| {
             (
                 s["Name"].as_str().map(str::to_string),
                 s["Industry"].as_str().map(str::to_string),
@@ -301,18 +304,21 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         });
         let actual = (name.clone(), industry.clone(), *revision);
         if expected.unwrap_or((None, None, None)) != actual {
-            wrong.push(format!("Account:{id}"));
+            wrong.push(key);
         }
     }
     for (id, status, revision) in &leads {
-        let expected = newest.get(format!("Lead:{id}").as_str()).map(|(_, s)| {
+        let key = record_key::RecordKey::new("Lead", id)
+            .map(record_key::RecordKey::into_string)
+            .unwrap_or_default();
+        let expected = newest.get(key.as_str()).map(|(_, s)| {
             (
                 s["Status"].as_str().map(str::to_string),
                 s["Revision"].as_i64(),
             )
         });
         if expected.unwrap_or((None, None)) != (status.clone(), *revision) {
-            wrong.push(format!("Lead:{id}"));
+            wrong.push(key);
         }
     }
     check(
