@@ -36,6 +36,10 @@ pub use model::*;
 /// The result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// How `LastError` starts when a stale reclaim counted a dead attempt (its worker died, or
+/// lost the database, without writing an outcome). Both backends write it.
+pub const WORKER_DIED: &str = "worker died:";
+
 /// The name of the outbox table, as the design spells it.
 pub const OUTBOX_TABLE: &str = "_System_OutboxEvent";
 

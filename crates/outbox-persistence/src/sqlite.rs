@@ -389,7 +389,8 @@ async fn claim_on(
     let exhausted = reclaimed && event.retry_count.saturating_add(1) >= policy.max_retry_attempts;
     let (status, retry_count, last_error) = if reclaimed {
         let error = format!(
-            "worker died: attempt {} stopped heartbeating (last beat {}) and wrote no outcome; counted as a failed attempt",
+            "{} attempt {} stopped heartbeating (last beat {}) and wrote no outcome; counted as a failed attempt",
+            crate::WORKER_DIED,
             event.retry_count + 1,
             raw_last_modified
         );
