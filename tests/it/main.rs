@@ -1,6 +1,7 @@
 //! Cross-crate integration tests, one binary: every database test runs on SQLite and on
 //! PostgreSQL (see `outbox_tests::backend_tests!`).
 
+mod adopter;
 mod create_action;
 mod gate;
 mod hostile;

@@ -356,16 +356,27 @@ impl Liveness {
     }
 }
 
+/// What became of one candidate.
+enum Candidate {
+    /// Claimed.
+    Claimed(Claim),
+    /// Failed here (unreadable, or its dead attempts used up `MaxRetryAttempts`): the rows
+    /// behind it may be eligible now.
+    Failed,
+    /// Changed since it was read: look at the next one.
+    Passed,
+}
+
 /// Claims the candidate `row` (read inside the write transaction on `conn`) when its state
 /// allows. A stale `processing` row's dead attempt is counted as failed, and ends the row
 /// `failed` when that reaches `MaxRetryAttempts`; a row that cannot be decoded is failed with
-/// the reason. `Ok(None)` means: look at the next candidate.
+/// the reason.
 async fn claim_on(
     conn: &mut SqliteConnection,
     row: &SqliteRow,
     now: DateTime<Utc>,
     policy: ClaimPolicy,
-) -> Result<Option<Claim>> {
+) -> Result<Candidate> {
     let rowid: i64 = row.try_get(9)?;
     let event = match event_from_row(row) {
         Ok(event) => event,
@@ -380,7 +391,7 @@ async fn claim_on(
             .bind(clip_error(&reason))
             .execute(&mut *conn)
             .await?;
-            return Ok(None);
+            return Ok(Candidate::Failed);
         }
     };
     let raw_last_modified: String = row.try_get(7)?;
@@ -419,7 +430,7 @@ async fn claim_on(
     .await?
     .rows_affected();
     if rows != 1 {
-        return Ok(None);
+        return Ok(Candidate::Passed);
     }
     if exhausted {
         tracing::warn!(
@@ -428,9 +439,9 @@ async fn claim_on(
             retry_count,
             "a stale claim used up MaxRetryAttempts (its worker died on every attempt): the event is failed"
         );
-        return Ok(None);
+        return Ok(Candidate::Failed);
     }
-    Ok(Some(Claim {
+    Ok(Candidate::Claimed(Claim {
         fence: Fence {
             id: event.id,
             last_written: written,
@@ -548,11 +559,41 @@ impl SqliteOutbox {
             .stale_ids(&mut tx, policy.stale_after, Some(waited))
             .await?;
         let now = self.now();
+        let mut claim = None;
+        // A candidate failed here may release the rows behind it: look again (bounded).
+        for _ in 0..MAX_CANDIDATES_PER_CLAIM {
+            let (found, failed_some) = self
+                .claim_round(&mut tx, &stale, now, policy, scope, id)
+                .await?;
+            claim = found;
+            if claim.is_some() || !failed_some {
+                break;
+            }
+        }
+        tx.commit().await?;
+        if let Some(claim) = &claim {
+            self.liveness()
+                .note(claim.fence.id, claim.fence.last_written, &self.shift);
+        }
+        Ok(claim)
+    }
+
+    /// One pass over the eligible candidates: the claim, if any, and whether a candidate was
+    /// failed on the way.
+    async fn claim_round(
+        &self,
+        tx: &mut SqliteConnection,
+        stale: &str,
+        now: DateTime<Utc>,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        id: Option<EventId>,
+    ) -> Result<(Option<Claim>, bool)> {
         let retry_cutoff = format_ts(now - delay(policy.retry_delay));
         let rows = match id {
             None => {
                 sqlx::query(ELIGIBLE_OBSERVED)
-                    .bind(&stale)
+                    .bind(stale)
                     .bind(&retry_cutoff)
                     .bind(i64::from(MAX_CANDIDATES_PER_CLAIM))
                     .bind(json_list(scope.only()))
@@ -568,7 +609,7 @@ impl SqliteOutbox {
                     1,
                 );
                 sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .bind(&stale)
+                    .bind(stale)
                     .bind(&retry_cutoff)
                     .bind(1_i64)
                     .bind(json_list(scope.only()))
@@ -578,19 +619,15 @@ impl SqliteOutbox {
                     .await?
             }
         };
-        let mut claim = None;
+        let mut failed_some = false;
         for row in &rows {
-            if let Some(c) = claim_on(&mut tx, row, now, policy).await? {
-                claim = Some(c);
-                break;
+            match claim_on(&mut *tx, row, now, policy).await? {
+                Candidate::Claimed(claim) => return Ok((Some(claim), failed_some)),
+                Candidate::Failed => failed_some = true,
+                Candidate::Passed => {}
             }
         }
-        tx.commit().await?;
-        if let Some(claim) = &claim {
-            self.liveness()
-                .note(claim.fence.id, claim.fence.last_written, &self.shift);
-        }
-        Ok(claim)
+        Ok((None, failed_some))
     }
 }
 
