@@ -116,16 +116,25 @@ async fn gate_verdicts(db: TestDb) {
     assert!(evaluate_gate(&repo, &protected).await.unwrap().passes());
 }
 
-struct Count(Arc<AtomicU64>);
+/// Counts its events and logs, across every handler sharing the log, the order events ran in.
+struct Count(Arc<AtomicU64>, OrderLog);
+
+type OrderLog = Arc<std::sync::Mutex<Vec<(Option<String>, uuid::Uuid)>>>;
 
 #[async_trait]
 impl Handler for Count {
     async fn handle(
         &self,
-        _: &OutboxEvent,
+        event: &OutboxEvent,
         _: &mut AttemptContext<'_>,
     ) -> Result<(), HandlerError> {
         self.0.fetch_add(1, Ordering::SeqCst);
+        self.1
+            .lock()
+            .unwrap()
+            .push((event.record_key.clone(), event.id));
+        // Hold the key a moment, so a younger event of it would overtake were that possible.
+        tokio::time::sleep(Duration::from_millis(3)).await;
         Ok(())
     }
 }
@@ -144,14 +153,15 @@ async fn excluded_consumers_run_on_the_legacy_path(db: TestDb) {
         events.push(NewEvent::new(t, lead(&format!("x{}", i % 5))));
     }
     let mut tx = repo.begin().await.unwrap();
-    repo.enqueue(&mut tx, &events).await.unwrap();
+    let ids = repo.enqueue(&mut tx, &events).await.unwrap();
     tx.commit().await.unwrap();
     let (pulled, legacy) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let log = OrderLog::default();
     let handlers = Handlers::new()
-        .register_consumer(capture(), Count(pulled.clone()))
+        .register_consumer(capture(), Count(pulled.clone(), log.clone()))
         .register_consumer(
             mail(Some(Safeguard::Excluded("no ledger yet".into()))),
-            Count(legacy.clone()),
+            Count(legacy.clone(), log.clone()),
         );
     let report = evaluate_gate(&repo, &handlers.consumers()).await.unwrap();
     assert!(report.passes());
@@ -164,6 +174,23 @@ async fn excluded_consumers_run_on_the_legacy_path(db: TestDb) {
     dispatcher.shutdown().await;
     assert_eq!(legacy.load(Ordering::SeqCst), 14);
     assert_eq!(pulled.load(Ordering::SeqCst), 26);
+    // Each record's events ran in enqueue order, across the two paths.
+    let log = log.lock().unwrap().clone();
+    for record in 0..5 {
+        let key = format!("lead:x{record}");
+        let ran: Vec<_> = log
+            .iter()
+            .filter(|(k, _)| k.as_deref() == Some(key.as_str()))
+            .map(|(_, id)| *id)
+            .collect();
+        let enqueued: Vec<_> = ids
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 5 == record)
+            .map(|(_, id)| *id)
+            .collect();
+        assert_eq!(ran, enqueued, "{key} ran in enqueue order");
+    }
     assert_eq!(
         db.count("SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'processed'")
             .await,

@@ -57,11 +57,44 @@ fn draw(event: &OutboxEvent, salt: u64) -> f64 {
 
 /// Writes one effect row per event, checks in the attempt that the key's events arrive in
 /// order, and fails a share of attempts on purpose (half of them after writing, so the
-/// savepoint rollback is exercised).
+/// savepoint rollback is exercised). Each attempt marks its key in flight from its start to its
+/// end (whatever way it ends), so two attempts of one key that overlap in time are caught even
+/// when both roll back.
 struct OrderedEffect {
     fail_rate: f64,
     injected: Arc<AtomicU64>,
     out_of_order: Arc<AtomicU64>,
+    in_flight: Arc<Mutex<HashMap<String, u32>>>,
+    overlaps: Arc<AtomicU64>,
+}
+
+/// The key of one running attempt, released when the attempt ends.
+struct InFlight<'a> {
+    keys: &'a Mutex<HashMap<String, u32>>,
+    key: String,
+}
+
+impl<'a> InFlight<'a> {
+    fn enter(keys: &'a Mutex<HashMap<String, u32>>, key: &str, overlaps: &AtomicU64) -> Self {
+        let mut map = keys.lock().unwrap();
+        let n = map.entry(key.to_string()).or_default();
+        *n += 1;
+        if *n > 1 {
+            overlaps.fetch_add(1, Ordering::SeqCst);
+        }
+        Self {
+            keys,
+            key: key.to_string(),
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(n) = self.keys.lock().unwrap().get_mut(&self.key) {
+            *n -= 1;
+        }
+    }
 }
 
 #[async_trait]
@@ -79,6 +112,9 @@ impl Handler for OrderedEffect {
             .and_then(|v| v.as_i64())
             .ok_or_else(|| HandlerError::Permanent("no seq".into()))?;
         let key = event.record_key.clone().unwrap_or_default();
+        let _in_flight = InFlight::enter(&self.in_flight, &key, &self.overlaps);
+        // Long enough for another worker to take the key meanwhile, were it eligible.
+        tokio::time::sleep(Duration::from_millis(2)).await;
         let roll = draw(event, 7);
         if roll < self.fail_rate / 2.0 {
             self.injected.fetch_add(1, Ordering::SeqCst);
@@ -149,12 +185,15 @@ async fn ordered_drain(db: TestDb, mode: DispatchMode) {
     enqueue_all(&repo, events).await;
     let injected = Arc::new(AtomicU64::new(0));
     let out_of_order = Arc::new(AtomicU64::new(0));
+    let overlaps = Arc::new(AtomicU64::new(0));
     let handlers = Handlers::new().register(
         "account.changed",
         OrderedEffect {
             fail_rate: 0.15,
             injected: injected.clone(),
             out_of_order: out_of_order.clone(),
+            in_flight: Arc::default(),
+            overlaps: overlaps.clone(),
         },
     );
     let dispatcher =
@@ -192,6 +231,11 @@ async fn ordered_drain(db: TestDb, mode: DispatchMode) {
         out_of_order.load(Ordering::SeqCst),
         0,
         "handlers saw their key's events in order"
+    );
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "never two attempts of one key at once"
     );
     let retries = db
         .count("SELECT coalesce(sum(RetryCount), 0) FROM _System_OutboxEvent")
@@ -307,6 +351,8 @@ async fn bad_events_fail_without_blocking_others(db: TestDb) {
             fail_rate: 0.0,
             injected: Arc::default(),
             out_of_order: Arc::default(),
+            in_flight: Arc::default(),
+            overlaps: Arc::default(),
         },
     );
     let dispatcher = Dispatcher::new(repo.clone(), handlers, fast_config(4)).start();
@@ -398,6 +444,8 @@ async fn postgres_lock_timeout_retries_while_other_keys_flow() {
                 fail_rate: 0.0,
                 injected: Arc::default(),
                 out_of_order: Arc::default(),
+                in_flight: Arc::default(),
+                overlaps: Arc::default(),
             },
         );
     let dispatcher = Dispatcher::new(repo.clone(), handlers, fast_config(4)).start();
