@@ -180,5 +180,10 @@ mod tests {
         assert!(is_unavailable_code("57P01"));
         assert!(is_unavailable_code("08006"));
         assert!(!is_unavailable_code("23505"));
+        // Not transient: permission denied, an untranslatable character (all digits, but a
+        // PostgreSQL SQLSTATE, never SQLite's BUSY).
+        assert!(!is_unavailable_code("42501") && !is_postgres_lock_code("42501"));
+        assert!(!is_unavailable_code("22021") && !is_postgres_lock_code("22021"));
+        assert!(is_unavailable_code("57P03"), "cannot connect now");
     }
 }

@@ -181,7 +181,7 @@ impl EventEnvelope {
 /// ```
 /// use record_key::record_key_from_payload;
 /// let key = record_key_from_payload(r#"{"object":"Lead","record_id":"00Q1","snapshot":{}}"#);
-/// assert_eq!(key.unwrap().unwrap().as_str(), "Lead:00Q1");
+/// assert_eq!(key.unwrap().unwrap().as_str(), "lead:00Q1");
 /// assert_eq!(record_key_from_payload(r#"{"kind":"nightly-digest"}"#).unwrap(), None);
 /// ```
 pub fn record_key_from_payload(payload: &str) -> Result<Option<RecordKey>, RecordKeyError> {

@@ -7,20 +7,39 @@ fn key(payload: &str) -> Result<Option<String>, RecordKeyError> {
 }
 
 #[test]
+fn object_case_is_folded_record_id_case_is_kept() {
+    let upper = key(r#"{"object":"Lead","record_id":"00Qa"}"#);
+    let lower = key(r#"{"object":"lead","record_id":"00Qa"}"#);
+    let shout = key(r#"{"object":"LEAD","record_id":"00Qa"}"#);
+    assert_eq!(upper, Ok(Some("lead:00Qa".to_string())));
+    assert_eq!(upper, lower, "one object, one key");
+    assert_eq!(upper, shout);
+    assert_ne!(
+        key(r#"{"object":"Lead","record_id":"00QA"}"#),
+        upper,
+        "record ids are case-sensitive"
+    );
+    assert_eq!(
+        RecordKey::new("Lead", "00Qa").map(RecordKey::into_string),
+        Ok("lead:00Qa".to_string())
+    );
+}
+
+#[test]
 fn derivation_table() {
     let ok = |s: &str| Ok(Some(s.to_string()));
     let cases: &[(&str, Result<Option<String>, RecordKeyError>)] = &[
         (
             r#"{"object":"Lead","record_id":"00Q1","snapshot":{"Name":"A"}}"#,
-            ok("Lead:00Q1"),
+            ok("lead:00Q1"),
         ),
         (
             r#"{"object":"Account","record_id":"001x"}"#,
-            ok("Account:001x"),
+            ok("account:001x"),
         ),
         (
             r#"{"object":"Custom_Obj__c","record_id":"a01"}"#,
-            ok("Custom_Obj__c:a01"),
+            ok("custom_obj__c:a01"),
         ),
         (r#"{"kind":"digest"}"#, Ok(None)),
         (r#"{}"#, Ok(None)),
@@ -105,7 +124,7 @@ fn lengths_are_bounded() {
     ));
     let max_id = "x".repeat(MAX_RECORD_ID_LEN);
     let payload = format!(r#"{{"object":"Lead","record_id":"{max_id}"}}"#);
-    assert_eq!(key(&payload), Ok(Some(format!("Lead:{max_id}"))));
+    assert_eq!(key(&payload), Ok(Some(format!("lead:{max_id}"))));
     let long_object = "L".repeat(MAX_OBJECT_LEN + 1);
     assert!(matches!(
         RecordKey::new(&long_object, "1"),
@@ -120,7 +139,7 @@ fn record_key_new_matches_derivation() {
         .unwrap()
         .unwrap();
     assert_eq!(built, derived);
-    assert_eq!(built.to_string(), "Opportunity:006A");
+    assert_eq!(built.to_string(), "opportunity:006A");
 }
 
 /// A small deterministic generator (SplitMix64), so the property test needs no extra crate and
@@ -174,7 +193,7 @@ fn same_record_same_key_whatever_order_whitespace_or_unrelated_fields() {
         let mut rng = Rng(seed);
         let object = format!("O{}", rng.word());
         let record_id = format!("{}{}", rng.word(), rng.below(1000));
-        let expected = format!("{object}:{record_id}");
+        let expected = format!("{}:{record_id}", object.to_ascii_lowercase());
         for _ in 0..4 {
             let mut members = vec![
                 (
