@@ -53,18 +53,23 @@ async fn operator_retry_waits_for_the_running_sibling(db: TestDb) {
     )
     .await;
     let (a, b, c) = (ids[0], ids[1], ids[2]);
-    let claim = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+    let claim = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(claim.event.id, a);
     repo.update_status(claim.fence, Terminal::Failed, Some("boom".into()))
         .await
         .unwrap();
-    let running = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+    let running = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(running.event.id, b, "a failed head releases its successors");
 
-    for filter in [
-        RetryFilter::Id(a),
-        RetryFilter::Failed { event_type: None },
-    ] {
+    for filter in [RetryFilter::Id(a), RetryFilter::Failed { event_type: None }] {
         if status(&repo, a).await == EventStatus::Failed {
             assert_eq!(repo.retry_failed(filter).await.unwrap(), 1);
         }
@@ -94,8 +99,15 @@ async fn operator_retry_waits_for_the_running_sibling(db: TestDb) {
     repo.update_status(running.fence, Terminal::Processed, None)
         .await
         .unwrap();
-    let next = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
-    assert_eq!(next.event.id, a, "the retried row keeps its place: before C");
+    let next = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        next.event.id, a,
+        "the retried row keeps its place: before C"
+    );
     assert!(
         repo.claim_next(policy(), &Scope::All)
             .await
@@ -106,7 +118,11 @@ async fn operator_retry_waits_for_the_running_sibling(db: TestDb) {
     repo.update_status(next.fence, Terminal::Processed, None)
         .await
         .unwrap();
-    let last = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+    let last = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(last.event.id, c);
 }
 
@@ -116,7 +132,11 @@ async fn operator_retry_waits_for_the_running_sibling(db: TestDb) {
 async fn late_older_row_never_runs_beside_its_sibling(db: TestDb) {
     let repo = db.repository();
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("late", 2))]).await;
-    let running = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+    let running = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(running.event.id, ids[0]);
     let late = RawRow {
         payload: lead("late", 1),
@@ -133,7 +153,11 @@ async fn late_older_row_never_runs_beside_its_sibling(db: TestDb) {
     repo.update_status(running.fence, Terminal::Processed, None)
         .await
         .unwrap();
-    let claim = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+    let claim = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(claim.event.id, late.id, "it runs once its sibling is done");
 }
 
@@ -191,7 +215,11 @@ async fn racing_application_transactions_are_ordered_by_commit(db: TestDb) {
         row_a.created_date,
         row_b.created_date
     );
-    let head = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+    let head = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(head.event.id, a);
 }
 
@@ -220,7 +248,10 @@ async fn foreign_timestamp_shapes_never_stall(db: TestDb) {
         db.execute(&sql).await;
     }
     // As text, ' ' sorts before 'T': the second row would come first. Order follows time.
-    let events = repo.get_pending_events(policy(), &Scope::All, 10).await.unwrap();
+    let events = repo
+        .get_pending_events(policy(), &Scope::All, 10)
+        .await
+        .unwrap();
     assert_eq!(events.len(), 1, "one head for the record");
     assert_eq!(events[0].id, ids[0]);
     let broken = outbox_persistence::new_event_id();
@@ -269,8 +300,15 @@ async fn unreadable_sqlite_row_is_failed_and_skipped(db: TestDb) {
     ))
     .await;
     let good = enqueue(&repo, &[NewEvent::new("t", lead("y", 0))]).await;
-    let claim = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
-    assert_eq!(claim.event.id, good[0], "the worker went on to the next row");
+    let claim = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        claim.event.id, good[0],
+        "the worker went on to the next row"
+    );
     assert_eq!(
         db.count(
             "SELECT count(*) FROM _System_OutboxEvent WHERE Id = 'not-a-uuid'
@@ -297,7 +335,11 @@ async fn poison_event_ends_failed_and_releases_its_record(db: TestDb) {
     let (poison, successor) = (ids[0], ids[1]);
     for attempt in 1..=MAX_RETRY_ATTEMPTS {
         if attempt == 1 {
-            let claim = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+            let claim = repo
+                .claim_next(policy(), &Scope::All)
+                .await
+                .unwrap()
+                .unwrap();
             assert_eq!((claim.event.id, claim.event.retry_count), (poison, 0));
         }
         // The worker dies: no outcome, no heartbeat. Stale-after passes.
@@ -333,7 +375,11 @@ async fn poison_event_ends_failed_and_releases_its_record(db: TestDb) {
 async fn clock_steps_never_make_a_live_claim_stale(db: TestDb) {
     let repo = db.repository();
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("step", 0))]).await;
-    let claim = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+    let claim = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     match &db.db {
         Database::Sqlite(_) => {
             let ahead = ClockShift::new();

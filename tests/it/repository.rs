@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox_persistence::{
-    ClaimPolicy, Database, EventStatus, FailureBookkeeping, FenceOutcome, NewEvent, OutboxRepository,
-    RetryFilter, Scope, Terminal, Tx,
+    ClaimPolicy, Database, EventStatus, FailureBookkeeping, FenceOutcome, NewEvent,
+    OutboxRepository, RetryFilter, Scope, Terminal, Tx,
 };
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
@@ -507,14 +507,8 @@ async fn attempt_savepoint_and_retry_counting(db: TestDb) {
     assert_eq!((row.status, row.retry_count), (EventStatus::Failed, 2));
 
     // An operator retry returns it to pending with a fresh count; success commits the effect.
-    assert_eq!(
-        repo.retry_failed(RetryFilter::Id(ids[0])).await.unwrap(),
-        1
-    );
-    assert_eq!(
-        repo.retry_failed(RetryFilter::Id(ids[0])).await.unwrap(),
-        0
-    );
+    assert_eq!(repo.retry_failed(RetryFilter::Id(ids[0])).await.unwrap(), 1);
+    assert_eq!(repo.retry_failed(RetryFilter::Id(ids[0])).await.unwrap(), 0);
     let claim = repo
         .claim_next(policy(), &Scope::All)
         .await
@@ -527,10 +521,7 @@ async fn attempt_savepoint_and_retry_counting(db: TestDb) {
         .expect("the claim holds");
     insert_side_effect(attempt.tx()).await;
     assert_eq!(
-        attempt
-            .mark_processed(claim.fence)
-            .await
-            .unwrap(),
+        attempt.mark_processed(claim.fence).await.unwrap(),
         FenceOutcome::Written
     );
     attempt.commit().await.unwrap();
@@ -542,11 +533,7 @@ async fn attempt_savepoint_and_retry_counting(db: TestDb) {
 
     // Detached bookkeeping counts too.
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("detached"))]).await;
-    let claim = repo
-        .claim_event(ids[0], policy())
-        .await
-        .unwrap()
-        .unwrap();
+    let claim = repo.claim_event(ids[0], policy()).await.unwrap().unwrap();
     repo.increment_retry(claim.fence, Duration::ZERO, "lost connection")
         .await
         .unwrap();
@@ -714,10 +701,7 @@ async fn scope_narrows_types_but_not_order(db: TestDb) {
     let ids =
         |v: Vec<outbox_persistence::OutboxEvent>| v.into_iter().map(|e| e.id).collect::<Vec<_>>();
     assert_eq!(
-        ids(repo
-            .get_pending_events(policy(), &pull, 10)
-            .await
-            .unwrap()),
+        ids(repo.get_pending_events(policy(), &pull, 10).await.unwrap()),
         vec![other.id]
     );
     assert_eq!(
@@ -730,17 +714,10 @@ async fn scope_narrows_types_but_not_order(db: TestDb) {
     let claim = repo.claim_next(policy(), &pull).await.unwrap().unwrap();
     assert_eq!(claim.event.id, other.id);
     assert!(
-        repo.claim_next(policy(), &pull)
-            .await
-            .unwrap()
-            .is_none(),
+        repo.claim_next(policy(), &pull).await.unwrap().is_none(),
         "the excluded head blocks its key"
     );
-    let claim = repo
-        .claim_next(policy(), &legacy)
-        .await
-        .unwrap()
-        .unwrap();
+    let claim = repo.claim_next(policy(), &legacy).await.unwrap().unwrap();
     assert_eq!(claim.event.id, older.id);
     repo.update_status(claim.fence, Terminal::Processed, None)
         .await
@@ -817,11 +794,7 @@ async fn error_text_with_nul_is_recorded(db: TestDb) {
         .unwrap()
         .unwrap();
     let outcome = repo
-        .increment_retry(
-            claim.fence,
-            Duration::ZERO,
-            "bad byte: \0 in the payload",
-        )
+        .increment_retry(claim.fence, Duration::ZERO, "bad byte: \0 in the payload")
         .await
         .unwrap();
     assert_eq!(outcome, FenceOutcome::Written);

@@ -353,11 +353,7 @@ async fn finish_failure(
         return AttemptOutcome::LostClaim;
     }
     let written = tx
-        .record_failure(
-            state.fence,
-            failure.bookkeeping,
-            &failure.message,
-        )
+        .record_failure(state.fence, failure.bookkeeping, &failure.message)
         .await;
     match written {
         Ok(FenceOutcome::Written) => match tx.commit().await {
@@ -476,11 +472,7 @@ async fn detached(
                 }
                 FailureBookkeeping::Fail => {
                     env.repo
-                        .update_status(
-                            state.fence,
-                            Terminal::Failed,
-                            Some(failure.message.clone()),
-                        )
+                        .update_status(state.fence, Terminal::Failed, Some(failure.message.clone()))
                         .await
                 }
             };

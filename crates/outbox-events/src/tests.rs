@@ -12,8 +12,8 @@ use outbox_persistence::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    AttemptContext, AttemptOutcome, Handler, HandlerError, Handlers, Metrics,
-    WorkerConfig, process_claim,
+    AttemptContext, AttemptOutcome, Handler, HandlerError, Handlers, Metrics, WorkerConfig,
+    process_claim,
 };
 
 fn claim(event_type: &str, retry_count: i32) -> Claim {

@@ -176,12 +176,12 @@ impl Database {
         shift: crate::ClockShift,
     ) -> Arc<dyn OutboxRepository> {
         match self {
-            Database::Postgres(pool) => Arc::new(
-                crate::postgres::PgOutbox::new(pool.clone()).with_clock_shift(shift),
-            ),
-            Database::Sqlite(pool) => Arc::new(
-                crate::sqlite::SqliteOutbox::new(pool.clone()).with_clock_shift(shift),
-            ),
+            Database::Postgres(pool) => {
+                Arc::new(crate::postgres::PgOutbox::new(pool.clone()).with_clock_shift(shift))
+            }
+            Database::Sqlite(pool) => {
+                Arc::new(crate::sqlite::SqliteOutbox::new(pool.clone()).with_clock_shift(shift))
+            }
         }
     }
 

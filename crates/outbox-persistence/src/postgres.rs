@@ -374,7 +374,10 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3"
 
 /// The plans (`EXPLAIN`, nothing run) of the design's eligible query as written and of the
 /// claim statement, named, for `outbox explain`.
-pub async fn explain(pool: &PgPool, policy: ClaimPolicy) -> Result<Vec<(&'static str, Vec<String>)>> {
+pub async fn explain(
+    pool: &PgPool,
+    policy: ClaimPolicy,
+) -> Result<Vec<(&'static str, Vec<String>)>> {
     let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
         .fetch_one(pool)
         .await?;

@@ -321,7 +321,9 @@ impl Liveness {
         let real = self.origin.elapsed();
         let blind = self.restart
             || lock_wait.is_some_and(|w| w > stale_after / 3)
-            || self.last_look.is_some_and(|last| real - last > stale_after / 2);
+            || self
+                .last_look
+                .is_some_and(|last| real - last > stale_after / 2);
         if blind {
             for seen in self.seen.values_mut() {
                 seen.since_micros = now;
@@ -412,7 +414,11 @@ async fn claim_on(
         };
         (status, event.retry_count + 1, Some(error))
     } else {
-        (EventStatus::Processing, event.retry_count, event.last_error.clone())
+        (
+            EventStatus::Processing,
+            event.retry_count,
+            event.last_error.clone(),
+        )
     };
     let rows = sqlx::query(
         "UPDATE _System_OutboxEvent
@@ -603,11 +609,7 @@ impl SqliteOutbox {
             }
             Some(id) => {
                 // The same rule, narrowed to one id.
-                let sql = ELIGIBLE_OBSERVED.replacen(
-                    "WHERE\n",
-                    "WHERE e.Id = ?6 AND\n",
-                    1,
-                );
+                let sql = ELIGIBLE_OBSERVED.replacen("WHERE\n", "WHERE e.Id = ?6 AND\n", 1);
                 sqlx::query(sqlx::AssertSqlSafe(sql))
                     .bind(stale)
                     .bind(&retry_cutoff)
