@@ -413,6 +413,45 @@ async fn clock_steps_never_make_a_live_claim_stale(db: TestDb) {
     assert_eq!(row.retry_count, 0, "nothing was reclaimed");
 }
 
+/// A worker whose claim was taken over tries to begin its attempt, many times: each is refused
+/// before its handler could start, and the pool's connections stay usable (a refused begin
+/// must not leave a connection inside a failed transaction).
+async fn refused_attempts_leave_connections_usable(db: TestDb) {
+    let repo = db.repository();
+    let ids = enqueue(&repo, &[NewEvent::new("t", lead("refused", 0))]).await;
+    let first = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+    repo.stats(policy()).await.unwrap();
+    db.clock.advance(STALE_AFTER);
+    let second = repo.claim_event(ids[0], policy()).await.unwrap().unwrap();
+    for _ in 0..40 {
+        assert!(
+            repo.begin_attempt(Duration::from_secs(1), first.fence)
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+    for _ in 0..20 {
+        let mut attempt = repo
+            .begin_attempt(Duration::from_secs(1), second.fence)
+            .await
+            .unwrap()
+            .expect("the holder's attempt begins");
+        attempt.rollback().await.unwrap();
+    }
+    let mut attempt = repo
+        .begin_attempt(Duration::from_secs(1), second.fence)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        attempt.mark_processed(second.fence).await.unwrap(),
+        outbox_persistence::FenceOutcome::Written
+    );
+    attempt.commit().await.unwrap();
+    assert_eq!(status(&repo, ids[0]).await, EventStatus::Processed);
+}
+
 /// Records the order handlers ran in.
 struct Record(Arc<std::sync::Mutex<Vec<uuid::Uuid>>>);
 
@@ -444,4 +483,5 @@ backend_tests!(
     unreadable_sqlite_row_is_failed_and_skipped,
     poison_event_ends_failed_and_releases_its_record,
     clock_steps_never_make_a_live_claim_stale,
+    refused_attempts_leave_connections_usable,
 );

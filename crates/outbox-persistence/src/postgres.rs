@@ -58,9 +58,9 @@ LIMIT $3";
 /// spells it as `LIMIT 64`.
 pub const CLAIM_PREFIX_ROWS: u32 = 64;
 
-/// The advisory-lock namespace of enqueue's per-key lock (the first key of the two-key form
+/// The advisory-lock namespace of enqueue's per-record lock (the first key of the two-key form
 /// `pg_advisory_xact_lock(int, int)`, whose lock space never overlaps the one-key form an
-/// application may use). The second key is `hashtext(RecordKey)`.
+/// application may use). The second key is a stable hash of the `RecordKey`.
 pub const ENQUEUE_LOCK_NAMESPACE: i32 = 3477;
 
 /// The SQLSTATE `_System_OutboxCheckFence` raises when an attempt's claim was taken over
@@ -575,14 +575,58 @@ fn claimed_or_exhausted(row: &PgRow) -> Result<Option<Claim>> {
 const MAX_EXHAUSTED_PER_CLAIM: usize = 16;
 
 /// Inserts `events` in the caller's transaction, deriving each `RecordKey`, with the
-/// database's clock. Before `CreatedDate` is drawn it takes a transaction-scoped advisory lock
-/// per record key (in key order), so one record's events are ordered as their transactions
-/// commit: an enqueue that waits for another transaction of the same record draws its
-/// `CreatedDate` after that one committed. `CreatedDate` is also never earlier than the newest
-/// non-terminal row of its key (plus one microsecond), so a step back of the server's clock
-/// cannot reorder a record either. Ids increase in the order given, breaking ties.
+/// database's clock, in one statement. Before `CreatedDate` is drawn it takes the records'
+/// enqueue locks (see [`enqueue_locks`]), held to the end of the caller's transaction, so one
+/// record's events are ordered as their transactions commit: an enqueue that waits for another
+/// transaction of the same record draws its `CreatedDate` after that one committed. Ids
+/// increase in the order given, breaking ties.
 pub async fn enqueue(conn: &mut sqlx::PgConnection, events: &[NewEvent]) -> Result<Vec<EventId>> {
     enqueue_shifted(conn, events, &ClockShift::default()).await
+}
+
+/// The advisory-lock namespace of the lock buckets enqueue takes (see [`enqueue_locks`]).
+pub const ENQUEUE_BUCKET_NAMESPACE: i32 = 3478;
+
+/// How many lock buckets the record keys hash into.
+const ENQUEUE_BUCKETS: u32 = 64;
+
+/// Up to this many distinct records, an enqueue locks each record; beyond, whole buckets.
+const ENQUEUE_KEY_LOCKS_MAX: usize = 32;
+
+/// The transaction-scoped advisory locks an enqueue of `keys` takes, in the order to take
+/// them: `(namespace, id, shared)`. A few records: each record's bucket in shared mode, then
+/// each record exclusively (`ENQUEUE_LOCK_NAMESPACE`, a hash of the key), so enqueues of
+/// different records never wait for each other. Many records (a bulk enqueue): each of their
+/// buckets exclusively, so a transaction never holds more than [`ENQUEUE_BUCKETS`] locks (the
+/// server's lock table is finite) and still excludes every other enqueue of its records. All in
+/// ascending order, buckets first, so two enqueues never deadlock on these locks.
+fn enqueue_locks<'a>(keys: impl Iterator<Item = &'a str>) -> Vec<(i32, i32, bool)> {
+    let hashes: std::collections::BTreeSet<i32> = keys.map(key_hash).collect();
+    let buckets: std::collections::BTreeSet<i32> = hashes
+        .iter()
+        .map(|h| (*h as u32 % ENQUEUE_BUCKETS) as i32)
+        .collect();
+    if hashes.len() > ENQUEUE_KEY_LOCKS_MAX {
+        return buckets
+            .into_iter()
+            .map(|b| (ENQUEUE_BUCKET_NAMESPACE, b, false))
+            .collect();
+    }
+    buckets
+        .into_iter()
+        .map(|b| (ENQUEUE_BUCKET_NAMESPACE, b, true))
+        .chain(hashes.into_iter().map(|h| (ENQUEUE_LOCK_NAMESPACE, h, false)))
+        .collect()
+}
+
+/// A stable 32-bit hash of a record key (FNV-1a): the same in every process and release.
+fn key_hash(key: &str) -> i32 {
+    let mut hash: u32 = 0x811c_9dc5;
+    for byte in key.bytes() {
+        hash ^= u32::from(byte);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    hash as i32
 }
 
 async fn enqueue_shifted(
@@ -605,39 +649,47 @@ async fn enqueue_shifted(
     if ids.is_empty() {
         return Ok(ids);
     }
-    if keys.iter().any(Option::is_some) {
-        sqlx::query(
-            "SELECT pg_advisory_xact_lock($1, hashtext(k))
-             FROM (SELECT DISTINCT k FROM UNNEST($2::text[]) AS u(k) WHERE k IS NOT NULL ORDER BY k) s",
-        )
-        .bind(ENQUEUE_LOCK_NAMESPACE)
-        .bind(&keys)
-        .execute(&mut *conn)
-        .await?;
-    }
+    let locks = enqueue_locks(keys.iter().flatten().map(String::as_str));
+    let (lock_spaces, lock_ids, lock_shared): (Vec<i32>, Vec<i32>, Vec<bool>) =
+        locks.into_iter().fold(
+            (Vec::new(), Vec::new(), Vec::new()),
+            |(mut a, mut b, mut c), (space, id, shared)| {
+                a.push(space);
+                b.push(id);
+                c.push(shared);
+                (a, b, c)
+            },
+        );
+    // The locks CTE is materialized and joined, so every lock is held before any row's
+    // CreatedDate is drawn (each row reads the clock as it is inserted).
     sqlx::query(concat!(
-        "INSERT INTO _System_OutboxEvent
+        "WITH locks AS MATERIALIZED (
+           SELECT count((CASE WHEN l.shared THEN pg_advisory_xact_lock_shared(l.space, l.id)
+                              ELSE pg_advisory_xact_lock(l.space, l.id) END)::text) AS taken
+           FROM UNNEST($6::int4[], $7::int4[], $8::bool[]) AS l(space, id, shared)
+         )
+         INSERT INTO _System_OutboxEvent
            (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
-         SELECT id, event_type, payload, 'pending', 0, record_key, created, created
-         FROM (
-           SELECT n.ord, n.id, n.event_type, n.payload, n.record_key,
-                  GREATEST(",
+         SELECT n.id, n.event_type, n.payload, 'pending', 0, n.record_key, n.created, n.created
+         FROM locks,
+              LATERAL (
+                SELECT u.*, ",
         db_now!(),
-        ",
-                           (SELECT max(o.CreatedDate) + interval '1 microsecond'
-                            FROM _System_OutboxEvent o
-                            WHERE o.RecordKey = n.record_key
-                              AND o.Status NOT IN ('processed', 'failed'))) AS created
-           FROM UNNEST($2::uuid[], $3::text[], $4::text[], $5::text[])
-             WITH ORDINALITY AS n(id, event_type, payload, record_key, ord)
-         ) s
-         ORDER BY ord"
+        " AS created
+                FROM UNNEST($2::uuid[], $3::text[], $4::text[], $5::text[])
+                  WITH ORDINALITY AS u(id, event_type, payload, record_key, ord)
+              ) n
+         WHERE locks.taken >= 0
+         ORDER BY n.ord"
     ))
     .bind(interval(shift.micros()))
     .bind(&ids)
     .bind(&types)
     .bind(&payloads)
     .bind(&keys)
+    .bind(&lock_spaces)
+    .bind(&lock_ids)
+    .bind(&lock_shared)
     .execute(conn)
     .await?;
     Ok(ids)
@@ -733,14 +785,16 @@ impl OutboxRepository for PgOutbox {
         lock_timeout: Duration,
         fence: Fence,
     ) -> Result<Option<Box<dyn Attempt>>> {
-        // One round trip: BEGIN, the attempt's lock timeout, the fence check (raises
-        // CLAIM_LOST_SQLSTATE when the claim was taken over meanwhile) and the post-claim
-        // savepoint. The values are a UUID and a timestamp this code formats itself.
+        // One round trip: the fence check (raises CLAIM_LOST_SQLSTATE when the claim was
+        // taken over meanwhile), BEGIN, the attempt's lock timeout and the post-claim savepoint.
+        // The check comes first: when it raises, the statements after it never run and the
+        // connection is left idle, not inside a failed transaction (a read that precedes BEGIN
+        // in one query string joins the transaction BEGIN opens). The values are a UUID and a
+        // timestamp this code formats itself.
         let ms = lock_timeout.as_millis().max(1);
         let begin = format!(
-            "BEGIN; SET LOCAL lock_timeout = '{ms}ms'; \
-             SELECT _System_OutboxCheckFence('{}'::uuid, '{}'::timestamptz); \
-             SAVEPOINT outbox_claimed",
+            "SELECT _System_OutboxCheckFence('{}'::uuid, '{}'::timestamptz); \
+             BEGIN; SET LOCAL lock_timeout = '{ms}ms'; SAVEPOINT outbox_claimed",
             fence.id,
             fence
                 .last_written
