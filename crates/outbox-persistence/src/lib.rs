@@ -101,9 +101,9 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// its payload. Ids increase in the order given. Refuses the whole batch, writing nothing,
     /// when a payload is not a valid envelope.
     ///
-    /// `CreatedDate` comes from the database's clock, drawn after a per-key lock (PostgreSQL:
-    /// a transaction-scoped advisory lock; SQLite: the write lock), so one record's events are
-    /// ordered as their transactions commit.
+    /// `CreatedDate` comes from the database's clock, drawn after a per-record lock held to the
+    /// end of the caller's transaction (PostgreSQL: transaction-scoped advisory locks; SQLite:
+    /// the write lock), so one record's events are ordered as their transactions commit.
     async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>>;
 
     /// The design's eligible-event query: `pending` rows (a retried one once its
