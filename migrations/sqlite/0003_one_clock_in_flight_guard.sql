@@ -7,8 +7,8 @@ CREATE INDEX outbox_in_flight_idx ON _System_OutboxEvent (RecordKey)
 
 -- Timestamps are compared as text, so every stored timestamp must have the one fixed-width
 -- shape (YYYY-MM-DDTHH:MM:SS.ffffffZ). A row written by other code with another shape SQLite's
--- date functions read ('2026-11-30T00:00:00Z', '2026-11-30 00:00:00', '+01:00' offsets, a Unix
--- time in seconds) is rewritten to it (UTC, millisecond precision) as it is written; one whose
+-- date functions read ('2026-11-30T00:00:00Z', '2026-11-30 00:00:00', '+01:00' offsets) or a bare
+-- number (read as Unix seconds, not as the Julian day SQLite would assume) is rewritten to it (UTC, millisecond precision) as it is written; one whose
 -- timestamp cannot be read at all is failed with a LastError that quotes it, so it never stalls
 -- the queue. Writes of this code are already in shape and skip the rewrite (the WHEN clause).
 CREATE TRIGGER outbox_timestamps_insert AFTER INSERT ON _System_OutboxEvent

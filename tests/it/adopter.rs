@@ -73,6 +73,8 @@ async fn operator_retry_waits_for_the_running_sibling(db: TestDb) {
         if status(&repo, a).await == EventStatus::Failed {
             assert_eq!(repo.retry_failed(filter).await.unwrap(), 1);
         }
+        // Past PostgreSQL's not-before delay of a retried row: only the guard holds A now.
+        db.clock.advance(Duration::from_secs(5));
         assert_eq!(status(&repo, a).await, EventStatus::Pending);
         assert!(
             repo.claim_next(policy(), &Scope::All)
@@ -95,6 +97,7 @@ async fn operator_retry_waits_for_the_running_sibling(db: TestDb) {
         .await;
     }
     assert_eq!(repo.retry_failed(RetryFilter::Id(a)).await.unwrap(), 1);
+    db.clock.advance(Duration::from_secs(5));
     // B ends: A runs next, then C.
     repo.update_status(running.fence, Terminal::Processed, None)
         .await
@@ -229,9 +232,15 @@ async fn racing_application_transactions_are_ordered_by_commit(db: TestDb) {
 /// whose timestamp cannot be read at all. Nothing stalls: every row ends terminal.
 async fn foreign_timestamp_shapes_never_stall(db: TestDb) {
     let repo = db.repository();
+    // A zone-less time is UTC to SQLite; PostgreSQL would read it in the session's time zone,
+    // so there it carries its zone.
+    let bare = match db.backend() {
+        Backend::Sqlite => "2026-11-30 00:00:01",
+        Backend::Postgres => "2026-11-30 00:00:01+00",
+    };
     let shapes = [
         "2026-11-30T00:00:00Z",
-        "2026-11-30 00:00:01",
+        bare,
         "2026-11-30T01:00:02+01:00",
         "2026-11-30T00:00:03.5Z",
     ];
@@ -368,10 +377,11 @@ async fn poison_event_ends_failed_and_releases_its_record(db: TestDb) {
     }
 }
 
-/// SQLite's timestamps come from its host's clock, but staleness does not: a repository whose
-/// wall clock is an hour ahead (a host clock stepped forward, another process on a skewed
-/// host) never takes a live claim for stale. On PostgreSQL the database's clock is the only
-/// clock, and a claim's timestamps are the database's.
+/// The host's wall clock steps an hour forward while a claim is live (NTP, a resumed VM, an
+/// operator): the claim is not taken for stale, by the process that watched it nor by a
+/// process started on a host an hour ahead. SQLite stamps rows with its host's clock but
+/// decides staleness by observing on a monotonic clock; PostgreSQL reads no host clock at all,
+/// and a claim's timestamps are the database's.
 async fn clock_steps_never_make_a_live_claim_stale(db: TestDb) {
     let repo = db.repository();
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("step", 0))]).await;
@@ -380,22 +390,22 @@ async fn clock_steps_never_make_a_live_claim_stale(db: TestDb) {
         .await
         .unwrap()
         .unwrap();
-    match &db.db {
-        Database::Sqlite(_) => {
-            let ahead = ClockShift::new();
-            ahead.advance(Duration::from_secs(3600));
-            let stepped = db.db.repository_with_clock_shift(ahead);
-            for _ in 0..3 {
-                assert!(
-                    stepped
-                        .claim_next(policy(), &Scope::All)
-                        .await
-                        .unwrap()
-                        .is_none(),
-                    "a live claim is never stale to a clock an hour ahead"
-                );
-            }
+    // Seen live by the repository; then its host's clock jumps.
+    repo.stats(policy()).await.unwrap();
+    db.clock.step_host_clock(TimeDelta::hours(1));
+    let ahead = ClockShift::new();
+    ahead.step_host_clock(TimeDelta::hours(1));
+    let other_host = db.db.repository_with_clock_shift(ahead);
+    for _ in 0..3 {
+        for r in [&repo, &other_host] {
+            assert!(
+                r.claim_next(policy(), &Scope::All).await.unwrap().is_none(),
+                "a live claim is never stale because a clock stepped"
+            );
         }
+    }
+    match &db.db {
+        Database::Sqlite(_) => {}
         Database::Postgres(pool) => {
             let (before, after): (chrono::DateTime<Utc>, chrono::DateTime<Utc>) = {
                 let fence = repo.heartbeat(claim.fence).await.unwrap().unwrap();
@@ -419,7 +429,11 @@ async fn clock_steps_never_make_a_live_claim_stale(db: TestDb) {
 async fn refused_attempts_leave_connections_usable(db: TestDb) {
     let repo = db.repository();
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("refused", 0))]).await;
-    let first = repo.claim_next(policy(), &Scope::All).await.unwrap().unwrap();
+    let first = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
     repo.stats(policy()).await.unwrap();
     db.clock.advance(STALE_AFTER);
     let second = repo.claim_event(ids[0], policy()).await.unwrap().unwrap();

@@ -509,6 +509,8 @@ async fn attempt_savepoint_and_retry_counting(db: TestDb) {
     // An operator retry returns it to pending with a fresh count; success commits the effect.
     assert_eq!(repo.retry_failed(RetryFilter::Id(ids[0])).await.unwrap(), 1);
     assert_eq!(repo.retry_failed(RetryFilter::Id(ids[0])).await.unwrap(), 0);
+    // A retried row waits a moment before it may be claimed (PostgreSQL's not-before delay).
+    db.clock.advance(secs(3));
     let claim = repo
         .claim_next(policy(), &Scope::All)
         .await

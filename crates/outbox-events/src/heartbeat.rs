@@ -21,13 +21,26 @@ pub(crate) struct FenceState {
     pub lost: bool,
 }
 
-/// The fence shared by the heartbeat and the attempt.
+/// The fence shared by the heartbeat and the attempt, with a copy of the latest value that
+/// can be read without waiting for the lock (the attempt holds the lock while it begins).
 #[derive(Debug, Clone)]
-pub(crate) struct FenceCell(Arc<Mutex<FenceState>>);
+pub(crate) struct FenceCell(Arc<Mutex<FenceState>>, Arc<std::sync::Mutex<Fence>>);
 
 impl FenceCell {
     pub fn new(fence: Fence) -> Self {
-        Self(Arc::new(Mutex::new(FenceState { fence, lost: false })))
+        Self(
+            Arc::new(Mutex::new(FenceState { fence, lost: false })),
+            Arc::new(std::sync::Mutex::new(fence)),
+        )
+    }
+
+    /// The fence the heartbeat wrote last, without waiting for the lock.
+    pub fn latest(&self) -> Fence {
+        *self.1.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_latest(&self, fence: Fence) {
+        *self.1.lock().unwrap_or_else(|e| e.into_inner()) = fence;
     }
 
     /// Locks the fence for one fenced write; heartbeats wait meanwhile.
@@ -59,27 +72,55 @@ impl HeartbeatGuard {
                 if !std::mem::take(&mut first) {
                     tokio::time::sleep(interval).await;
                 }
-                let mut state = fence.lock().await;
-                if state.lost {
+                // Alive, every interval, also while the beat below waits: for the fence (the
+                // attempt holds it while it waits for SQLite's write lock) or for its write
+                // (behind another attempt's write lock).
+                repo.note_alive(fence.latest());
+                let beat = beat_once(&repo, &fence, &lost);
+                tokio::pin!(beat);
+                let go_on = loop {
+                    tokio::select! {
+                        go_on = &mut beat => break go_on,
+                        _ = tokio::time::sleep(interval) => repo.note_alive(fence.latest()),
+                    }
+                };
+                if !go_on {
                     return;
-                }
-                match repo.heartbeat(state.fence).await {
-                    Ok(Some(next)) => state.fence = next,
-                    Ok(None) => {
-                        state.lost = true;
-                        lost.cancel();
-                        tracing::warn!(event_id = %state.fence.id, "claim lost: the row was reclaimed or finished elsewhere");
-                        return;
-                    }
-                    Err(e) => {
-                        // A missed beat is not a lost claim: the row stays ours until
-                        // stale-after passes without a successful beat.
-                        tracing::warn!(event_id = %state.fence.id, error = %e.chain(), "heartbeat failed; retrying at the next interval");
-                    }
                 }
             }
         });
         Self { task }
+    }
+}
+
+/// One fenced heartbeat write. `false` when the claim is lost (nothing more to beat).
+async fn beat_once(
+    repo: &Arc<dyn OutboxRepository>,
+    fence: &FenceCell,
+    lost: &CancellationToken,
+) -> bool {
+    let mut state = fence.lock().await;
+    if state.lost {
+        return false;
+    }
+    match repo.heartbeat(state.fence).await {
+        Ok(Some(next)) => {
+            state.fence = next;
+            fence.set_latest(next);
+            true
+        }
+        Ok(None) => {
+            state.lost = true;
+            lost.cancel();
+            tracing::warn!(event_id = %state.fence.id, "claim lost: the row was reclaimed or finished elsewhere");
+            false
+        }
+        Err(e) => {
+            // A missed beat is not a lost claim: the row stays ours until stale-after passes
+            // without a successful beat.
+            tracing::warn!(event_id = %state.fence.id, error = %e.chain(), "heartbeat failed; retrying at the next interval");
+            true
+        }
     }
 }
 

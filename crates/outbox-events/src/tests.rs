@@ -97,6 +97,7 @@ fn unavailable() -> Error {
 /// A repository whose heartbeats always succeed, logging each one in `log`.
 fn repo_with(attempt: MockAttempt, log: Arc<Mutex<Vec<&'static str>>>) -> MockOutboxRepository {
     let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
     repo.expect_backend_name().return_const("mock");
     repo.expect_serializes_writers().return_const(false);
     repo.expect_begin_attempt()
@@ -351,6 +352,7 @@ async fn lost_claim_abandons_the_attempt() {
     attempt.expect_record_failure().never();
     attempt.expect_commit().never();
     let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
     repo.expect_serializes_writers().return_const(false);
     repo.expect_begin_attempt()
         .times(1)
@@ -379,6 +381,7 @@ async fn a_failed_heartbeat_is_not_a_lost_claim() {
         .returning(|_| Ok(FenceOutcome::Written));
     attempt.expect_commit().times(1).returning(|| Ok(()));
     let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
     repo.expect_serializes_writers().return_const(false);
     repo.expect_begin_attempt()
         .times(1)
@@ -454,6 +457,7 @@ async fn attempt_that_cannot_begin_yet_is_retried_uncounted() {
         .returning(|_| Ok(FenceOutcome::Written));
     attempt.expect_commit().times(1).returning(|| Ok(()));
     let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
     repo.expect_serializes_writers().return_const(false);
     let mut begins = 0;
     let mut attempt = Some(attempt);
@@ -497,6 +501,7 @@ async fn attempt_that_cannot_begin_yet_is_retried_uncounted() {
 #[tokio::test(start_paused = true)]
 async fn attempt_that_never_begins_is_abandoned_uncounted() {
     let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
     repo.expect_serializes_writers().return_const(true);
     repo.expect_begin_attempt()
         .returning(|_, _| Err(Error::LockTimeout(sqlx::Error::PoolTimedOut)));
@@ -552,6 +557,7 @@ async fn serialized_backend_heartbeats_only_for_detached_bookkeeping() {
         .times(1)
         .returning(|| Err(unavailable()));
     let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
     repo.expect_serializes_writers().return_const(true);
     repo.expect_get_event()
         .returning(|id| Ok(Some(row(id, EventStatus::Processing, 0))));
@@ -669,6 +675,7 @@ async fn final_write_uses_the_fence_the_last_heartbeat_wrote() {
     let claimed = c.fence;
     let beats = Arc::new(Mutex::new(Vec::new()));
     let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
     repo.expect_backend_name().return_const("mock");
     repo.expect_serializes_writers().return_const(false);
     let b = Arc::clone(&beats);

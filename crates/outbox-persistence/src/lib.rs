@@ -135,6 +135,12 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// own. `None` when the row is no longer this worker's (reclaimed, or finished elsewhere).
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>>;
 
+    /// Tells the backend that this process still holds the claim `fence`, at no cost and
+    /// without waiting for any lock: the heartbeat calls it every interval, also while its
+    /// write waits. SQLite's own observers then never take the claim for stale (its write may
+    /// wait behind another attempt's write lock for a while); PostgreSQL needs nothing.
+    fn note_alive(&self, _fence: Fence) {}
+
     /// Whether attempt transactions exclude every other writer while they run (SQLite). Then
     /// nobody can reclaim a row during its attempt, `begin_attempt` checks the fence, and the
     /// worker heartbeats only outside the attempt transaction (a heartbeat would wait for the

@@ -145,8 +145,10 @@ impl ClaimPolicy {
 /// A shift applied to the queue's clock, shared by the repositories that hold a clone of it.
 /// It is zero unless a test moves it: the backends add it to the time they read (in SQL on
 /// PostgreSQL), so a test can let time pass without sleeping and without a second clock.
+/// [`ClockShift::step_host_clock`] moves only the host's wall clock, as an NTP step or a
+/// skewed host does: PostgreSQL reads no host clock, SQLite stamps its rows with it.
 #[derive(Debug, Clone, Default)]
-pub struct ClockShift(Arc<AtomicI64>);
+pub struct ClockShift(Arc<AtomicI64>, Arc<AtomicI64>);
 
 impl ClockShift {
     /// A shift of zero.
@@ -160,14 +162,21 @@ impl ClockShift {
         self.0.fetch_add(micros, Ordering::SeqCst);
     }
 
-    /// The shift in microseconds.
+    /// Steps the host's wall clock alone by `d` (negative: back), leaving time as it passes
+    /// (monotonic) and the database's clock alone.
+    pub fn step_host_clock(&self, d: chrono::Duration) {
+        let micros = d.num_microseconds().unwrap_or(i64::MAX);
+        self.1.fetch_add(micros, Ordering::SeqCst);
+    }
+
+    /// The shift of every clock, in microseconds.
     pub fn micros(&self) -> i64 {
         self.0.load(Ordering::SeqCst)
     }
 
-    /// The shift as a signed duration.
-    pub fn get(&self) -> chrono::Duration {
-        chrono::Duration::microseconds(self.micros())
+    /// The shift of the host's wall clock: every clock's plus its own steps.
+    pub fn host_wall(&self) -> chrono::Duration {
+        chrono::Duration::microseconds(self.micros().saturating_add(self.1.load(Ordering::SeqCst)))
     }
 }
 

@@ -63,6 +63,13 @@ pub const CLAIM_PREFIX_ROWS: u32 = 64;
 /// application may use). The second key is a stable hash of the `RecordKey`.
 pub const ENQUEUE_LOCK_NAMESPACE: i32 = 3477;
 
+/// How long a row returned to `pending` by `retry_failed` waits before it may be claimed: its
+/// `LastModifiedDate` is set this far ahead, and a pending row is never claimed before its
+/// `LastModifiedDate`. A claim statement that read the row as still `failed` and is claiming a
+/// younger row of its record has committed long before (claims never wait on locks), so the
+/// retried row then sees that row running and waits for it (the in-flight guard).
+pub const RETRY_NOT_BEFORE: Duration = Duration::from_secs(2);
+
 /// The SQLSTATE `_System_OutboxCheckFence` raises when an attempt's claim was taken over
 /// before the attempt began.
 pub const CLAIM_LOST_SQLSTATE: &str = "OB001";
@@ -136,7 +143,7 @@ in_prefix AS (
     (e.Status = 'pending'
      OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
     AND (e.Status <> 'pending'
-         OR e.RetryCount = 0
+         OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
          OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
     AND (
       e.RecordKey IS NULL
@@ -173,7 +180,7 @@ by_head AS (
     (e.Status = 'pending'
      OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
     AND (e.Status <> 'pending'
-         OR e.RetryCount = 0
+         OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
          OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
     AND (e.RecordKey IS NULL OR (TRUE
 ",
@@ -268,7 +275,7 @@ candidate AS (
     AND (e.Status = 'pending'
          OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
     AND (e.Status <> 'pending'
-         OR e.RetryCount = 0
+         OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
          OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
     AND (
       e.RecordKey IS NULL
@@ -302,7 +309,7 @@ WHERE
   (e.Status = 'pending'
    OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
   AND (e.Status <> 'pending'
-       OR e.RetryCount = 0
+       OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
        OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
   AND (
     e.RecordKey IS NULL
@@ -615,7 +622,11 @@ fn enqueue_locks<'a>(keys: impl Iterator<Item = &'a str>) -> Vec<(i32, i32, bool
     buckets
         .into_iter()
         .map(|b| (ENQUEUE_BUCKET_NAMESPACE, b, true))
-        .chain(hashes.into_iter().map(|h| (ENQUEUE_LOCK_NAMESPACE, h, false)))
+        .chain(
+            hashes
+                .into_iter()
+                .map(|h| (ENQUEUE_LOCK_NAMESPACE, h, false)),
+        )
         .collect()
 }
 
@@ -966,10 +977,10 @@ impl OutboxRepository for PgOutbox {
             RetryFilter::Failed { event_type } => (None, true, event_type),
         };
         let mut tx = self.pool.begin().await?;
-        // Wait for every claim in progress on the affected keys: a claim statement that read
-        // the row as still `failed` and is claiming a younger row of its key commits first, so
-        // the retried row is then seen beside that `processing` row and waits for it (the
-        // in-flight guard) instead of running beside it.
+        // Wait for every claim that holds a row of the affected keys: it commits first, so the
+        // retried row is then seen beside that `processing` row and waits for it (the in-flight
+        // guard). A claim that read the row as still `failed` but locks a younger row of its key
+        // only after this commits is covered by RETRY_NOT_BEFORE.
         sqlx::query(
             "SELECT 1 FROM _System_OutboxEvent k
              WHERE k.Status NOT IN ('processed', 'failed')
@@ -989,7 +1000,7 @@ impl OutboxRepository for PgOutbox {
             "UPDATE _System_OutboxEvent SET Status = 'pending', RetryCount = 0,
                LastModifiedDate = GREATEST(",
             db_now!(),
-            ", LastModifiedDate + interval '1 microsecond')
+            " + $5::interval, LastModifiedDate + interval '1 microsecond')
              WHERE Status = 'failed'
                AND (($3 AND ($4::text IS NULL OR EventType = $4)) OR Id = $2)"
         ))
@@ -997,6 +1008,7 @@ impl OutboxRepository for PgOutbox {
         .bind(id)
         .bind(all)
         .bind(event_type.as_deref())
+        .bind(span(RETRY_NOT_BEFORE))
         .execute(&mut *tx)
         .await?
         .rows_affected();

@@ -219,7 +219,7 @@ async fn enqueue_shifted(
     sqlx::query("UPDATE _System_OutboxEvent SET Status = Status WHERE 0")
         .execute(&mut *conn)
         .await?;
-    let now = truncate_micros(Utc::now() + shift.get());
+    let now = truncate_micros(Utc::now() + shift.host_wall());
     let mut newest: HashMap<String, DateTime<Utc>> = HashMap::new();
     for (event, (id, key)) in events.iter().zip(&rows) {
         let mut created = now;
@@ -261,23 +261,36 @@ async fn enqueue_shifted(
 
 /// What this repository has seen of the `processing` rows: each row's `LastModifiedDate` and
 /// since when (monotonic, plus the clock shift) it has been seen unchanged. A row unchanged for
-/// `stale_after` is stale. Observations restart when the repository could not look for a
-/// while: it waited long for the write lock, a lock wait timed out, or its last look is long
-/// ago. Meanwhile a claim's holder may have been inside an attempt (which holds the write lock
-/// and cannot heartbeat) and would be reclaimed the moment that attempt released the lock.
+/// `stale_after` is stale.
+///
+/// A look that holds the write lock keeps the books: when the repository could not look for a
+/// while (it waited long for the write lock, a lock wait timed out, or its last look is long
+/// ago), a claim's holder may have been inside an attempt, which holds the write lock and
+/// cannot heartbeat; that blind interval is not counted as silence (each row's clock moves
+/// forward by it). A row observed unchanged for [`SILENCE_CAP`] times `stale_after` is stale
+/// whatever the blind intervals, so steady load cannot keep a dead claim from being reclaimed.
+/// Looks without the lock (`stats`, `get_pending_events`) only add what they see first, and
+/// fresher values; they never touch the books.
 #[derive(Debug)]
 struct Liveness {
     origin: Instant,
     seen: HashMap<String, Seen>,
     last_look: Option<Duration>,
-    restart: bool,
+    restart_since: Option<Duration>,
 }
 
+/// A row's observation.
 #[derive(Debug)]
 struct Seen {
     last_modified: String,
+    /// Since when it counts as silent (moved forward over blind intervals).
     since_micros: i64,
+    /// When this value was first seen (never moved).
+    first_micros: i64,
 }
+
+/// A row observed unchanged for this many times `stale_after` is stale, blind intervals or not.
+const SILENCE_CAP: i64 = 3;
 
 impl Liveness {
     fn new() -> Self {
@@ -285,7 +298,7 @@ impl Liveness {
             origin: Instant::now(),
             seen: HashMap::new(),
             last_look: None,
-            restart: false,
+            restart_since: None,
         }
     }
 
@@ -296,20 +309,30 @@ impl Liveness {
             .saturating_add(shift.micros())
     }
 
-    /// Records a fresh `LastModifiedDate` this repository wrote (a claim or a heartbeat).
+    /// Records a fresh `LastModifiedDate` this repository wrote or holds (a claim, a
+    /// heartbeat, an attempt that is about to release the write lock): alive now.
     fn note(&mut self, id: EventId, last_modified: DateTime<Utc>, shift: &ClockShift) {
-        let since_micros = self.now_micros(shift);
+        let now = self.now_micros(shift);
         self.seen.insert(
             id.to_string(),
             Seen {
                 last_modified: format_ts(last_modified),
-                since_micros,
+                since_micros: now,
+                first_micros: now,
             },
         );
     }
 
+    /// A lock wait failed: the time from the last look to the next one is blind.
+    fn lock_wait_failed(&mut self) {
+        if self.restart_since.is_none() {
+            self.restart_since = Some(self.last_look.unwrap_or_default());
+        }
+    }
+
     /// Takes one look at the `processing` rows and returns the ids observed silent for
-    /// `stale_after`. `lock_wait` is how long the write lock took, when the look holds it.
+    /// `stale_after`. `lock_wait` is how long the write lock took, when the look holds it;
+    /// `None` for a look without the lock, which keeps no books.
     fn look(
         &mut self,
         processing: Vec<(String, String)>,
@@ -318,39 +341,46 @@ impl Liveness {
         shift: &ClockShift,
     ) -> Vec<String> {
         let now = self.now_micros(shift);
-        let real = self.origin.elapsed();
-        let blind = self.restart
-            || lock_wait.is_some_and(|w| w > stale_after / 3)
-            || self
-                .last_look
-                .is_some_and(|last| real - last > stale_after / 2);
-        if blind {
-            for seen in self.seen.values_mut() {
-                seen.since_micros = now;
+        if let Some(wait) = lock_wait {
+            let real = self.origin.elapsed();
+            let gap = self.last_look.map(|last| real.saturating_sub(last));
+            let blind = if let Some(since) = self.restart_since.take() {
+                Some(real.saturating_sub(since))
+            } else if wait > stale_after / 3 {
+                Some(wait)
+            } else {
+                gap.filter(|gap| *gap > stale_after / 2)
+            };
+            if let Some(blind) = blind {
+                let blind = i64::try_from(blind.as_micros()).unwrap_or(i64::MAX);
+                for seen in self.seen.values_mut() {
+                    seen.since_micros = seen.since_micros.saturating_add(blind).min(now);
+                }
             }
+            self.last_look = Some(real);
         }
-        self.restart = false;
-        self.last_look = Some(real);
         let mut next = HashMap::with_capacity(processing.len());
         for (id, last_modified) in processing {
-            let since_micros = match self.seen.remove(&id) {
-                Some(seen) if seen.last_modified == last_modified => seen.since_micros,
-                _ => now,
-            };
-            next.insert(
-                id,
-                Seen {
+            let seen = match self.seen.remove(&id) {
+                Some(seen) if seen.last_modified == last_modified => seen,
+                _ => Seen {
                     last_modified,
-                    since_micros,
+                    since_micros: now,
+                    first_micros: now,
                 },
-            );
+            };
+            next.insert(id, seen);
         }
         self.seen = next;
         let stale_micros = i64::try_from(stale_after.as_micros()).unwrap_or(i64::MAX);
+        let cap_micros = stale_micros.saturating_mul(SILENCE_CAP);
         let mut stale: Vec<String> = self
             .seen
             .iter()
-            .filter(|(_, seen)| now.saturating_sub(seen.since_micros) >= stale_micros)
+            .filter(|(_, seen)| {
+                now.saturating_sub(seen.since_micros) >= stale_micros
+                    || now.saturating_sub(seen.first_micros) >= cap_micros
+            })
             .map(|(id, _)| id.clone())
             .collect();
         stale.sort();
@@ -396,6 +426,32 @@ async fn claim_on(
             return Ok(Candidate::Failed);
         }
     };
+    let raw_id: String = row.try_get(0)?;
+    if raw_id != event.id.to_string() {
+        // A UUID in another spelling (upper case, braces, no hyphens), written by other code:
+        // every fenced write compares the canonical text, so store that.
+        let canonical = sqlx::query("UPDATE _System_OutboxEvent SET Id = ?2 WHERE rowid = ?1")
+            .bind(rowid)
+            .bind(event.id.to_string())
+            .execute(&mut *conn)
+            .await;
+        if let Err(e) = canonical {
+            let reason = format!(
+                "outbox row id {raw_id:?} written by other code cannot be stored as {}: {e}",
+                event.id
+            );
+            tracing::warn!(rowid, error = %reason, "failing an outbox row whose id cannot be read");
+            sqlx::query(
+                "UPDATE _System_OutboxEvent SET Status = 'failed', LastError = ?2
+                 WHERE rowid = ?1 AND Status NOT IN ('processed', 'failed')",
+            )
+            .bind(rowid)
+            .bind(clip_error(&reason))
+            .execute(&mut *conn)
+            .await?;
+            return Ok(Candidate::Failed);
+        }
+    }
     let raw_last_modified: String = row.try_get(7)?;
     let reclaimed = event.status == EventStatus::Processing;
     let written = next_written(now, event.last_modified_date);
@@ -496,7 +552,7 @@ impl SqliteOutbox {
 
     /// The host's time plus the clock shift.
     fn now(&self) -> DateTime<Utc> {
-        truncate_micros(Utc::now() + self.shift.get())
+        truncate_micros(Utc::now() + self.shift.host_wall())
     }
 
     fn liveness(&self) -> std::sync::MutexGuard<'_, Liveness> {
@@ -510,7 +566,7 @@ impl SqliteOutbox {
         match self.pool.begin_with("BEGIN IMMEDIATE").await {
             Ok(tx) => Ok((tx, started.elapsed())),
             Err(e) => {
-                self.liveness().restart = true;
+                self.liveness().lock_wait_failed();
                 Err(e.into())
             }
         }
@@ -720,6 +776,11 @@ impl OutboxRepository for SqliteOutbox {
         }))
     }
 
+    fn note_alive(&self, fence: Fence) {
+        self.liveness()
+            .note(fence.id, fence.last_written, &self.shift);
+    }
+
     fn serializes_writers(&self) -> bool {
         true
     }
@@ -751,6 +812,8 @@ impl OutboxRepository for SqliteOutbox {
         Ok(Some(Box::new(SqliteAttempt {
             tx: Some(Tx::Sqlite(tx)),
             shift: self.shift.clone(),
+            liveness: self.liveness.clone(),
+            fence,
         })))
     }
 
@@ -950,6 +1013,23 @@ impl OutboxRepository for SqliteOutbox {
 struct SqliteAttempt {
     tx: Option<Tx>,
     shift: ClockShift,
+    /// The repository's observations: the attempt notes its claim alive before it releases
+    /// the write lock, so that its own process does not take the claim for stale at once.
+    liveness: Arc<Mutex<Liveness>>,
+    /// The fence the attempt began with (no heartbeat moves it while the attempt holds the
+    /// write lock).
+    fence: Fence,
+}
+
+impl SqliteAttempt {
+    /// Notes the claim alive: the attempt is about to release the write lock, and a claim
+    /// whose attempt fails is kept by its detached bookkeeping's heartbeat from then on.
+    fn note_alive(&self) {
+        self.liveness
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .note(self.fence.id, self.fence.last_written, &self.shift);
+    }
 }
 
 impl SqliteAttempt {
@@ -999,7 +1079,7 @@ impl Attempt for SqliteAttempt {
     }
 
     async fn mark_processed(&mut self, fence: Fence) -> Result<FenceOutcome> {
-        let now = truncate_micros(Utc::now() + self.shift.get());
+        let now = truncate_micros(Utc::now() + self.shift.host_wall());
         let written = next_written(now, fence.last_written);
         self.fenced(FENCED_PROCESSED, fence, written, None).await
     }
@@ -1010,7 +1090,7 @@ impl Attempt for SqliteAttempt {
         bookkeeping: FailureBookkeeping,
         error: &str,
     ) -> Result<FenceOutcome> {
-        let now = truncate_micros(Utc::now() + self.shift.get());
+        let now = truncate_micros(Utc::now() + self.shift.host_wall());
         match bookkeeping {
             FailureBookkeeping::Retry { extra_delay } => {
                 let written = next_written(now + delay(extra_delay), fence.last_written);
@@ -1025,14 +1105,127 @@ impl Attempt for SqliteAttempt {
     }
 
     async fn commit(&mut self) -> Result<()> {
+        self.note_alive();
         self.tx.take().ok_or(Error::AttemptFinished)?.commit().await
     }
 
     async fn rollback(&mut self) -> Result<()> {
+        self.note_alive();
         self.tx
             .take()
             .ok_or(Error::AttemptFinished)?
             .rollback()
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STALE: Duration = Duration::from_secs(30);
+
+    fn rows(last_modified: &str) -> Vec<(String, String)> {
+        vec![("a".to_string(), last_modified.to_string())]
+    }
+
+    #[test]
+    fn silence_is_measured_from_the_first_look() {
+        let shift = ClockShift::new();
+        let mut l = Liveness::new();
+        assert!(
+            l.look(rows("t1"), STALE, Some(Duration::ZERO), &shift)
+                .is_empty()
+        );
+        shift.advance(Duration::from_secs(29));
+        assert!(
+            l.look(rows("t1"), STALE, Some(Duration::ZERO), &shift)
+                .is_empty()
+        );
+        shift.advance(Duration::from_secs(1));
+        assert_eq!(
+            l.look(rows("t1"), STALE, Some(Duration::ZERO), &shift),
+            ["a"]
+        );
+        // A heartbeat (a new value) makes it live again.
+        assert!(
+            l.look(rows("t2"), STALE, Some(Duration::ZERO), &shift)
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_wall_clock_step_changes_nothing() {
+        let shift = ClockShift::new();
+        let mut l = Liveness::new();
+        assert!(
+            l.look(rows("t1"), STALE, Some(Duration::ZERO), &shift)
+                .is_empty()
+        );
+        shift.step_host_clock(chrono::Duration::hours(1));
+        assert!(
+            l.look(rows("t1"), STALE, Some(Duration::ZERO), &shift)
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn blind_intervals_do_not_count_but_the_cap_does() {
+        let shift = ClockShift::new();
+        let mut l = Liveness::new();
+        assert!(
+            l.look(rows("t1"), STALE, Some(Duration::ZERO), &shift)
+                .is_empty()
+        );
+        // Every look waited 11 s for the write lock (an attempt held it, and a claim cannot
+        // beat meanwhile): blind each time, so silence does not accumulate from those waits;
+        // but a row unchanged for three stale-after periods is stale all the same.
+        let mut stale_after_secs = None;
+        for step in 1..=20 {
+            shift.advance(Duration::from_secs(10));
+            let wait = Some(Duration::from_secs(11));
+            if !l.look(rows("t1"), STALE, wait, &shift).is_empty() {
+                stale_after_secs = Some(step * 10);
+                break;
+            }
+        }
+        assert_eq!(stale_after_secs, Some(90));
+    }
+
+    #[test]
+    fn a_failed_lock_wait_is_blind_and_a_look_without_the_lock_keeps_it() {
+        let shift = ClockShift::new();
+        let mut l = Liveness::new();
+        assert!(
+            l.look(rows("t1"), STALE, Some(Duration::ZERO), &shift)
+                .is_empty()
+        );
+        shift.advance(Duration::from_secs(25));
+        l.lock_wait_failed();
+        // `stats` looks without the lock: it neither clears the blind mark nor counts.
+        shift.advance(Duration::from_secs(10));
+        assert_eq!(l.look(rows("t1"), STALE, None, &shift), ["a"]);
+        // The next look with the lock does not count the blind time (here real time, tiny:
+        // the shift stands for time that passed while nobody could look).
+        assert!(l.restart_since.is_some());
+        l.look(rows("t1"), STALE, Some(Duration::ZERO), &shift);
+        assert!(l.restart_since.is_none());
+    }
+
+    #[test]
+    fn a_note_keeps_a_claim_alive() {
+        let shift = ClockShift::new();
+        let mut l = Liveness::new();
+        let id = Uuid::now_v7();
+        let t = truncate_micros(Utc::now());
+        let rows = vec![(id.to_string(), format_ts(t))];
+        assert!(
+            l.look(rows.clone(), STALE, Some(Duration::ZERO), &shift)
+                .is_empty()
+        );
+        shift.advance(Duration::from_secs(29));
+        l.note(id, t, &shift);
+        shift.advance(Duration::from_secs(29));
+        assert!(l.look(rows, STALE, Some(Duration::ZERO), &shift).is_empty());
     }
 }
