@@ -583,7 +583,7 @@ const MAX_EXHAUSTED_PER_CLAIM: usize = 16;
 
 /// Inserts `events` in the caller's transaction, deriving each `RecordKey`, with the
 /// database's clock, in one statement. Before `CreatedDate` is drawn it takes the records'
-/// enqueue locks (see [`enqueue_locks`]), held to the end of the caller's transaction, so one
+/// enqueue locks (see `docs/state-machine.md`), held to the end of the caller's transaction, so one
 /// record's events are ordered as their transactions commit: an enqueue that waits for another
 /// transaction of the same record draws its `CreatedDate` after that one committed. Ids
 /// increase in the order given, breaking ties.
@@ -591,7 +591,7 @@ pub async fn enqueue(conn: &mut sqlx::PgConnection, events: &[NewEvent]) -> Resu
     enqueue_shifted(conn, events, &ClockShift::default()).await
 }
 
-/// The advisory-lock namespace of the lock buckets enqueue takes (see [`enqueue_locks`]).
+/// The advisory-lock namespace of the lock buckets enqueue takes (one of 64 per record key).
 pub const ENQUEUE_BUCKET_NAMESPACE: i32 = 3478;
 
 /// How many lock buckets the record keys hash into.
