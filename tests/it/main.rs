@@ -5,5 +5,6 @@ mod adopter;
 mod create_action;
 mod gate;
 mod hostile;
+mod migrations;
 mod repository;
 mod workers;

@@ -72,12 +72,26 @@ impl TestDb {
 
     /// A fresh, migrated SQLite database file in the temporary directory.
     pub async fn sqlite() -> Self {
+        let db = Self::sqlite_unmigrated().await;
+        db.db.migrate().await.expect("migrate the SQLite database");
+        db
+    }
+
+    /// A fresh database on `backend` without the outbox's migrations (for tests of the
+    /// migrations themselves), or `None` as [`TestDb::new`].
+    pub async fn unmigrated(backend: Backend) -> Option<Self> {
+        match backend {
+            Backend::Sqlite => Some(Self::sqlite_unmigrated().await),
+            Backend::Postgres => Self::postgres_unmigrated().await,
+        }
+    }
+
+    async fn sqlite_unmigrated() -> Self {
         let path = std::env::temp_dir().join(format!("{}.db", unique_name("outbox_test")));
         let url = format!("sqlite://{}", path.display());
         let db = Database::connect(&url, Default::default())
             .await
             .expect("open a fresh SQLite database");
-        db.migrate().await.expect("migrate the SQLite database");
         Self {
             db,
             url,
@@ -89,6 +103,15 @@ impl TestDb {
     /// A fresh, migrated PostgreSQL database, or `None` (with a line on stderr) when the server
     /// is unreachable and PostgreSQL is not required.
     pub async fn postgres() -> Option<Self> {
+        let db = Self::postgres_unmigrated().await?;
+        db.db
+            .migrate()
+            .await
+            .expect("migrate the PostgreSQL database");
+        Some(db)
+    }
+
+    async fn postgres_unmigrated() -> Option<Self> {
         let admin_url = postgres_admin_url();
         let admin = PgConnectOptions::from_str(&admin_url).expect("a valid DATABASE_URL");
         let mut conn = match tokio::time::timeout(Duration::from_secs(5), admin.connect()).await {
@@ -106,7 +129,6 @@ impl TestDb {
         let db = Database::connect(&url, Default::default())
             .await
             .expect("connect to the fresh PostgreSQL database");
-        db.migrate().await.expect("migrate the PostgreSQL database");
         Some(Self {
             db,
             url,

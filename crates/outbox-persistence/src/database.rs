@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use sqlx::migrate::Migrator;
@@ -18,8 +18,21 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// The pool size used when none is configured.
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
 
-static POSTGRES_MIGRATOR: Migrator = sqlx::migrate!("../../migrations/postgres");
-static SQLITE_MIGRATOR: Migrator = sqlx::migrate!("../../migrations/sqlite");
+/// The table in which the outbox records its own migrations. It is not sqlx's default
+/// `_sqlx_migrations`, so an application's own sqlx migrator (with default settings) and the
+/// outbox's share a database without either taking the other's versions for its own.
+pub const MIGRATIONS_TABLE: &str = "_system_outbox_migrations";
+
+static POSTGRES_MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
+    let mut migrator = sqlx::migrate!("../../migrations/postgres");
+    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+    migrator
+});
+static SQLITE_MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
+    let mut migrator = sqlx::migrate!("../../migrations/sqlite");
+    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+    migrator
+});
 
 /// How to connect.
 #[derive(Debug, Clone)]
@@ -101,18 +114,126 @@ impl Database {
         }
     }
 
-    fn migrator(&self) -> &'static Migrator {
+    /// The outbox's migrations for this backend, recording themselves in
+    /// [`MIGRATIONS_TABLE`]. An application that runs its schema changes with a tool of its own
+    /// can take the SQL from here (`migrator().iter()`), or from the `migrations/` folder of
+    /// this repository, and record them as it records its own; [`Database::check_schema`] then
+    /// expects them in `MIGRATIONS_TABLE`, so run [`Database::migrate`] once as well (it skips
+    /// what is applied) or keep to one way.
+    pub fn migrator(&self) -> &'static Migrator {
         match self {
             Database::Postgres(_) => &POSTGRES_MIGRATOR,
             Database::Sqlite(_) => &SQLITE_MIGRATOR,
         }
     }
 
-    /// Applies the migrations this binary carries; applying them again is a no-op.
+    /// Applies the outbox's migrations; applying them again is a no-op. They are recorded in
+    /// [`MIGRATIONS_TABLE`]; a database migrated by an earlier version, which recorded them in
+    /// `_sqlx_migrations`, has those rows moved over first (only rows whose version and
+    /// checksum are the outbox's own).
     pub async fn migrate(&self) -> Result<()> {
+        self.adopt_legacy_records().await?;
         match self {
             Database::Postgres(pool) => POSTGRES_MIGRATOR.run(pool).await?,
             Database::Sqlite(pool) => SQLITE_MIGRATOR.run(pool).await?,
+        }
+        Ok(())
+    }
+
+    /// Moves the outbox's migration records out of `_sqlx_migrations` (where versions before
+    /// the separate table kept them) into [`MIGRATIONS_TABLE`].
+    async fn adopt_legacy_records(&self) -> Result<()> {
+        let migrations: Vec<(i64, Vec<u8>)> = self
+            .migrator()
+            .iter()
+            .map(|m| (m.version, m.checksum.to_vec()))
+            .collect();
+        match self {
+            Database::Postgres(pool) => {
+                let legacy: bool =
+                    sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+                        .fetch_one(pool)
+                        .await?;
+                if !legacy {
+                    return Ok(());
+                }
+                let (versions, checksums): (Vec<i64>, Vec<Vec<u8>>) =
+                    migrations.into_iter().unzip();
+                let mut tx = pool.begin().await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
+                       version BIGINT PRIMARY KEY,
+                       description TEXT NOT NULL,
+                       installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
+                       success BOOLEAN NOT NULL,
+                       checksum BYTEA NOT NULL,
+                       execution_time BIGINT NOT NULL)"
+                )))
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "WITH ours AS (
+                       DELETE FROM _sqlx_migrations l
+                       USING UNNEST($1::bigint[], $2::bytea[]) AS o(version, checksum)
+                       WHERE l.version = o.version AND l.checksum = o.checksum AND l.success
+                       RETURNING l.*)
+                     INSERT INTO {MIGRATIONS_TABLE}
+                       (version, description, installed_on, success, checksum, execution_time)
+                     SELECT version, description, installed_on, success, checksum, execution_time
+                     FROM ours
+                     ON CONFLICT (version) DO NOTHING"
+                )))
+                .bind(&versions)
+                .bind(&checksums)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+            }
+            Database::Sqlite(pool) => {
+                let legacy: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
+                )
+                .fetch_one(pool)
+                .await?;
+                if !legacy {
+                    return Ok(());
+                }
+                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
+                       version BIGINT PRIMARY KEY,
+                       description TEXT NOT NULL,
+                       installed_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP,
+                       success BOOLEAN NOT NULL,
+                       checksum BLOB NOT NULL,
+                       execution_time BIGINT NOT NULL)"
+                )))
+                .execute(&mut *tx)
+                .await?;
+                for (version, checksum) in &migrations {
+                    let moved = sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "INSERT OR IGNORE INTO {MIGRATIONS_TABLE}
+                           (version, description, installed_on, success, checksum, execution_time)
+                         SELECT version, description, installed_on, success, checksum, execution_time
+                         FROM _sqlx_migrations WHERE version = ?1 AND checksum = ?2 AND success"
+                    )))
+                    .bind(version)
+                    .bind(checksum)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                    if moved > 0 {
+                        sqlx::query(
+                            "DELETE FROM _sqlx_migrations WHERE version = ?1 AND checksum = ?2",
+                        )
+                        .bind(version)
+                        .bind(checksum)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                }
+                tx.commit().await?;
+            }
         }
         Ok(())
     }
@@ -123,23 +244,9 @@ impl Database {
         let known: BTreeSet<i64> = self.migrator().iter().map(|m| m.version).collect();
         let applied: Vec<i64> = match self {
             Database::Postgres(pool) => {
-                let exists: bool =
-                    sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-                        .fetch_one(pool)
-                        .await?;
-                if !exists {
-                    return Err(Error::NotMigrated {
-                        missing: known.into_iter().collect(),
-                    });
-                }
-                sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-                    .fetch_all(pool)
-                    .await?
-            }
-            Database::Sqlite(pool) => {
-                let exists: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
-                )
+                let exists: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT to_regclass('{MIGRATIONS_TABLE}') IS NOT NULL"
+                )))
                 .fetch_one(pool)
                 .await?;
                 if !exists {
@@ -147,9 +254,29 @@ impl Database {
                         missing: known.into_iter().collect(),
                     });
                 }
-                sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-                    .fetch_all(pool)
-                    .await?
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT version FROM {MIGRATIONS_TABLE} WHERE success"
+                )))
+                .fetch_all(pool)
+                .await?
+            }
+            Database::Sqlite(pool) => {
+                let exists: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
+                )
+                .bind(MIGRATIONS_TABLE)
+                .fetch_one(pool)
+                .await?;
+                if !exists {
+                    return Err(Error::NotMigrated {
+                        missing: known.into_iter().collect(),
+                    });
+                }
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT version FROM {MIGRATIONS_TABLE} WHERE success"
+                )))
+                .fetch_all(pool)
+                .await?
             }
         };
         let applied: BTreeSet<i64> = applied.into_iter().collect();

@@ -16,8 +16,11 @@ pub enum Error {
     /// The database URL is not one this binary understands.
     #[error("invalid database url: {0}")]
     InvalidUrl(String),
-    /// The schema lacks migrations this binary needs: run `outbox migrate`.
-    #[error("schema is not migrated: missing migration(s) {missing:?}; run `outbox migrate`")]
+    /// The schema lacks outbox migrations this code needs: apply them with
+    /// [`crate::Database::migrate`] (the CLI's `outbox migrate`).
+    #[error(
+        "the outbox schema is not migrated: missing migration(s) {missing:?}; apply them with Database::migrate (outbox migrate)"
+    )]
     NotMigrated {
         /// Versions this binary knows that the database has not applied.
         missing: Vec<i64>,

@@ -28,7 +28,8 @@ use chrono::{DateTime, SubsecRound, Utc};
 pub use sqlx;
 
 pub use database::{
-    ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Database, redact as redact_url,
+    ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Database, MIGRATIONS_TABLE,
+    redact as redact_url,
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
 pub use model::*;

@@ -50,7 +50,7 @@ fn a_database_that_is_down_is_reported_as_unreachable() {
 
 /// An empty database (or one whose migration table was dropped) asks for `outbox migrate`.
 async fn an_unmigrated_schema_asks_for_migrate(db: TestDb) {
-    db.execute("DROP TABLE _sqlx_migrations").await;
+    db.execute("DROP TABLE _system_outbox_migrations").await;
     for args in [&["work", "--until-drained"][..], &["status"], &["seed"]] {
         let err = refused(&db.url, args);
         assert!(
@@ -65,14 +65,14 @@ async fn a_schema_newer_than_the_binary_is_refused(db: TestDb) {
     match db.backend() {
         Backend::Postgres => {
             db.execute(
-                "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+                "INSERT INTO _system_outbox_migrations (version, description, success, checksum, execution_time)
                  VALUES (99990101000000, 'from the future', true, '\\x00'::bytea, 0)",
             )
             .await
         }
         Backend::Sqlite => {
             db.execute(
-                "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+                "INSERT INTO _system_outbox_migrations (version, description, success, checksum, execution_time)
                  VALUES (99990101000000, 'from the future', true, X'00', 0)",
             )
             .await

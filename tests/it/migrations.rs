@@ -1,0 +1,139 @@
+//! The outbox's migrations next to an application's own: each records its versions in a table
+//! of its own, so an application's sqlx migrator with default settings runs before and after
+//! the outbox's on the same database; a database migrated by an earlier version (outbox
+//! versions in `_sqlx_migrations`) is adopted.
+
+use std::path::PathBuf;
+
+use outbox_persistence::{Database, MIGRATIONS_TABLE};
+use outbox_tests::{Backend, TestDb};
+use sqlx::migrate::Migrator;
+
+/// An application's migrations folder: one migration with a timestamp version and another
+/// whose version collides with the outbox's first (`0001`), as a team numbering from 1 has.
+fn app_migrations() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("app_migrations_{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("0001_contact.sql"),
+        "CREATE TABLE contact (id TEXT PRIMARY KEY, name TEXT NOT NULL);",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("20260101000000_contact_name.sql"),
+        "CREATE INDEX contact_name ON contact (name);",
+    )
+    .unwrap();
+    dir
+}
+
+async fn run_app(db: &Database, migrator: &Migrator) {
+    match db {
+        Database::Postgres(pool) => migrator.run(pool).await,
+        Database::Sqlite(pool) => migrator.run(pool).await,
+    }
+    .expect("the application's migrator runs");
+}
+
+async fn count(db: &Database, sql: &str) -> i64 {
+    let sql = sqlx::AssertSqlSafe(sql.to_string());
+    match db {
+        Database::Postgres(pool) => sqlx::query_scalar(sql).fetch_one(pool).await,
+        Database::Sqlite(pool) => sqlx::query_scalar(sql).fetch_one(pool).await,
+    }
+    .unwrap()
+}
+
+async fn coexist(backend: Backend, app_first: bool) {
+    let Some(test) = TestDb::unmigrated(backend).await else {
+        return;
+    };
+    let db = &test.db;
+    let app = Migrator::new(app_migrations()).await.unwrap();
+    if app_first {
+        run_app(db, &app).await;
+        db.migrate()
+            .await
+            .expect("the outbox migrates after the application");
+    } else {
+        db.migrate().await.unwrap();
+        run_app(db, &app).await;
+    }
+    // Both again, in the other order: each is a no-op for the other's versions.
+    run_app(db, &app).await;
+    db.migrate().await.unwrap();
+    run_app(db, &app).await;
+    db.check_schema()
+        .await
+        .expect("the outbox sees only its versions");
+    assert_eq!(count(db, "SELECT count(*) FROM _sqlx_migrations").await, 2);
+    assert_eq!(
+        count(db, &format!("SELECT count(*) FROM {MIGRATIONS_TABLE}")).await,
+        db.migrator().iter().count() as i64
+    );
+    assert_eq!(count(db, "SELECT count(*) FROM contact").await, 0);
+}
+
+/// A database migrated by an earlier version: the outbox's rows sit in `_sqlx_migrations`,
+/// where the application's migrator would take them for its own missing versions. `migrate`
+/// moves exactly those rows (version and checksum the outbox's) to the outbox's table.
+async fn adopt(backend: Backend) {
+    let Some(test) = TestDb::unmigrated(backend).await else {
+        return;
+    };
+    let db = &test.db;
+    let mut legacy = Migrator::with_migrations(db.migrator().iter().cloned().collect());
+    legacy.dangerous_set_table_name("_sqlx_migrations");
+    run_app(db, &legacy).await;
+    assert!(
+        db.check_schema().await.is_err(),
+        "not yet in the outbox's table"
+    );
+    db.migrate().await.expect("adopts the earlier records");
+    db.check_schema().await.unwrap();
+    assert_eq!(count(db, "SELECT count(*) FROM _sqlx_migrations").await, 0);
+    let app = Migrator::new(app_migrations()).await.unwrap();
+    run_app(db, &app).await;
+    db.migrate().await.unwrap();
+    db.check_schema().await.unwrap();
+}
+
+async fn application_migrations_first(backend: Backend) {
+    coexist(backend, true).await;
+}
+
+async fn outbox_migrations_first(backend: Backend) {
+    coexist(backend, false).await;
+}
+
+async fn earlier_records_are_adopted(backend: Backend) {
+    adopt(backend).await;
+}
+
+/// Each listed `async fn name(backend)` as a test on SQLite and one on PostgreSQL.
+macro_rules! on_both {
+    ($($name:ident),+ $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Backend::Sqlite).await;
+                }
+            )+
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Backend::Postgres).await;
+                }
+            )+
+        }
+    };
+}
+
+on_both!(
+    application_migrations_first,
+    outbox_migrations_first,
+    earlier_records_are_adopted,
+);
