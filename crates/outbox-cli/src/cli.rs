@@ -175,6 +175,12 @@ pub struct SeedArgs {
     /// How long a slow event's handler sleeps, in milliseconds.
     #[arg(long, default_value_t = 5_000)]
     pub slow_ms: u64,
+    /// Poison records to add first (`Account:P000000`, …): each has a poison event, whose
+    /// handler aborts the `outbox work` process on every attempt until the event is counted
+    /// `failed`, and a younger event that must run after it. Run them under a supervisor that
+    /// restarts dead processes; `outbox demo` runs in one process and seeds none.
+    #[arg(long, default_value_t = 0)]
+    pub poison_events: usize,
 }
 
 /// `outbox work`.

@@ -81,10 +81,7 @@ pub async fn retry(url: Option<&str>, args: RetryArgs) -> Result<ExitCode> {
             event_type: args.event_type.clone(),
         },
     };
-    let changed = db
-        .repository()
-        .retry_failed(filter.clone())
-        .await?;
+    let changed = db.repository().retry_failed(filter.clone()).await?;
     tracing::warn!(?filter, changed, "operator returned failed rows to pending");
     println!("{changed} failed row(s) returned to pending");
     db.close().await;

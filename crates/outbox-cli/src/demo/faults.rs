@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use outbox_events::{
-    AttemptContext, Handler, HandlerError, Handlers, Metrics, OutboxEvent,
-    WorkerConfig, process_claim,
+    AttemptContext, Handler, HandlerError, Handlers, Metrics, OutboxEvent, WorkerConfig,
+    process_claim,
 };
 use outbox_persistence::{Database, EventStatus, OutboxRepository, Scope};
 use serde::Serialize;

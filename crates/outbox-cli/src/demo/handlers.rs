@@ -13,6 +13,7 @@ use outbox_events::{
 };
 use outbox_persistence::with_tx;
 
+use super::journal::{JournaledRun, Mark};
 use super::sink::MailSink;
 use super::workload::{ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, SLOW_REPORT, WELCOME_EMAIL};
 
@@ -49,7 +50,7 @@ impl Faults {
     ) -> Result<(), HandlerError> {
         if phase == 0
             && event.retry_count == 0
-            && envelope.raw.get("demo_fault").and_then(|v| v.as_str()) == Some("fail_first_attempt")
+            && envelope.raw.get("demo_fault").and_then(|v| v.as_str()) == Some(FAIL_FIRST_ATTEMPT)
         {
             self.marked_errors.fetch_add(1, Ordering::Relaxed);
             return Err(HandlerError::Retryable(format!(
@@ -68,6 +69,9 @@ impl Faults {
         Ok(())
     }
 }
+
+/// The `demo_fault` mark of an event whose first attempt fails on purpose.
+pub const FAIL_FIRST_ATTEMPT: &str = "fail_first_attempt";
 
 /// Names the attempt an injected failure belongs to, so that verification can prove from
 /// `LastError` that attempt N's failure is the N-th count in `RetryCount`, and no other.
@@ -288,7 +292,7 @@ impl Handler for WelcomeMail {
                 envelope.record_id.as_deref().unwrap_or("customer")
             );
             self.sink
-                .send(&event_id, &recipient, &subject)
+                .send(&event_id, event.retry_count, &recipient, &subject)
                 .await
                 .map_err(|e| HandlerError::Retryable(format!("mail provider: {e}")))?;
         } else {
@@ -301,8 +305,8 @@ impl Handler for WelcomeMail {
 
 /// A slow handler: sleeps the snapshot's `SleepMs` (its heartbeat keeps the claim alive),
 /// journaling its start and the end of its sleep on the side, then writes its effect-log row.
-/// A reclaim while it is alive would show in the journal as a second start of the same attempt
-/// before the first one's sleep ended.
+/// A reclaim while it is alive would show in the journal as another start of the same event
+/// before this run ended.
 struct SlowReport {
     sink: MailSink,
 }
@@ -321,14 +325,73 @@ impl Handler for SlowReport {
             .and_then(|v| v.as_u64())
             .ok_or_else(|| HandlerError::Permanent("slow report without SleepMs".into()))?;
         let journal = |e: anyhow::Error| HandlerError::Retryable(format!("slow journal: {e:#}"));
-        let seq = self
-            .sink
-            .slow_started(&event.id.to_string(), event.retry_count)
+        let run = JournaledRun::start(&self.sink, event.id.to_string(), event.retry_count)
             .await
             .map_err(journal)?;
         tokio::time::sleep(std::time::Duration::from_millis(sleep_ms)).await;
-        self.sink.slow_finished(seq).await.map_err(journal)?;
+        run.end(Mark::Finish).await.map_err(journal)?;
         log_effect(ctx, event).await
+    }
+}
+
+/// The `demo_fault` mark of a poison event: its handler aborts the process on every attempt.
+pub const ABORT_PROCESS: &str = "abort_process";
+
+/// What a process writes to stderr just before a poison event aborts it (the fault suite
+/// recognises a poison death by it; `cargo xtask faults` keeps a copy of this text).
+pub const POISON_LOG: &str = "poison event: aborting the process";
+
+/// Any demo handler, made mortal: an event marked `"demo_fault": "abort_process"` journals its
+/// attempt and its death on the side store, then aborts the whole process, as a handler that
+/// segfaults in a native library or is OOM-killed would. Every other event goes to the wrapped
+/// handler. The outbox must count each such death when it reclaims the row, so that the event
+/// ends `failed` after `MaxRetryAttempts` and its record's later events run.
+pub struct Poisonable<H> {
+    inner: H,
+    sink: MailSink,
+}
+
+impl<H> Poisonable<H> {
+    /// Wraps `inner`.
+    pub fn new(inner: H, sink: MailSink) -> Self {
+        Self { inner, sink }
+    }
+}
+
+/// Whether an event with this payload is a poison event.
+pub fn is_poison(payload: &str) -> bool {
+    payload.contains(ABORT_PROCESS)
+        && EventEnvelope::parse(payload).is_ok_and(|envelope| {
+            envelope.raw.get("demo_fault").and_then(|v| v.as_str()) == Some(ABORT_PROCESS)
+        })
+}
+
+#[async_trait]
+impl<H: Handler> Handler for Poisonable<H> {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        if !is_poison(&event.payload) {
+            return self.inner.handle(event, ctx).await;
+        }
+        // The journal rows are best effort: the process dies either way.
+        match JournaledRun::start(&self.sink, event.id.to_string(), event.retry_count).await {
+            Ok(run) => {
+                if let Err(e) = run.end(Mark::Died).await {
+                    tracing::error!(error = %e, "could not journal a poison death");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "could not journal a poison attempt"),
+        }
+        // Written straight to stderr, whatever the log filter: the supervisor reads it.
+        eprintln!(
+            "{POISON_LOG} (event {}, attempt {})",
+            event.id,
+            event.retry_count + 1
+        );
+        std::process::abort();
     }
 }
 
@@ -379,37 +442,53 @@ pub fn consumers(actions: &Actions) -> [Consumer; 5] {
     [account, lead, conversion, mail, slow]
 }
 
-/// The demo's handlers, each registered with its consumer declaration.
+/// The demo's handlers, each registered with its consumer declaration and made
+/// [`Poisonable`] (the declarations, and so the consumer map and the gate, do not change).
 pub fn handlers(actions: Arc<Actions>, sink: MailSink, faults: Arc<Faults>) -> Handlers {
     let [account, lead, conversion, mail, slow] = consumers(&actions);
     Handlers::new()
         .register_consumer(
             account,
-            Capture {
-                action: actions.account_capture.clone(),
-                faults: faults.clone(),
-            },
+            Poisonable::new(
+                Capture {
+                    action: actions.account_capture.clone(),
+                    faults: faults.clone(),
+                },
+                sink.clone(),
+            ),
         )
         .register_consumer(
             lead,
-            Capture {
-                action: actions.lead_capture.clone(),
-                faults: faults.clone(),
-            },
+            Poisonable::new(
+                Capture {
+                    action: actions.lead_capture.clone(),
+                    faults: faults.clone(),
+                },
+                sink.clone(),
+            ),
         )
         .register_consumer(
             conversion,
-            LeadConversion {
-                actions,
-                faults: faults.clone(),
-            },
+            Poisonable::new(
+                LeadConversion {
+                    actions,
+                    faults: faults.clone(),
+                },
+                sink.clone(),
+            ),
         )
         .register_consumer(
             mail,
-            WelcomeMail {
-                sink: sink.clone(),
-                faults,
-            },
+            Poisonable::new(
+                WelcomeMail {
+                    sink: sink.clone(),
+                    faults,
+                },
+                sink.clone(),
+            ),
         )
-        .register_consumer(slow, SlowReport { sink })
+        .register_consumer(
+            slow,
+            Poisonable::new(SlowReport { sink: sink.clone() }, sink),
+        )
 }

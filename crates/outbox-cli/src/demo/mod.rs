@@ -3,6 +3,8 @@
 
 mod faults;
 mod handlers;
+mod integrity;
+mod journal;
 mod schema;
 mod sink;
 mod verify;
@@ -128,18 +130,21 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
             before.pending + before.processing
         );
     }
+    // One process hosts every worker here, so no poison event: it would abort the demo itself.
     let seeded = workload::seed(
         &db,
         &repo,
-        args.workload.events,
-        args.workload.records,
-        0.0,
-        Utc::now().timestamp_millis() as u64,
-        workload::SlowEvents::default(),
+        &workload::Workload {
+            events: args.workload.events,
+            records: args.workload.records,
+            seed: Utc::now().timestamp_millis() as u64,
+            ..workload::Workload::default()
+        },
     )
     .await?;
     let fault_rate = args.workers.fault_rate.unwrap_or(DEFAULT_DEMO_FAULT_RATE);
     let sink = MailSink::open(&url).await?;
+    let run = sink.run_started(mode_name(mode)).await?;
     let outcome = run_workers(
         &db,
         &repo,
@@ -150,21 +155,25 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
         !args.json,
     )
     .await?;
-    let verification = verify::verify(&db, &sink).await?;
-    let mut verification = verification;
+    sink.run_completed(run, &outcome.metrics).await?;
+    let mut verification = verify::verify(&db, &sink).await?;
+    // A stale reclaim counts the attempt that died (the worker killed mid-attempt).
+    let m = &outcome.metrics;
+    let counted = m.retried + m.failed + m.stale_reclaims;
     verification.checks.push(verify::Check {
         name: "every failed attempt counted once in RetryCount",
-        ok: verification.retries == (outcome.metrics.retried + outcome.metrics.failed) as i64,
+        ok: verification.retries == counted as i64,
         detail: format!(
-            "sum(RetryCount) = {}; attempts the workers ended in a retry or failure = {}",
+            "sum(RetryCount) = {}; attempts the workers ended in a retry or failure ({}) + stale reclaims that counted a dead attempt ({}) = {counted}",
             verification.retries,
-            outcome.metrics.retried + outcome.metrics.failed
+            m.retried + m.failed,
+            m.stale_reclaims,
         ),
     });
     let report = Report {
         backend: db.backend_name(),
         database: outbox_persistence::redact_url(&url),
-        mode: format!("{mode:?}").to_lowercase(),
+        mode: mode_name(mode).to_string(),
         workers: config.workers,
         events: seeded.events,
         records: args.workload.records,
@@ -221,11 +230,17 @@ fn print_report(r: &Report) {
         r.workers_observed.lost_claims,
         r.workers_observed.detached_bookkeeping
     );
+    let v = &r.verification;
     println!(
-        "effects     {} opportunities created, {} emails delivered ({} duplicate sends absorbed by the provider's idempotency key)",
-        r.verification.opportunities,
-        r.verification.emails,
-        r.verification.duplicate_sends_absorbed
+        "integrity   {} claims lost, {} handlers ran twice for one attempt; {} reclaims after {} worker death(s)",
+        v.lost_claims,
+        v.ran_twice,
+        v.reclaims,
+        v.worker_deaths + f.killed_workers as i64,
+    );
+    println!(
+        "effects     {} opportunities created, {} emails delivered ({} sends repeated within one attempt; {} duplicate sends absorbed by the provider's idempotency key)",
+        v.opportunities, v.emails, v.sent_twice_in_one_attempt, v.duplicate_sends_absorbed
     );
     println!();
     println!("verification (read from the database):");
@@ -340,6 +355,14 @@ fn progress_bar(total: u64, show: bool) -> ProgressBar {
     bar
 }
 
+/// The name of a dispatch mode in reports.
+fn mode_name(mode: DispatchMode) -> &'static str {
+    match mode {
+        DispatchMode::Pull => "pull",
+        DispatchMode::Legacy => "legacy",
+    }
+}
+
 /// `outbox seed`.
 pub async fn seed_command(url: Option<&str>, args: SeedArgs) -> Result<ExitCode> {
     let db = db::open(url, ConnectConfig::default()).await?;
@@ -347,13 +370,16 @@ pub async fn seed_command(url: Option<&str>, args: SeedArgs) -> Result<ExitCode>
     let seeded = workload::seed(
         &db,
         &repo,
-        args.workload.events,
-        args.workload.records,
-        args.fault_rate,
-        Utc::now().timestamp_millis() as u64,
-        workload::SlowEvents {
-            count: args.slow_events,
-            sleep_ms: args.slow_ms,
+        &workload::Workload {
+            events: args.workload.events,
+            records: args.workload.records,
+            fault_rate: args.fault_rate,
+            seed: Utc::now().timestamp_millis() as u64,
+            slow: workload::SlowEvents {
+                count: args.slow_events,
+                sleep_ms: args.slow_ms,
+            },
+            poison: args.poison_events,
         },
     )
     .await?;
@@ -361,13 +387,79 @@ pub async fn seed_command(url: Option<&str>, args: SeedArgs) -> Result<ExitCode>
     // to create them.
     MailSink::open(url.unwrap_or_default()).await?.close().await;
     println!(
-        "seeded {} events over {} records ({} marked to fail their first attempt, {} slow)",
-        seeded.events, args.workload.records, seeded.marked_faults, args.slow_events
+        "seeded {} events over {} records ({} marked to fail their first attempt, {} slow, {} poison)",
+        seeded.events, seeded.records, seeded.marked_faults, args.slow_events, seeded.poison
     );
     Ok(ExitCode::SUCCESS)
 }
 
-/// `outbox work`.
+/// The dispatch mode `work` runs: pull mode only when it is asked for and the rollout gate
+/// passes (fail closed to the legacy path, with the reasons); the excluded event types go to
+/// `config`.
+async fn choose_mode(
+    requested: DispatchMode,
+    repo: &Arc<dyn OutboxRepository>,
+    handlers: &outbox_events::Handlers,
+    config: &mut WorkerConfig,
+) -> Result<DispatchMode> {
+    if requested != DispatchMode::Pull {
+        tracing::info!("OUTBOX_PULL_WORKER is off: running the legacy dispatcher");
+        return Ok(DispatchMode::Legacy);
+    }
+    let gate = evaluate_gate(repo, &handlers.consumers()).await?;
+    if gate.passes() {
+        *config = config
+            .clone()
+            .with_excluded_event_types(gate.excluded_event_types());
+        tracing::info!(excluded = ?gate.excluded_event_types(), "rollout gate passed: running pull workers");
+        return Ok(DispatchMode::Pull);
+    }
+    for reason in &gate.reasons {
+        tracing::warn!("rollout gate: {reason}");
+    }
+    eprintln!(
+        "OUTBOX_PULL_WORKER asks for pull workers, but the rollout gate refuses ({} reason(s)); running the legacy dispatcher:\n  {}",
+        gate.reasons.len(),
+        gate.reasons.join("\n  ")
+    );
+    Ok(DispatchMode::Legacy)
+}
+
+/// Waits for Ctrl-C, for the dispatcher to stop, or (with `until_drained`) for no row to be
+/// left pending or processing.
+async fn wait_for_the_end(
+    repo: &Arc<dyn OutboxRepository>,
+    stop: tokio_util::sync::CancellationToken,
+    until_drained: bool,
+) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        tokio::select! {
+            _ = &mut ctrl_c => {
+                eprintln!("interrupted: finishing in-flight attempts");
+                return;
+            }
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+        if until_drained {
+            // A database that is briefly away (restarted, connection cut) is not the end of
+            // the run: the workers ride it out, and so does this check.
+            match stats(repo).await {
+                Ok(s) if s.pending + s.processing == 0 => return,
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the outbox counts; trying again")
+                }
+            }
+        }
+    }
+}
+
+/// `outbox work`. Its run is recorded in the side store before the workers start and completed
+/// with its counters on a normal exit, so that `verify` can tell a live process's lost claims
+/// from a dead one's.
 pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode> {
     let requested = match args.pull_worker {
         Some(true) => DispatchMode::Pull,
@@ -381,33 +473,13 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
     schema::ensure(&db).await?;
     let repo = db.repository();
     let sink = MailSink::open(&url).await?;
-    let injected = Arc::new(Faults::at(args.workers.fault_rate.unwrap_or(0.0)));
-    let handlers = handlers(Arc::new(Actions::new()?), sink.clone(), injected.clone());
-    // The rollout gate decides whether pull mode may run: fail closed to the legacy path.
-    let mode = if requested == DispatchMode::Pull {
-        let gate = evaluate_gate(&repo, &handlers.consumers()).await?;
-        if gate.passes() {
-            config = config.with_excluded_event_types(gate.excluded_event_types());
-            tracing::info!(excluded = ?gate.excluded_event_types(), "rollout gate passed: running pull workers");
-            DispatchMode::Pull
-        } else {
-            for reason in &gate.reasons {
-                tracing::warn!("rollout gate: {reason}");
-            }
-            eprintln!(
-                "OUTBOX_PULL_WORKER asks for pull workers, but the rollout gate refuses ({} reason(s)); running the legacy dispatcher:\n  {}",
-                gate.reasons.len(),
-                gate.reasons.join("\n  ")
-            );
-            DispatchMode::Legacy
-        }
-    } else {
-        tracing::info!("OUTBOX_PULL_WORKER is off: running the legacy dispatcher");
-        DispatchMode::Legacy
-    };
-    let config = config.with_mode(mode);
-    let dispatcher = Dispatcher::new(repo.clone(), handlers.clone(), config.clone()).start();
     let fault_rate = args.workers.fault_rate.unwrap_or(0.0);
+    let injected = Arc::new(Faults::at(fault_rate));
+    let handlers = handlers(Arc::new(Actions::new()?), sink.clone(), injected.clone());
+    let mode = choose_mode(requested, &repo, &handlers, &mut config).await?;
+    let config = config.with_mode(mode);
+    let run = sink.run_started(mode_name(mode)).await?;
+    let dispatcher = Dispatcher::new(repo.clone(), handlers.clone(), config.clone()).start();
     let fault_task = faults::FaultInjector::start(
         db.clone(),
         repo.clone(),
@@ -417,33 +489,13 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
         false,
     );
     let start = Instant::now();
-    let stop = dispatcher.stop_token();
-    let ctrl_c = tokio::signal::ctrl_c();
-    tokio::pin!(ctrl_c);
-    loop {
-        tokio::select! {
-            _ = &mut ctrl_c => {
-                eprintln!("interrupted: finishing in-flight attempts");
-                break;
-            }
-            _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-        }
-        if args.until_drained {
-            // A database that is briefly away (restarted, connection cut) is not the end of
-            // the run: the workers ride it out, and so does this check.
-            match stats(&repo).await {
-                Ok(s) if s.pending + s.processing == 0 => break,
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not read the outbox counts; trying again")
-                }
-            }
-        }
-    }
+    wait_for_the_end(&repo, dispatcher.stop_token(), args.until_drained).await;
     let faults = fault_task.stop().await;
     let report = dispatcher.shutdown().await;
     let m = report.metrics;
+    if let Err(e) = sink.run_completed(run, &m).await {
+        tracing::error!(error = %e, "could not record the end of this run");
+    }
     let handler_errors = injected
         .random_errors
         .load(std::sync::atomic::Ordering::Relaxed)
@@ -454,7 +506,7 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
         let doc = serde_json::json!({
             "pid": std::process::id(),
             "seconds": start.elapsed().as_secs_f64(),
-            "mode": format!("{mode:?}").to_lowercase(),
+            "mode": mode_name(mode),
             "graceful": report.graceful,
             "metrics": Observed::from(m),
             "cancelled": m.cancelled,
@@ -462,29 +514,22 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
             "lock_holds": faults.lock_holds,
         });
         println!("{doc}");
-        sink.close().await;
-        db.close().await;
-        return Ok(ExitCode::SUCCESS);
+    } else {
+        println!(
+            "worked {:.1} s in {:?} mode: {} claimed, {} processed, {} retried, {} failed, {} lock timeouts, {} stale reclaims, {} lost claims; faults: {} handler errors, {} lock holds",
+            start.elapsed().as_secs_f64(),
+            mode,
+            m.claimed,
+            m.processed,
+            m.retried,
+            m.failed,
+            m.lock_timeouts,
+            m.stale_reclaims,
+            m.lost_claims,
+            handler_errors,
+            faults.lock_holds,
+        );
     }
-    println!(
-        "worked {:.1} s in {:?} mode: {} claimed, {} processed, {} retried, {} failed, {} lock timeouts, {} stale reclaims, {} lost claims; faults: {} handler errors, {} lock holds",
-        start.elapsed().as_secs_f64(),
-        mode,
-        m.claimed,
-        m.processed,
-        m.retried,
-        m.failed,
-        m.lock_timeouts,
-        m.stale_reclaims,
-        m.lost_claims,
-        injected
-            .random_errors
-            .load(std::sync::atomic::Ordering::Relaxed)
-            + injected
-                .marked_errors
-                .load(std::sync::atomic::Ordering::Relaxed),
-        faults.lock_holds,
-    );
     sink.close().await;
     db.close().await;
     Ok(ExitCode::SUCCESS)

@@ -1,48 +1,64 @@
 //! The simulated mail provider: an external system the demo's welcome email reaches. Its writes
 //! are outside the attempt transaction (they do not roll back with it), and it deduplicates by
-//! the idempotency key the sender passes, counting the duplicates it absorbed.
+//! the idempotency key the sender passes, counting the duplicates it absorbed. It also keeps one
+//! row per send with the attempt that sent it (`DemoMailSend`), so that verification can tell a
+//! send repeated within one attempt from a redelivery after a counted failure.
 //!
 //! On PostgreSQL it lives in the same database, written on a connection of its own. On SQLite,
 //! whose single writer the attempt holds, it lives in a sibling file (`PATH-mailbox.db`).
 //!
-//! The same side store keeps the slow handler's attempt journal: a row when a slow attempt
-//! starts and its finish time when its sleep ends, written outside the attempt transaction so
-//! that a rolled-back or killed attempt still leaves its start behind.
+//! The same side store keeps the attempt journal and the work runs (see [`super::journal`]),
+//! written outside the attempt transaction so that a rolled-back or killed attempt still leaves
+//! its rows behind.
 
 use std::collections::HashMap;
 
 use anyhow::Result;
 use outbox_persistence::{ConnectConfig, Database, with_pool};
 
-/// The slow handler's attempt journal on PostgreSQL.
-const SLOW_ATTEMPTS_POSTGRES: &str = "CREATE TABLE IF NOT EXISTS DemoSlowAttempt (
-    Seq BIGSERIAL PRIMARY KEY, EventId TEXT NOT NULL, RetryCount INTEGER NOT NULL,
-    Pid BIGINT NOT NULL, StartedMs BIGINT NOT NULL, FinishedMs BIGINT)";
+/// The side store's tables on PostgreSQL, besides the inbox (`super::schema::MAILBOX`).
+const SIDE_TABLES_POSTGRES: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS DemoMailSend (
+        Seq BIGSERIAL PRIMARY KEY, IdempotencyKey TEXT NOT NULL, RetryCount INTEGER NOT NULL,
+        Pid BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS DemoAttemptJournal (
+        Seq BIGSERIAL PRIMARY KEY, Mark TEXT NOT NULL, EventId TEXT NOT NULL,
+        RetryCount INTEGER NOT NULL, Pid BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS DemoWorkRun (
+        RunId BIGSERIAL PRIMARY KEY, Pid BIGINT NOT NULL, Mode TEXT NOT NULL,
+        Completed BIGINT NOT NULL DEFAULT 0, Claimed BIGINT NOT NULL DEFAULT 0,
+        LostClaims BIGINT NOT NULL DEFAULT 0, StaleReclaims BIGINT NOT NULL DEFAULT 0,
+        Cancelled BIGINT NOT NULL DEFAULT 0)",
+];
 
-/// The slow handler's attempt journal on SQLite.
-const SLOW_ATTEMPTS_SQLITE: &str = "CREATE TABLE IF NOT EXISTS DemoSlowAttempt (
-    Seq INTEGER PRIMARY KEY AUTOINCREMENT, EventId TEXT NOT NULL, RetryCount INTEGER NOT NULL,
-    Pid BIGINT NOT NULL, StartedMs BIGINT NOT NULL, FinishedMs BIGINT)";
+/// The side store's tables on SQLite.
+const SIDE_TABLES_SQLITE: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS DemoMailSend (
+        Seq INTEGER PRIMARY KEY AUTOINCREMENT, IdempotencyKey TEXT NOT NULL,
+        RetryCount INTEGER NOT NULL, Pid BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS DemoAttemptJournal (
+        Seq INTEGER PRIMARY KEY AUTOINCREMENT, Mark TEXT NOT NULL, EventId TEXT NOT NULL,
+        RetryCount INTEGER NOT NULL, Pid BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS DemoWorkRun (
+        RunId INTEGER PRIMARY KEY AUTOINCREMENT, Pid BIGINT NOT NULL, Mode TEXT NOT NULL,
+        Completed BIGINT NOT NULL DEFAULT 0, Claimed BIGINT NOT NULL DEFAULT 0,
+        LostClaims BIGINT NOT NULL DEFAULT 0, StaleReclaims BIGINT NOT NULL DEFAULT 0,
+        Cancelled BIGINT NOT NULL DEFAULT 0)",
+];
 
-/// One journaled slow attempt.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct SlowAttempt {
-    /// The event.
-    pub event_id: String,
-    /// The row's `RetryCount` when the attempt ran.
+/// One send the provider received.
+#[derive(Debug, Clone)]
+pub struct Send {
+    /// The idempotency key (the event id).
+    pub key: String,
+    /// The sending attempt's `RetryCount`.
     pub retry_count: i32,
-    /// The process that ran it.
-    pub pid: i64,
-    /// When its handler started (Unix milliseconds).
-    pub started_ms: i64,
-    /// When its sleep ended; `None` when the attempt died first (killed or cancelled).
-    pub finished_ms: Option<i64>,
 }
 
 /// The provider's inbox.
 #[derive(Clone, Debug)]
 pub struct MailSink {
-    db: Database,
+    pub(super) db: Database,
 }
 
 /// The sink's URL for an outbox database URL.
@@ -66,74 +82,32 @@ impl MailSink {
             .execute(pool)
             .await
             .map(|_| ()))?;
-        let journal = match &db {
-            Database::Postgres(_) => SLOW_ATTEMPTS_POSTGRES,
-            Database::Sqlite(_) => SLOW_ATTEMPTS_SQLITE,
+        let tables = match &db {
+            Database::Postgres(_) => SIDE_TABLES_POSTGRES,
+            Database::Sqlite(_) => SIDE_TABLES_SQLITE,
         };
-        with_pool!(&db, |pool| sqlx::query(journal)
-            .execute(pool)
-            .await
-            .map(|_| ()))?;
+        for sql in tables {
+            with_pool!(&db, |pool| sqlx::query(*sql)
+                .execute(pool)
+                .await
+                .map(|_| ()))?;
+        }
         Ok(Self { db })
     }
 
-    /// Journals the start of a slow attempt by this process; returns the journal row's id.
-    pub async fn slow_started(&self, event_id: &str, retry_count: i32) -> Result<i64> {
-        let now = chrono::Utc::now().timestamp_millis();
-        let pid = i64::from(std::process::id());
-        Ok(with_pool!(&self.db, |pool| {
-            sqlx::query_scalar(
-                "INSERT INTO DemoSlowAttempt (EventId, RetryCount, Pid, StartedMs)
-                 VALUES ($1, $2, $3, $4) RETURNING Seq",
-            )
-            .bind(event_id)
-            .bind(retry_count)
-            .bind(pid)
-            .bind(now)
-            .fetch_one(pool)
-            .await
-        })?)
-    }
-
-    /// Journals the end of a slow attempt's sleep.
-    pub async fn slow_finished(&self, seq: i64) -> Result<()> {
-        let now = chrono::Utc::now().timestamp_millis();
+    /// Delivers one email sent by the attempt at `retry_count`; a repeated idempotency key is
+    /// absorbed and counted. Each send is also recorded with its attempt and process.
+    pub async fn send(
+        &self,
+        idempotency_key: &str,
+        retry_count: i32,
+        recipient: &str,
+        subject: &str,
+    ) -> Result<()> {
+        // The delivery and its record land together: a send is never half recorded.
         with_pool!(&self.db, |pool| {
-            sqlx::query("UPDATE DemoSlowAttempt SET FinishedMs = $1 WHERE Seq = $2")
-                .bind(now)
-                .bind(seq)
-                .execute(pool)
-                .await
-                .map(|_| ())
-        })?;
-        Ok(())
-    }
-
-    /// Every journaled slow attempt, in start order.
-    pub async fn slow_attempts(&self) -> Result<Vec<SlowAttempt>> {
-        let rows: Vec<(String, i32, i64, i64, Option<i64>)> = with_pool!(&self.db, |pool| {
-            sqlx::query_as(
-                "SELECT EventId, RetryCount, Pid, StartedMs, FinishedMs FROM DemoSlowAttempt
-                 ORDER BY StartedMs, Seq",
-            )
-            .fetch_all(pool)
-            .await
-        })?;
-        Ok(rows
-            .into_iter()
-            .map(|r| SlowAttempt {
-                event_id: r.0,
-                retry_count: r.1,
-                pid: r.2,
-                started_ms: r.3,
-                finished_ms: r.4,
-            })
-            .collect())
-    }
-
-    /// Delivers one email; a repeated idempotency key is absorbed and counted.
-    pub async fn send(&self, idempotency_key: &str, recipient: &str, subject: &str) -> Result<()> {
-        with_pool!(&self.db, |pool| {
+            async {
+            let mut tx = pool.begin().await?;
             sqlx::query(
                 "INSERT INTO DemoMailbox (IdempotencyKey, Recipient, Subject, Deliveries)
                  VALUES ($1, $2, $3, 1)
@@ -142,11 +116,34 @@ impl MailSink {
             .bind(idempotency_key)
             .bind(recipient)
             .bind(subject)
-            .execute(pool)
-            .await
-            .map(|_| ())
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(
+                "INSERT INTO DemoMailSend (IdempotencyKey, RetryCount, Pid) VALUES ($1, $2, $3)",
+            )
+            .bind(idempotency_key)
+            .bind(retry_count)
+            .bind(i64::from(std::process::id()))
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await
+        }
+        .await
         })?;
         Ok(())
+    }
+
+    /// Every send the provider received, in order.
+    pub async fn sends(&self) -> Result<Vec<Send>> {
+        let rows: Vec<(String, i32)> = with_pool!(&self.db, |pool| {
+            sqlx::query_as("SELECT IdempotencyKey, RetryCount FROM DemoMailSend ORDER BY Seq")
+                .fetch_all(pool)
+                .await
+        })?;
+        Ok(rows
+            .into_iter()
+            .map(|(key, retry_count)| Send { key, retry_count })
+            .collect())
     }
 
     /// Every idempotency key received, with how many times it was sent.

@@ -10,6 +10,8 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use super::handlers::INJECTED_ATTEMPT_TAG;
+use super::integrity::check_integrity;
+pub use super::journal::Superseded;
 use super::sink::MailSink;
 use super::workload::{ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, WELCOME_EMAIL};
 
@@ -45,25 +47,31 @@ pub struct Verification {
     pub duplicate_sends_absorbed: i64,
     /// Counted failures (rows of the retry audit) by cause.
     pub failures_by_cause: BTreeMap<&'static str, i64>,
-    /// Slow attempts journaled.
-    pub slow_attempts: usize,
-    /// Slow attempts that died before their sleep ended and were followed by another attempt
-    /// of the same event at the same `RetryCount` (a reclaim): the fault suite checks that each
-    /// one's process was killed before the reclaim.
-    pub slow_superseded: Vec<Superseded>,
-}
-
-/// A slow attempt that was superseded by a later attempt at the same `RetryCount`.
-#[derive(Debug, Clone, Serialize)]
-pub struct Superseded {
-    /// The event.
-    pub event_id: String,
-    /// The process of the earlier attempt.
-    pub pid: i64,
-    /// When the earlier attempt started (Unix milliseconds).
-    pub started_ms: i64,
-    /// When the later attempt started.
-    pub next_started_ms: i64,
+    /// Claims lost by processes that exited normally (must be 0).
+    pub lost_claims: i64,
+    /// Journaled handler runs that went on after another run of their event began, or died
+    /// while their process lived on (must be 0).
+    pub ran_twice: i64,
+    /// Sends repeated within one attempt (must be 0).
+    pub sent_twice_in_one_attempt: i64,
+    /// Sends repeated by a later attempt after a counted failure or death (expected).
+    pub sends_redelivered: i64,
+    /// Stale reclaims that counted a dead attempt (retry-audit rows whose `LastError` says
+    /// the worker died).
+    pub reclaims: i64,
+    /// Work processes that died (their run was never completed).
+    pub worker_deaths: i64,
+    /// Poison events seeded.
+    pub poison: i64,
+    /// Poison events `failed` with a `LastError` that says their worker died.
+    pub poison_failed: i64,
+    /// Processes a poison event aborted (journaled).
+    pub poison_deaths: usize,
+    /// Journaled runs of slow and poison handlers.
+    pub journaled_runs: usize,
+    /// Journaled runs that died with their process and were run again: the fault suite, which
+    /// journals each of its kills, checks that each one's death came before the rerun.
+    pub superseded: Vec<Superseded>,
 }
 
 impl Verification {
@@ -73,7 +81,8 @@ impl Verification {
     }
 }
 
-/// `(Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount)` on PostgreSQL.
+/// `(Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount, LastError)` on
+/// PostgreSQL.
 type PgEventRow = (
     Uuid,
     String,
@@ -82,27 +91,49 @@ type PgEventRow = (
     DateTime<Utc>,
     String,
     i32,
+    Option<String>,
 );
 /// The same on SQLite, where ids and times are text.
-type SqliteEventRow = (String, String, String, Option<String>, String, String, i32);
+type SqliteEventRow = (
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+    String,
+    i32,
+    Option<String>,
+);
 /// `(Id, CapturedName, CapturedIndustry, CapturedRevision)` of a demo account.
 type AccountRow = (String, Option<String>, Option<String>, Option<i64>);
 
-struct Row {
-    id: Uuid,
-    event_type: String,
-    status: String,
-    record_key: Option<String>,
-    created: DateTime<Utc>,
-    payload: String,
-    retry_count: i32,
+/// One outbox row, as verification reads it.
+pub struct EventRow {
+    /// `Id`.
+    pub id: Uuid,
+    /// `EventType`.
+    pub event_type: String,
+    /// `Status`.
+    pub status: String,
+    /// `RecordKey`.
+    pub record_key: Option<String>,
+    /// `CreatedDate`.
+    pub created: DateTime<Utc>,
+    /// `Payload`.
+    pub payload: String,
+    /// `RetryCount`.
+    pub retry_count: i32,
+    /// `LastError`.
+    pub last_error: Option<String>,
 }
+
+type Row = EventRow;
 
 async fn load_events(db: &Database) -> Result<Vec<Row>> {
     let rows = match db {
         Database::Postgres(pool) => {
             let rows: Vec<PgEventRow> = sqlx::query_as(
-                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount FROM _System_OutboxEvent",
+                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount, LastError FROM _System_OutboxEvent",
             )
             .fetch_all(pool)
             .await?;
@@ -115,12 +146,13 @@ async fn load_events(db: &Database) -> Result<Vec<Row>> {
                     created: r.4,
                     payload: r.5,
                     retry_count: r.6,
+                    last_error: r.7,
                 })
                 .collect()
         }
         Database::Sqlite(pool) => {
             let rows: Vec<SqliteEventRow> = sqlx::query_as(
-                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount FROM _System_OutboxEvent",
+                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount, LastError FROM _System_OutboxEvent",
             )
             .fetch_all(pool)
             .await?;
@@ -134,6 +166,7 @@ async fn load_events(db: &Database) -> Result<Vec<Row>> {
                     created: DateTime::parse_from_rfc3339(&r.4)?.with_timezone(&Utc),
                     payload: r.5,
                     retry_count: r.6,
+                    last_error: r.7,
                 });
             }
             out
@@ -142,7 +175,8 @@ async fn load_events(db: &Database) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-fn check(checks: &mut Vec<Check>, name: &'static str, ok: bool, detail: String) {
+/// Adds one invariant to `checks`.
+pub fn check(checks: &mut Vec<Check>, name: &'static str, ok: bool, detail: String) {
     checks.push(Check { name, ok, detail });
 }
 
@@ -385,7 +419,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         .await
     })?;
     let failures_by_cause = check_retry_audit(db, &events, retries, &mut checks).await?;
-    let (slow_attempts, slow_superseded) = check_slow_attempts(sink, &mut checks).await?;
+    let integrity = check_integrity(sink, &events, &mut checks).await?;
     Ok(Verification {
         checks,
         processed,
@@ -395,16 +429,34 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         opportunities: opportunities.len() as i64,
         emails: deliveries.len() as i64,
         duplicate_sends_absorbed: absorbed,
+        reclaims: failures_by_cause
+            .get(WORKER_DIED_CAUSE)
+            .copied()
+            .unwrap_or(0),
         failures_by_cause,
-        slow_attempts,
-        slow_superseded,
+        lost_claims: integrity.lost_claims,
+        ran_twice: (integrity.journal.ran_twice + integrity.superseded_while_alive) as i64,
+        sent_twice_in_one_attempt: integrity.sent_twice_in_one_attempt,
+        sends_redelivered: integrity.sends_redelivered,
+        worker_deaths: integrity.worker_deaths,
+        poison: integrity.poison,
+        poison_failed: integrity.poison_failed,
+        poison_deaths: integrity.journal.poison_deaths,
+        journaled_runs: integrity.journal.runs,
+        superseded: integrity.journal.superseded,
     })
 }
+
+/// The cause of a counted dead attempt (a stale reclaim).
+const WORKER_DIED_CAUSE: &str = "worker_died";
 
 /// The cause of a counted failure, from its `LastError`.
 fn cause(error: Option<&str>) -> &'static str {
     let error = error.unwrap_or_default();
-    if error.contains("injected") {
+    // First: a dead attempt's LastError may quote the error of an earlier attempt.
+    if error.starts_with(outbox_persistence::WORKER_DIED) {
+        WORKER_DIED_CAUSE
+    } else if error.contains("injected") {
         "injected"
     } else if error.contains("lock timeout") {
         "lock_timeout"
@@ -449,9 +501,11 @@ async fn check_retry_audit(
             jumps += 1;
         }
         list.push(*new);
-        *by_cause.entry(cause(error.as_deref())).or_default() += 1;
+        let why = cause(error.as_deref());
+        *by_cause.entry(why).or_default() += 1;
         let named = error
             .as_deref()
+            .filter(|_| why != WORKER_DIED_CAUSE)
             .and_then(|e| e.split_once(INJECTED_ATTEMPT_TAG))
             .and_then(|(_, rest)| {
                 rest.split(|c: char| !c.is_ascii_digit())
@@ -481,51 +535,4 @@ async fn check_retry_audit(
         ),
     );
     Ok(by_cause)
-}
-
-/// "A slow handler with a live heartbeat is never reclaimed", from the slow journal: no later
-/// attempt of an event at the same `RetryCount` started before an earlier one's sleep ended.
-/// Attempts that died first (their process killed) and were then reclaimed are returned for
-/// the caller, who knows which processes it killed.
-async fn check_slow_attempts(
-    sink: &MailSink,
-    checks: &mut Vec<Check>,
-) -> Result<(usize, Vec<Superseded>)> {
-    let attempts = sink.slow_attempts().await?;
-    let mut by_attempt: BTreeMap<(&str, i32), Vec<&super::sink::SlowAttempt>> = BTreeMap::new();
-    for a in &attempts {
-        by_attempt
-            .entry((a.event_id.as_str(), a.retry_count))
-            .or_default()
-            .push(a);
-    }
-    let mut overlaps = 0;
-    let mut superseded = Vec::new();
-    for runs in by_attempt.values() {
-        for pair in runs.windows(2) {
-            let (earlier, later) = (pair[0], pair[1]);
-            match earlier.finished_ms {
-                Some(finished) if finished > later.started_ms => overlaps += 1,
-                Some(_) => {}
-                None => superseded.push(Superseded {
-                    event_id: earlier.event_id.clone(),
-                    pid: earlier.pid,
-                    started_ms: earlier.started_ms,
-                    next_started_ms: later.started_ms,
-                }),
-            }
-        }
-    }
-    check(
-        checks,
-        "no slow handler reclaimed while it ran",
-        overlaps == 0,
-        format!(
-            "{} slow attempts journaled over {} attempts of slow events; {overlaps} started again while the earlier one still slept; {} superseded after dying",
-            attempts.len(),
-            by_attempt.len(),
-            superseded.len()
-        ),
-    );
-    Ok((attempts.len(), superseded))
 }

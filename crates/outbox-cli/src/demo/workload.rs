@@ -9,6 +9,8 @@ use anyhow::Result;
 use outbox_persistence::{Database, NewEvent, OutboxRepository, with_tx};
 use serde_json::json;
 
+use super::handlers::{ABORT_PROCESS, FAIL_FIRST_ATTEMPT};
+
 /// Event types of the demo.
 pub const ACCOUNT_UPDATED: &str = "account.updated";
 /// A lead's fields changed.
@@ -28,6 +30,23 @@ pub struct SlowEvents {
     pub count: usize,
     /// How long each handler sleeps, in milliseconds.
     pub sleep_ms: u64,
+}
+
+/// What to seed.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Workload {
+    /// Ordinary events to enqueue.
+    pub events: usize,
+    /// Records they are about.
+    pub records: usize,
+    /// Share of events marked to fail their first attempt.
+    pub fault_rate: f64,
+    /// Varies the workload between runs on one database.
+    pub seed: u64,
+    /// Slow events to add.
+    pub slow: SlowEvents,
+    /// Poison records to add (see [`poison_writes`]).
+    pub poison: usize,
 }
 
 /// Events written per application transaction while seeding.
@@ -108,7 +127,7 @@ fn generate(events: usize, records: usize, fault_rate: f64, seed: u64) -> Vec<Wr
         let (is_account, id) = record_id(r);
         revisions[r] += 1;
         let revision = revisions[r];
-        let fault = (rng.unit() < fault_rate).then_some("fail_first_attempt");
+        let fault = (rng.unit() < fault_rate).then_some(FAIL_FIRST_ATTEMPT);
         let envelope = |snapshot: serde_json::Value| {
             let mut payload = json!({"object": if is_account {"Account"} else {"Lead"}, "record_id": id, "snapshot": snapshot});
             if let Some(f) = fault {
@@ -180,6 +199,31 @@ fn generate(events: usize, records: usize, fault_rate: f64, seed: u64) -> Vec<Wr
     out
 }
 
+/// The `n`th poison record, `Account:P…`: its older event is a poison `account.updated`
+/// (marked `"demo_fault": "abort_process"`: its handler aborts the process on every attempt)
+/// and its younger one an ordinary update, which must run once the poison event has failed.
+fn poison_writes(n: usize) -> [Write; 2] {
+    let id = format!("P{n:06}");
+    let write = |revision: i64, fault: Option<&str>| {
+        let name = format!("Poison account {n} rev {revision}");
+        let mut payload = json!({"object": "Account", "record_id": id, "snapshot":
+            {"Name": name, "Industry": "Chemicals", "Revision": revision}});
+        if let Some(f) = fault {
+            payload["demo_fault"] = json!(f);
+        }
+        Write {
+            record: RecordWrite::Account {
+                id: id.clone(),
+                name,
+                industry: "Chemicals".into(),
+                revision,
+            },
+            event: NewEvent::new(ACCOUNT_UPDATED, payload.to_string()),
+        }
+    };
+    [write(1, Some(ABORT_PROCESS)), write(2, None)]
+}
+
 /// What seeding wrote.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct Seeded {
@@ -189,24 +233,24 @@ pub struct Seeded {
     pub records: usize,
     /// Events marked to fail their first attempt.
     pub marked_faults: usize,
+    /// Poison events (each with a younger event of its record).
+    pub poison: usize,
 }
 
 /// Writes the workload: each batch of records and their events in one application
-/// transaction. `seed` varies the workload between runs on one database.
+/// transaction. The poison records come first, so their events are the oldest.
 pub async fn seed(
     db: &Database,
     repo: &std::sync::Arc<dyn OutboxRepository>,
-    events: usize,
-    records: usize,
-    fault_rate: f64,
-    seed: u64,
-    slow: SlowEvents,
+    w: &Workload,
 ) -> Result<Seeded> {
     super::schema::ensure(db).await?;
-    let writes = generate(events, records, fault_rate, seed);
+    let slow = w.slow;
+    let mut writes: Vec<Write> = (0..w.poison).flat_map(poison_writes).collect();
+    writes.extend(generate(w.events, w.records, w.fault_rate, w.seed));
     let marked_faults = writes
         .iter()
-        .filter(|w| w.event.payload.contains("demo_fault"))
+        .filter(|w| w.event.payload.contains(FAIL_FIRST_ATTEMPT))
         .count();
     let batches = writes.len().div_ceil(SEED_BATCH).max(1);
     let mut slow_left = slow.count;
@@ -235,8 +279,13 @@ pub async fn seed(
     }
     Ok(Seeded {
         events: writes.len() + slow.count,
-        records: records.max(1).min(events.max(1)),
+        records: if w.events == 0 {
+            0
+        } else {
+            w.records.max(1).min(w.events)
+        } + w.poison,
         marked_faults,
+        poison: w.poison,
     })
 }
 
@@ -311,11 +360,27 @@ mod tests {
         assert!(count(WELCOME_EMAIL) > 10);
         let faults = writes
             .iter()
-            .filter(|w| w.event.payload.contains("demo_fault"))
+            .filter(|w| w.event.payload.contains(FAIL_FIRST_ATTEMPT))
             .count();
         assert!((100..300).contains(&faults), "{faults}");
         // Deterministic for a seed.
         let again = generate(2_000, 200, 0.1, 1);
         assert!(writes.iter().zip(&again).all(|(a, b)| a.event == b.event));
+    }
+
+    #[test]
+    fn a_poison_event_comes_before_its_successor_and_is_no_marked_fault() {
+        let [poison, successor] = poison_writes(3);
+        let key = |w: &Write| record_key::record_key_from_payload(&w.event.payload).unwrap();
+        assert_eq!(key(&poison), key(&successor));
+        assert_eq!(
+            key(&poison)
+                .map(record_key::RecordKey::into_string)
+                .as_deref(),
+            Some("account:P000003")
+        );
+        assert!(poison.event.payload.contains(ABORT_PROCESS));
+        assert!(!successor.event.payload.contains("demo_fault"));
+        assert!(!poison.event.payload.contains(FAIL_FIRST_ATTEMPT));
     }
 }

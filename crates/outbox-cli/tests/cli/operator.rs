@@ -1,11 +1,19 @@
 //! The operator commands end to end: migrate, seed, work, verify, status, retry, backfill,
 //! explain, consumers and the gate, against a real database.
 
+use std::os::unix::process::ExitStatusExt;
+use std::time::{Duration, Instant};
+
 use chrono::Utc;
 use outbox_tests::{Backend, RawRow, TestDb, backend_tests};
 use serde_json::Value;
 
-use super::{outbox, outbox_with_env, stderr, stdout};
+use super::{outbox, outbox_command, outbox_with_env, scratch_dir, stderr, stdout};
+
+/// What a process writes to stderr before a poison event aborts it (`demo::POISON_LOG`).
+const POISON_LOG: &str = "poison event: aborting the process";
+/// The signal of `std::process::abort`.
+const SIGABRT: i32 = 6;
 
 fn json(o: &std::process::Output) -> Value {
     serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(o)))
@@ -238,7 +246,180 @@ async fn consumer_map(db: TestDb) {
     assert!(text.starts_with("| event type | consumer |"), "{text}");
 }
 
+/// A poison event aborts every `outbox work` process that runs it. Each stale reclaim counts
+/// the dead attempt, so after `MaxRetryAttempts` (3) deaths the next claim writes it `failed`
+/// ("worker died: …"), its record's younger event runs, and `verify` passes.
+async fn poison_event_ends_failed(db: TestDb) {
+    let dir = scratch_dir("poison");
+    let o = outbox(
+        &db.url,
+        &[
+            "seed",
+            "--events",
+            "40",
+            "--records",
+            "8",
+            "--poison-events",
+            "1",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("1 poison"), "{}", stdout(&o));
+    let work = [
+        "work",
+        "--pull-worker",
+        "true",
+        "--until-drained",
+        "--workers",
+        "2",
+        "--heartbeat-ms",
+        "100",
+        "--stale-after-ms",
+        "600",
+        "--retry-delay-ms",
+        "10",
+        "--max-retry-attempts",
+        "3",
+    ];
+    let (mut aborts, mut drained) = (0, false);
+    // The supervisor: start another process until one drains the outbox.
+    for _ in 0..10 {
+        let o = outbox_command(&dir, &db.url, &work)
+            .output()
+            .expect("run outbox work");
+        if o.status.success() {
+            drained = true;
+            break;
+        }
+        assert_eq!(o.status.signal(), Some(SIGABRT), "{}", stderr(&o));
+        assert!(stderr(&o).contains(POISON_LOG), "{}", stderr(&o));
+        aborts += 1;
+    }
+    assert!(drained, "no process drained the outbox in 10 runs");
+    assert_eq!(aborts, 3, "one death per allowed attempt");
+    let poison = db
+        .count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE RecordKey = 'account:P000000'
+               AND Status = 'failed' AND RetryCount = 3 AND LastError LIKE 'worker died:%'",
+        )
+        .await;
+    assert_eq!(
+        poison, 1,
+        "the poison event is failed with its deaths counted"
+    );
+    let successor = db
+        .count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE RecordKey = 'account:P000000'
+               AND Status = 'processed'",
+        )
+        .await;
+    assert_eq!(successor, 1, "the record's younger event ran");
+    let v = outbox(&db.url, &["verify", "--json"]);
+    assert!(v.status.success(), "{}", stdout(&v));
+    let v = json(&v);
+    assert_eq!(
+        (v["poison"].as_i64(), v["poison_failed"].as_i64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(v["poison_deaths"], 3);
+    assert_eq!(v["worker_deaths"], 3);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `verify` fails when a process that lived lost a claim. On PostgreSQL the claim is really
+/// taken over: the slow event's `LastModifiedDate` is moved an hour back while its handler
+/// sleeps, so it is reclaimed as stale and the first worker's fenced writes find it lost.
+/// SQLite cannot be made to lose a claim from outside (the attempt holds the only write lock
+/// while its handler runs), so there the run's record in the side store says it lost one.
+async fn verify_fails_on_a_lost_claim(db: TestDb) {
+    let dir = scratch_dir("lost-claim");
+    let o = outbox(
+        &db.url,
+        &[
+            "seed",
+            "--events",
+            "4",
+            "--records",
+            "2",
+            "--slow-events",
+            "1",
+            "--slow-ms",
+            "3000",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let work = [
+        "work",
+        "--pull-worker",
+        "true",
+        "--until-drained",
+        "--workers",
+        "2",
+        "--heartbeat-ms",
+        "200",
+        "--stale-after-ms",
+        "1000",
+        "--retry-delay-ms",
+        "10",
+    ];
+    match db.backend() {
+        Backend::Postgres => {
+            let child = outbox_command(&dir, &db.url, &work)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start outbox work");
+            let running = "SELECT count(*) FROM _System_OutboxEvent
+                WHERE EventType = 'report.slow' AND Status = 'processing'";
+            let start = Instant::now();
+            while db.count(running).await == 0 {
+                assert!(
+                    start.elapsed() < Duration::from_secs(20),
+                    "the slow event never ran"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            db.execute(
+                "UPDATE _System_OutboxEvent SET LastModifiedDate = LastModifiedDate - interval '1 hour'
+                 WHERE EventType = 'report.slow' AND Status = 'processing'",
+            )
+            .await;
+            let o = child.wait_with_output().expect("wait for outbox work");
+            assert!(o.status.success(), "{}", stderr(&o));
+            assert!(!stdout(&o).contains(" 0 lost claims"), "{}", stdout(&o));
+        }
+        Backend::Sqlite => {
+            let o = outbox_command(&dir, &db.url, &work)
+                .output()
+                .expect("run outbox work");
+            assert!(o.status.success(), "{}", stderr(&o));
+            let side = sqlx::SqlitePool::connect(&format!("{}-mailbox.db", db.url))
+                .await
+                .expect("open the side store");
+            sqlx::query("UPDATE DemoWorkRun SET LostClaims = 1")
+                .execute(&side)
+                .await
+                .expect("record a lost claim");
+            side.close().await;
+        }
+    }
+    let v = outbox(&db.url, &["verify", "--json"]);
+    assert!(!v.status.success(), "verify must fail: {}", stdout(&v));
+    let v = json(&v);
+    assert!(v["lost_claims"].as_i64().unwrap() >= 1, "{v}");
+    let lost = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "no claim lost by a live process")
+        .unwrap();
+    assert_eq!(lost["ok"], false, "{lost}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 backend_tests!(
+    poison_event_ends_failed,
+    verify_fails_on_a_lost_claim,
     seed_work_verify,
     retry_failed_rows,
     backfill_and_gate,
