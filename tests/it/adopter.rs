@@ -466,6 +466,55 @@ async fn refused_attempts_leave_connections_usable(db: TestDb) {
     assert_eq!(status(&repo, ids[0]).await, EventStatus::Processed);
 }
 
+/// The application's own transactions on the outbox's pool keep the server's settings: no
+/// `lock_timeout` is set on a session. The outbox's own writes outside attempts still bound
+/// their lock waits (here a heartbeat behind a row lock held by other code).
+async fn application_sessions_are_left_alone(db: TestDb) {
+    let Database::Postgres(pool) = &db.db else {
+        return;
+    };
+    let repo = db.repository();
+    let mut tx = repo.begin().await.unwrap();
+    let setting: String = outbox_persistence::with_tx!(&mut tx, |conn| {
+        sqlx::query_scalar("SHOW lock_timeout")
+            .fetch_one(conn)
+            .await
+    })
+    .unwrap();
+    assert_eq!(
+        setting, "0",
+        "the application's transaction has no lock timeout"
+    );
+    tx.rollback().await.unwrap();
+    let ids = enqueue(&repo, &[NewEvent::new("t", lead("alone", 0))]).await;
+    let claim = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM _System_OutboxEvent WHERE Id = $1 FOR UPDATE")
+        .bind(ids[0])
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let bounded = outbox_persistence::postgres::PgOutbox::new(pool.clone())
+        .with_lock_timeout(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    let err = bounded.heartbeat(claim.fence).await.unwrap_err();
+    assert!(err.is_lock_timeout(), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    holder.rollback().await.unwrap();
+    // The same pooled sessions still have no lock timeout afterwards.
+    for _ in 0..4 {
+        let setting: String = sqlx::query_scalar("SHOW lock_timeout")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        assert_eq!(setting, "0");
+    }
+}
+
 /// Records the order handlers ran in.
 struct Record(Arc<std::sync::Mutex<Vec<uuid::Uuid>>>);
 
@@ -498,4 +547,5 @@ backend_tests!(
     poison_event_ends_failed_and_releases_its_record,
     clock_steps_never_make_a_live_claim_stale,
     refused_attempts_leave_connections_usable,
+    application_sessions_are_left_alone,
 );

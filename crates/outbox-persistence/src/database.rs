@@ -41,7 +41,9 @@ pub struct ConnectConfig {
     pub max_connections: u32,
     /// How long to wait for a connection from the pool or the server.
     pub acquire_timeout: Duration,
-    /// SQLite busy timeout; PostgreSQL attempts set `lock_timeout` themselves.
+    /// SQLite's busy timeout. On PostgreSQL nothing is set on the sessions (the application
+    /// may share them): attempts set their `lock_timeout` themselves (`WorkerConfig`), and the
+    /// outbox's other writes take [`PgOutbox::with_lock_timeout`](crate::postgres::PgOutbox::with_lock_timeout)'s.
     pub lock_timeout: Duration,
 }
 
@@ -69,15 +71,10 @@ impl Database {
     /// (the file is created when missing).
     pub async fn connect(url: &str, config: ConnectConfig) -> Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            // A session lock timeout bounds every wait outside the attempts too (heartbeats and
-            // detached bookkeeping hold the claim's fence while they wait); attempts set their
-            // own with SET LOCAL.
+            // No session settings: the application may use this pool for its own transactions.
+            // The outbox bounds its own lock waits per statement (see `PgOutbox`).
             let options = PgConnectOptions::from_str(url)
-                .map_err(|e| Error::InvalidUrl(format!("{}: {e}", redact(url))))?
-                .options([(
-                    "lock_timeout",
-                    format!("{}ms", config.lock_timeout.as_millis().max(1)),
-                )]);
+                .map_err(|e| Error::InvalidUrl(format!("{}: {e}", redact(url))))?;
             let pool = PgPoolOptions::new()
                 .max_connections(config.max_connections)
                 .acquire_timeout(config.acquire_timeout)

@@ -333,13 +333,29 @@ ORDER BY e.CreatedDate ASC, e.Id ASC
 LIMIT $4"
 );
 
+/// Bounds the statement's lock waits by the outbox's own lock timeout (parameter `$n`, text
+/// such as `5000ms`), for this statement's transaction only: the outbox never sets
+/// `lock_timeout` on a session, which the application may share. An uncorrelated subquery, so
+/// it runs once, before the statement waits for any row.
+macro_rules! lock_guard {
+    ($n:literal) => {
+        concat!(
+            "\n  AND (SELECT set_config('lock_timeout', $",
+            $n,
+            ", true)) IS NOT NULL"
+        )
+    };
+}
+
 const HEARTBEAT: &str = concat!(
     "\
 UPDATE _System_OutboxEvent
 SET LastModifiedDate = GREATEST(",
     db_now!(),
     ", LastModifiedDate + interval '1 microsecond')
-WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3
+WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
+    lock_guard!("4"),
+    "
 RETURNING LastModifiedDate"
 );
 
@@ -351,7 +367,8 @@ SET Status = 'processed',
     db_now!(),
     ", LastModifiedDate + interval '1 microsecond'),
     LastError = NULL
-WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3"
+WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
+    lock_guard!("4")
 );
 
 const MARK_FAILED: &str = concat!(
@@ -363,7 +380,8 @@ SET Status = 'failed',
     db_now!(),
     ", LastModifiedDate + interval '1 microsecond'),
     LastError = $4
-WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3"
+WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
+    lock_guard!("5")
 );
 
 /// Back to `pending`: `LastModifiedDate` is the database's time plus the extra backoff (`$5`).
@@ -376,7 +394,8 @@ SET Status = 'pending',
     db_now!(),
     " + $5::interval, LastModifiedDate + interval '1 microsecond'),
     LastError = $4
-WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3"
+WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
+    lock_guard!("6")
 );
 
 /// The plans (`EXPLAIN`, nothing run) of the design's eligible query as written and of the
@@ -420,6 +439,7 @@ pub struct PgOutbox {
     pool: PgPool,
     wake: Arc<Wake>,
     shift: ClockShift,
+    lock_timeout: Duration,
 }
 
 #[derive(Debug, Default)]
@@ -435,7 +455,21 @@ impl PgOutbox {
             pool,
             wake: Arc::default(),
             shift: ClockShift::default(),
+            lock_timeout: crate::DEFAULT_LOCK_TIMEOUT,
         }
+    }
+
+    /// Bounds the lock waits of the outbox's own writes outside attempts (heartbeats, detached
+    /// bookkeeping, operator retries) by `lock_timeout` (default [`crate::DEFAULT_LOCK_TIMEOUT`]).
+    /// It is set per statement or transaction, never on a session, so the application's own
+    /// transactions on the same pool keep their settings.
+    pub fn with_lock_timeout(mut self, lock_timeout: Duration) -> Self {
+        self.lock_timeout = lock_timeout;
+        self
+    }
+
+    fn lock_timeout(&self) -> String {
+        format!("{}ms", self.lock_timeout.as_millis().max(1))
     }
 
     /// Shares `shift` as this repository's clock shift (tests move it instead of sleeping).
@@ -783,6 +817,7 @@ impl OutboxRepository for PgOutbox {
             .bind(self.shift())
             .bind(fence.id)
             .bind(fence.last_written)
+            .bind(self.lock_timeout())
             .fetch_optional(&self.pool)
             .await?;
         Ok(written.map(|last_written| Fence {
@@ -815,6 +850,7 @@ impl OutboxRepository for PgOutbox {
             Ok(tx) => Ok(Some(Box::new(PgAttempt {
                 tx: Some(Tx::Postgres(tx)),
                 shift: self.shift.clone(),
+                lock_timeout: format!("{ms}ms"),
             }))),
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(CLAIM_LOST_SQLSTATE) => {
                 Ok(None)
@@ -835,6 +871,7 @@ impl OutboxRepository for PgOutbox {
             .bind(fence.last_written)
             .bind(clip_error(error))
             .bind(span(extra_delay))
+            .bind(self.lock_timeout())
             .execute(&self.pool)
             .await?
             .rows_affected();
@@ -851,12 +888,14 @@ impl OutboxRepository for PgOutbox {
             Terminal::Processed => sqlx::query(MARK_PROCESSED)
                 .bind(self.shift())
                 .bind(fence.id)
-                .bind(fence.last_written),
+                .bind(fence.last_written)
+                .bind(self.lock_timeout()),
             Terminal::Failed => sqlx::query(MARK_FAILED)
                 .bind(self.shift())
                 .bind(fence.id)
                 .bind(fence.last_written)
-                .bind(clip_error(error.as_deref().unwrap_or("failed"))),
+                .bind(clip_error(error.as_deref().unwrap_or("failed")))
+                .bind(self.lock_timeout()),
         };
         let rows = query.execute(&self.pool).await?.rows_affected();
         Ok(outcome(rows))
@@ -976,7 +1015,13 @@ impl OutboxRepository for PgOutbox {
             RetryFilter::Id(id) => (Some(id), false, None),
             RetryFilter::Failed { event_type } => (None, true, event_type),
         };
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(format!(
+                "BEGIN; SET LOCAL lock_timeout = '{}'",
+                self.lock_timeout()
+            )))
+            .await?;
         // Wait for every claim that holds a row of the affected keys: it commits first, so the
         // retried row is then seen beside that `processing` row and waits for it (the in-flight
         // guard). A claim that read the row as still `failed` but locks a younger row of its key
@@ -1036,6 +1081,8 @@ impl OutboxRepository for PgOutbox {
 struct PgAttempt {
     tx: Option<Tx>,
     shift: ClockShift,
+    /// The attempt's lock timeout, as its bookkeeping statements restate it.
+    lock_timeout: String,
 }
 
 impl PgAttempt {
@@ -1072,6 +1119,7 @@ impl Attempt for PgAttempt {
             .bind(shift)
             .bind(fence.id)
             .bind(fence.last_written)
+            .bind(&self.lock_timeout)
             .execute(self.conn()?)
             .await?
             .rows_affected();
@@ -1091,12 +1139,14 @@ impl Attempt for PgAttempt {
                 .bind(fence.id)
                 .bind(fence.last_written)
                 .bind(clip_error(error))
-                .bind(span(extra_delay)),
+                .bind(span(extra_delay))
+                .bind(self.lock_timeout.clone()),
             FailureBookkeeping::Fail => sqlx::query(MARK_FAILED)
                 .bind(shift)
                 .bind(fence.id)
                 .bind(fence.last_written)
-                .bind(clip_error(error)),
+                .bind(clip_error(error))
+                .bind(self.lock_timeout.clone()),
         };
         let rows = query.execute(self.conn()?).await?.rows_affected();
         Ok(outcome(rows))
