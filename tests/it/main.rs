@@ -3,6 +3,7 @@
 
 mod adopter;
 mod create_action;
+mod embedding;
 mod gate;
 mod hostile;
 mod migrations;

@@ -117,7 +117,7 @@ pub enum Error {
     #[error("the event has no record_id")]
     MissingRecordId,
     /// An event payload is not a valid envelope.
-    #[error("invalid event payload")]
+    #[error("invalid event payload: {0}")]
     InvalidPayload(#[source] record_key::RecordKeyError),
     /// The natural-key insert conflicted but the winning row could not be read back, several
     /// times in a row (it was deleted as fast as it was created): retry later.
@@ -142,7 +142,7 @@ pub enum Error {
     },
     /// Any database error, including a unique violation on a constraint other than the
     /// natural key.
-    #[error("database error")]
+    #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
 }
 

@@ -32,7 +32,14 @@ pub use legacy::slot_for_event;
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use pool::{Dispatcher, DispatcherHandle, ShutdownReport};
 
-pub use outbox_persistence::{ClaimPolicy, OutboxEvent, OutboxRepository, Scope, Tx};
+// What the signatures above need, so that a service depends on this crate alone to write,
+// register and test a handler (see `docs/embedding.md` once written; `docs/state-machine.md`).
+pub use async_trait::async_trait;
+pub use outbox_persistence::{
+    self as persistence, ClaimPolicy, ConnectConfig, Database, NewEvent, OutboxEvent,
+    OutboxRepository, Scope, Tx, with_pool, with_tx,
+};
+pub use tokio_util::sync::CancellationToken;
 
 #[cfg(test)]
 mod tests;

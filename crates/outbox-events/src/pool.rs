@@ -27,6 +27,7 @@ pub struct Dispatcher {
     handlers: Handlers,
     config: WorkerConfig,
     metrics: Arc<Metrics>,
+    stop: CancellationToken,
 }
 
 impl Dispatcher {
@@ -38,12 +39,21 @@ impl Dispatcher {
             handlers,
             config,
             metrics: Arc::default(),
+            stop: CancellationToken::new(),
         }
+    }
+
+    /// Stops claiming when `stop` is cancelled (for example the service's own shutdown token,
+    /// cancelled on SIGTERM); [`DispatcherHandle::shutdown`] then finishes the shutdown. The
+    /// dispatcher makes a token of its own otherwise.
+    pub fn with_stop_token(mut self, stop: CancellationToken) -> Self {
+        self.stop = stop;
+        self
     }
 
     /// Starts the workers of the configured mode.
     pub fn start(self) -> DispatcherHandle {
-        let stop = CancellationToken::new();
+        let stop = self.stop;
         let hard_stop = CancellationToken::new();
         let tracker = TaskTracker::new();
         let env = Arc::new(AttemptEnv {
@@ -95,6 +105,8 @@ impl Dispatcher {
             tracker,
             metrics: self.metrics,
             shutdown_timeout: self.config.shutdown_timeout,
+            repo: env.repo.clone(),
+            policy: self.config.claim_policy(),
         }
     }
 }
@@ -165,6 +177,8 @@ pub struct DispatcherHandle {
     tracker: TaskTracker,
     metrics: Arc<Metrics>,
     shutdown_timeout: Duration,
+    repo: Arc<dyn OutboxRepository>,
+    policy: ClaimPolicy,
 }
 
 /// How a shutdown went.
@@ -190,6 +204,23 @@ impl DispatcherHandle {
     /// A token that stops claiming when cancelled (the first step of shutdown).
     pub fn stop_token(&self) -> CancellationToken {
         self.stop.clone()
+    }
+
+    /// Waits until the queue holds no `pending` or `processing` row (read from the database
+    /// every `poll`), or until claiming stops. `Ok(true)` when drained, `Ok(false)` when
+    /// stopped first; a failed read of the queue is returned (the caller decides to retry).
+    /// Rows this dispatcher's scope excludes, or that wait for a retry delay, count too.
+    pub async fn drained(&self, poll: Duration) -> Result<bool, outbox_persistence::Error> {
+        loop {
+            let stats = self.repo.stats(self.policy).await?;
+            if stats.pending + stats.processing == 0 {
+                return Ok(true);
+            }
+            tokio::select! {
+                _ = self.stop.cancelled() => return Ok(false),
+                _ = tokio::time::sleep(poll) => {}
+            }
+        }
     }
 
     /// Stops claiming, waits up to the shutdown timeout for in-flight attempts, then cancels

@@ -8,10 +8,10 @@ use record_key::RecordKeyError;
 pub enum Error {
     /// A lock wait exceeded the lock timeout (PostgreSQL `lock_timeout`, a deadlock or
     /// serialization failure, SQLite busy): retry later.
-    #[error("lock timeout")]
+    #[error("lock timeout: {0}")]
     LockTimeout(#[source] sqlx::Error),
     /// The database could not be reached, or the connection was lost mid-operation: retry later.
-    #[error("database unavailable")]
+    #[error("database unavailable: {0}")]
     Unavailable(#[source] sqlx::Error),
     /// The database URL is not one this binary understands.
     #[error("invalid database url: {0}")]
@@ -32,10 +32,10 @@ pub enum Error {
         unknown: Vec<i64>,
     },
     /// Running migrations failed.
-    #[error("migration failed")]
+    #[error("migration failed: {0}")]
     Migrate(#[source] sqlx::migrate::MigrateError),
     /// An event payload is not a valid envelope; enqueue refuses it.
-    #[error("invalid event payload")]
+    #[error("invalid event payload: {0}")]
     InvalidPayload(#[source] RecordKeyError),
     /// A transaction of one backend was handed to a repository of the other.
     #[error("backend mismatch: a {given} transaction was given to a {expected} repository")]
@@ -49,7 +49,7 @@ pub enum Error {
     #[error("the attempt transaction is already finished")]
     AttemptFinished,
     /// Any other database error.
-    #[error("database error")]
+    #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
 }
 
@@ -65,13 +65,17 @@ impl Error {
         matches!(self, Error::LockTimeout(_))
     }
 
-    /// The error and its causes as one line, for logs and `LastError`.
+    /// The error and its causes as one line, for logs and `LastError`. `Display` already
+    /// names the direct cause; deeper causes are added unless their text is already there.
     pub fn chain(&self) -> String {
         let mut out = self.to_string();
         let mut source = std::error::Error::source(self);
         while let Some(s) = source {
-            out.push_str(": ");
-            out.push_str(&s.to_string());
+            let text = s.to_string();
+            if !out.contains(&text) {
+                out.push_str(": ");
+                out.push_str(&text);
+            }
             source = s.source();
         }
         out

@@ -308,11 +308,11 @@ macro_rules! with_tx {
     ($tx:expr, |$conn:ident| $body:expr) => {
         match $tx {
             $crate::Tx::Postgres(tx) => {
-                let $conn: &mut ::sqlx::PgConnection = &mut **tx;
+                let $conn: &mut $crate::sqlx::PgConnection = &mut **tx;
                 $body
             }
             $crate::Tx::Sqlite(tx) => {
-                let $conn: &mut ::sqlx::SqliteConnection = &mut **tx;
+                let $conn: &mut $crate::sqlx::SqliteConnection = &mut **tx;
                 $body
             }
         }
@@ -325,11 +325,11 @@ macro_rules! with_pool {
     ($db:expr, |$pool:ident| $body:expr) => {
         match $db {
             $crate::Database::Postgres(p) => {
-                let $pool: &::sqlx::PgPool = p;
+                let $pool: &$crate::sqlx::PgPool = p;
                 $body
             }
             $crate::Database::Sqlite(p) => {
-                let $pool: &::sqlx::SqlitePool = p;
+                let $pool: &$crate::sqlx::SqlitePool = p;
                 $body
             }
         }

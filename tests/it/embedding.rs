@@ -1,0 +1,98 @@
+//! The crates as an embedding service uses them: the caller's stop token, waiting until
+//! drained, and errors that say their cause.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use outbox_events::{
+    AttemptContext, CancellationToken, Dispatcher, Handler, HandlerError, Handlers, NewEvent,
+    OutboxEvent, WorkerConfig, async_trait,
+};
+use outbox_tests::{TestDb, backend_tests};
+
+struct Count(Arc<AtomicU64>);
+
+#[async_trait]
+impl Handler for Count {
+    async fn handle(
+        &self,
+        _: &OutboxEvent,
+        _: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// The service's own token stops claiming; `drained` tells when the queue is empty.
+async fn caller_token_and_drained(db: TestDb) {
+    let repo = db.repository();
+    let events: Vec<NewEvent> = (0..30)
+        .map(|i| {
+            NewEvent::new(
+                "t",
+                format!(r#"{{"object":"Lead","record_id":"e{}"}}"#, i % 7),
+            )
+        })
+        .collect();
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    let handled = Arc::new(AtomicU64::new(0));
+    let shutdown = CancellationToken::new();
+    let handle = Dispatcher::new(
+        repo.clone(),
+        Handlers::new().register("t", Count(handled.clone())),
+        WorkerConfig::default()
+            .with_workers(3)
+            .with_poll_interval(Duration::from_millis(20)),
+    )
+    .with_stop_token(shutdown.clone())
+    .start();
+    let drained = tokio::time::timeout(
+        Duration::from_secs(30),
+        handle.drained(Duration::from_millis(20)),
+    )
+    .await
+    .expect("drains in time")
+    .unwrap();
+    assert!(drained);
+    assert_eq!(handled.load(Ordering::SeqCst), 30);
+    // The service cancels its own token: claiming stops, `drained` no longer waits.
+    shutdown.cancel();
+    // A claim already under way when the token is cancelled completes; let those end.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &events[..1]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(!handle.drained(Duration::from_millis(20)).await.unwrap());
+    let report = handle.shutdown().await;
+    assert!(report.graceful);
+    assert_eq!(
+        handled.load(Ordering::SeqCst),
+        30,
+        "nothing claimed after the stop"
+    );
+}
+
+/// An error's text names its cause, not only its kind.
+async fn errors_say_their_cause(db: TestDb) {
+    let repo = db.repository();
+    let mut tx = repo.begin().await.unwrap();
+    let err = repo
+        .enqueue(&mut tx, &[NewEvent::new("t", "{not json")])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("not valid JSON"), "{err}");
+    tx.rollback().await.unwrap();
+    db.execute("DROP TABLE _System_OutboxEvent").await;
+    let err = repo.get_event(uuid::Uuid::now_v7()).await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.starts_with("database error: ") && text.to_lowercase().contains("outboxevent"),
+        "{text}"
+    );
+}
+
+backend_tests!(caller_token_and_drained, errors_say_their_cause);
