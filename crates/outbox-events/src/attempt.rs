@@ -91,24 +91,51 @@ impl AttemptEnv {
     }
 }
 
-/// Runs the attempt of one claimed row to its end. Public for embedding applications that
-/// claim rows themselves; the dispatchers call it for every claim.
-pub async fn process_claim(
-    repo: Arc<dyn OutboxRepository>,
-    handlers: Handlers,
-    config: WorkerConfig,
-    metrics: Arc<Metrics>,
-    hard_stop: CancellationToken,
-    claim: Claim,
-) -> AttemptOutcome {
-    let env = AttemptEnv {
-        repo,
-        handlers,
-        config,
-        metrics,
-        hard_stop,
-    };
-    run(&env, claim).await
+/// Runs the attempt of one claimed row to its end, as a dispatcher's worker does: for an
+/// application that claims rows itself (`OutboxRepository::claim_next`), and for tests of the
+/// attempt state machine over mocked repositories (the mock needs `backend_name`,
+/// `serializes_writers`, `note_alive`, `begin_attempt` and `heartbeat`, plus `get_event`,
+/// `increment_retry` or `update_status` on the paths that use them).
+pub struct ClaimRunner {
+    env: AttemptEnv,
+}
+
+impl ClaimRunner {
+    /// A runner over `repo` with `handlers` and `config`, its own counters, and no hard stop.
+    pub fn new(repo: Arc<dyn OutboxRepository>, handlers: Handlers, config: WorkerConfig) -> Self {
+        Self {
+            env: AttemptEnv {
+                repo,
+                handlers,
+                config,
+                metrics: Arc::default(),
+                hard_stop: CancellationToken::new(),
+            },
+        }
+    }
+
+    /// Counts into `metrics` (for example a dispatcher's).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.env.metrics = metrics;
+        self
+    }
+
+    /// Cancelling `hard_stop` rolls the running attempt back and leaves its row to stale
+    /// reclaim (a hard shutdown).
+    pub fn with_hard_stop(mut self, hard_stop: CancellationToken) -> Self {
+        self.env.hard_stop = hard_stop;
+        self
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.env.metrics.clone()
+    }
+
+    /// Runs `claim`'s attempt to its end.
+    pub async fn run(&self, claim: Claim) -> AttemptOutcome {
+        run(&self.env, claim).await
+    }
 }
 
 pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
@@ -253,7 +280,7 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> Attemp
             claim.event.event_type
         )))),
         Some(handler) => {
-            let mut ctx = AttemptContext::new(tx.as_mut());
+            let mut ctx = AttemptContext::for_attempt(tx.as_mut());
             tokio::select! {
                 biased;
                 _ = lost.cancelled() => Err(AttemptOutcome::LostClaim),

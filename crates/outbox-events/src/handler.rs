@@ -43,19 +43,95 @@ impl HandlerError {
 }
 
 /// What a handler may touch during its attempt: the attempt transaction.
+///
+/// The workers build it around the attempt's transaction. A unit test of a handler builds it
+/// around a transaction of its own, runs the handler and reads the effects back:
+///
+/// ```
+/// use outbox_events::{
+///     AttemptContext, Database, Handler, HandlerError, OutboxEvent, OutboxRepository,
+///     async_trait, with_tx,
+/// };
+///
+/// struct Touch;
+///
+/// #[async_trait]
+/// impl Handler for Touch {
+///     async fn handle(
+///         &self,
+///         event: &OutboxEvent,
+///         ctx: &mut AttemptContext<'_>,
+///     ) -> Result<(), HandlerError> {
+///         with_tx!(ctx.tx(), |conn| {
+///             outbox_events::persistence::sqlx::query("INSERT INTO touched VALUES ($1)")
+///                 .bind(event.id.to_string())
+///                 .execute(conn)
+///                 .await
+///                 .map(|done| done.rows_affected())
+///         })
+///         .map_err(HandlerError::db)?;
+///         Ok(())
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let path = std::env::temp_dir().join(format!("handler-test-{}.db", std::process::id()));
+/// let db = Database::connect(&format!("sqlite://{}", path.display()), Default::default()).await?;
+/// let repo = db.repository();
+/// let mut tx = repo.begin().await?;
+/// with_tx!(&mut tx, |conn| {
+///     outbox_events::persistence::sqlx::query("CREATE TABLE touched (id TEXT)")
+///         .execute(conn)
+///         .await
+///         .map(|done| done.rows_affected())
+/// })?;
+/// let event = OutboxEvent::for_test("lead.updated", r#"{"object":"Lead","record_id":"1"}"#);
+/// Touch.handle(&event, &mut AttemptContext::new(&mut tx)).await?;
+/// let n: i64 = with_tx!(&mut tx, |conn| {
+///     outbox_events::persistence::sqlx::query_scalar("SELECT count(*) FROM touched")
+///         .fetch_one(conn)
+///         .await
+/// })?;
+/// assert_eq!(n, 1);
+/// tx.rollback().await?;
+/// # drop(db);
+/// # std::fs::remove_file(&path).ok();
+/// # Ok(())
+/// # }
+/// ```
 pub struct AttemptContext<'a> {
-    attempt: &'a mut dyn Attempt,
+    inner: Inner<'a>,
+}
+
+/// The workers' attempt, or a transaction a test opened.
+enum Inner<'a> {
+    Attempt(&'a mut dyn Attempt),
+    Tx(&'a mut Tx),
 }
 
 impl<'a> AttemptContext<'a> {
-    pub(crate) fn new(attempt: &'a mut dyn Attempt) -> Self {
-        Self { attempt }
+    /// A context around `tx`, any open transaction: for a handler's unit test.
+    pub fn new(tx: &'a mut Tx) -> Self {
+        Self {
+            inner: Inner::Tx(tx),
+        }
+    }
+
+    /// The context the workers give a handler: the attempt's transaction.
+    pub(crate) fn for_attempt(attempt: &'a mut dyn Attempt) -> Self {
+        Self {
+            inner: Inner::Attempt(attempt),
+        }
     }
 
     /// The attempt transaction: the handler's database effects go here, so they commit
     /// atomically with `processed` and roll back with a failure.
     pub fn tx(&mut self) -> &mut Tx {
-        self.attempt.tx()
+        match &mut self.inner {
+            Inner::Attempt(attempt) => attempt.tx(),
+            Inner::Tx(tx) => tx,
+        }
     }
 }
 

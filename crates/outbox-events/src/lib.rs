@@ -19,7 +19,7 @@ mod legacy;
 mod metrics;
 mod pool;
 
-pub use attempt::{AttemptOutcome, process_claim};
+pub use attempt::{AttemptOutcome, ClaimRunner};
 pub use config::{
     DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_RETRY_ATTEMPTS,
     DEFAULT_MAX_RETRY_DELAY, DEFAULT_POLL_INTERVAL, DEFAULT_RETRY_DELAY, DEFAULT_SHUTDOWN_TIMEOUT,

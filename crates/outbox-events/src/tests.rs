@@ -12,8 +12,8 @@ use outbox_persistence::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    AttemptContext, AttemptOutcome, Handler, HandlerError, Handlers, Metrics, WorkerConfig,
-    process_claim,
+    AttemptContext, AttemptOutcome, ClaimRunner, Handler, HandlerError, Handlers, Metrics,
+    WorkerConfig,
 };
 
 fn claim(event_type: &str, retry_count: i32) -> Claim {
@@ -119,17 +119,9 @@ async fn run(
     claim: Claim,
     stop: CancellationToken,
 ) -> (AttemptOutcome, Arc<Metrics>) {
-    let metrics = Arc::new(Metrics::default());
-    let outcome = process_claim(
-        Arc::new(repo),
-        handlers,
-        config(),
-        metrics.clone(),
-        stop,
-        claim,
-    )
-    .await;
-    (outcome, metrics)
+    let runner = ClaimRunner::new(Arc::new(repo), handlers, config()).with_hard_stop(stop);
+    let outcome = runner.run(claim).await;
+    (outcome, runner.metrics())
 }
 
 #[tokio::test(start_paused = true)]

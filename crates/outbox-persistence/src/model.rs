@@ -114,6 +114,30 @@ pub struct OutboxEvent {
     pub last_error: Option<String>,
 }
 
+impl OutboxEvent {
+    /// A `pending` event of `event_type` with `payload`, as enqueue would store it (its
+    /// `RecordKey` derived, or `None` when the payload names no record or cannot be read), for
+    /// tests of handlers that do not go through the queue.
+    pub fn for_test(event_type: impl Into<String>, payload: impl Into<String>) -> Self {
+        let payload = payload.into();
+        let now = crate::truncate_micros(Utc::now());
+        Self {
+            id: new_event_id(),
+            event_type: event_type.into(),
+            record_key: record_key::record_key_from_payload(&payload)
+                .ok()
+                .flatten()
+                .map(record_key::RecordKey::into_string),
+            payload,
+            status: EventStatus::Pending,
+            retry_count: 0,
+            created_date: now,
+            last_modified_date: now,
+            last_error: None,
+        }
+    }
+}
+
 /// The rules that decide eligibility and count dead attempts. Durations only: the backend
 /// reads the time itself (PostgreSQL: the database's `clock_timestamp()`; SQLite: the host's
 /// clock for retry delays and a monotonic observation for staleness, see

@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use outbox_events::{
-    AttemptContext, Handler, HandlerError, Handlers, Metrics, OutboxEvent, WorkerConfig,
-    process_claim,
+    AttemptContext, ClaimRunner, Handler, HandlerError, Handlers, OutboxEvent, WorkerConfig,
 };
 use outbox_persistence::{Database, EventStatus, OutboxRepository, Scope};
 use serde::Serialize;
@@ -179,14 +178,8 @@ async fn kill_a_worker(
     let entered = Arc::new(Notify::new());
     let doomed = Handlers::new().register(claim.event.event_type.clone(), Parked(entered.clone()));
     let _ = handlers;
-    let worker = tokio::spawn(process_claim(
-        repo.clone(),
-        doomed,
-        config.clone(),
-        Arc::new(Metrics::default()),
-        CancellationToken::new(),
-        claim,
-    ));
+    let runner = ClaimRunner::new(repo.clone(), doomed, config.clone());
+    let worker = tokio::spawn(async move { runner.run(claim).await });
     let _ = tokio::time::timeout(Duration::from_secs(10), entered.notified()).await;
     worker.abort();
     let _ = worker.await;
