@@ -284,7 +284,10 @@ async fn foreign_timestamp_shapes_never_stall(db: TestDb) {
     }
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let handlers = Handlers::new().register("t", Record(seen.clone()));
-    let dispatcher = Dispatcher::new(repo.clone(), handlers, fast()).start();
+    let dispatcher = Dispatcher::new(repo.clone(), handlers, fast())
+        .start()
+        .await
+        .unwrap();
     drain(&repo, Duration::from_secs(30)).await;
     dispatcher.shutdown().await;
     assert_eq!(*seen.lock().unwrap(), ids, "processed, in time order");
@@ -532,6 +535,8 @@ impl Handler for Record {
 
 fn fast() -> WorkerConfig {
     WorkerConfig::default()
+        .with_mode(outbox_events::DispatchMode::Pull)
+        .dangerously_skip_rollout_gate("tests of the queue rules with undeclared handlers")
         .with_workers(3)
         .with_poll_interval(Duration::from_millis(20))
         .with_heartbeat_interval(Duration::from_millis(200))

@@ -49,7 +49,9 @@ async fn caller_token_and_drained(db: TestDb) {
             .with_poll_interval(Duration::from_millis(20)),
     )
     .with_stop_token(shutdown.clone())
-    .start();
+    .start()
+    .await
+    .unwrap();
     let drained = tokio::time::timeout(
         Duration::from_secs(30),
         handle.drained(Duration::from_millis(20)),

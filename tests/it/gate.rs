@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::Utc;
 use outbox_events::{
-    AttemptContext, Consumer, Dispatcher, EffectKind, ExternalKind, Handler, HandlerError,
-    Handlers, OutboxEvent, Safeguard, Verdict, WorkerConfig, evaluate_gate,
+    AttemptContext, Consumer, DispatchMode, Dispatcher, EffectKind, ExternalKind, Handler,
+    HandlerError, Handlers, OutboxEvent, Safeguard, Verdict, WorkerConfig, evaluate_gate,
 };
 use outbox_persistence::NewEvent;
 use outbox_tests::{RawRow, TestDb, backend_tests, drain};
@@ -165,11 +165,21 @@ async fn excluded_consumers_run_on_the_legacy_path(db: TestDb) {
         );
     let report = evaluate_gate(&repo, &handlers.consumers()).await.unwrap();
     assert!(report.passes());
+    // The dispatcher evaluates the same gate itself and keeps the excluded consumer's event
+    // type on the legacy path.
     let config = WorkerConfig::default()
+        .with_mode(DispatchMode::Pull)
         .with_workers(3)
-        .with_poll_interval(Duration::from_millis(20))
-        .with_excluded_event_types(report.excluded_event_types());
-    let dispatcher = Dispatcher::new(repo.clone(), handlers, config).start();
+        .with_poll_interval(Duration::from_millis(20));
+    let dispatcher = Dispatcher::new(repo.clone(), handlers, config)
+        .start()
+        .await
+        .unwrap();
+    assert_eq!(dispatcher.decision().mode, DispatchMode::Pull);
+    assert_eq!(
+        dispatcher.decision().excluded_event_types,
+        report.excluded_event_types()
+    );
     drain(&repo, Duration::from_secs(60)).await;
     dispatcher.shutdown().await;
     assert_eq!(legacy.load(Ordering::SeqCst), 14);
@@ -198,4 +208,89 @@ async fn excluded_consumers_run_on_the_legacy_path(db: TestDb) {
     );
 }
 
-backend_tests!(gate_verdicts, excluded_consumers_run_on_the_legacy_path);
+/// The library decides the mode itself, fail closed: every verdict through `Dispatcher::decide`.
+async fn dispatcher_enforces_the_gate(db: TestDb) {
+    let repo = db.repository();
+    let decide = |handlers: Handlers, config: WorkerConfig| {
+        let repo = repo.clone();
+        async move {
+            Dispatcher::new(repo, handlers, config)
+                .decide()
+                .await
+                .unwrap()
+        }
+    };
+    let pull = || WorkerConfig::default().with_mode(DispatchMode::Pull);
+    let counter = || Count(Arc::default(), OrderLog::default());
+    // The flag is off: legacy, nothing refused.
+    let d = decide(
+        Handlers::new().register_consumer(capture(), counter()),
+        WorkerConfig::default().with_mode(DispatchMode::Legacy),
+    )
+    .await;
+    assert_eq!((d.mode, d.refused.len()), (DispatchMode::Legacy, 0));
+    // On, with an undeclared consumer: refused, legacy, with the reason.
+    let d = decide(
+        Handlers::new().register("account.updated", counter()),
+        pull(),
+    )
+    .await;
+    assert_eq!(d.mode, DispatchMode::Legacy);
+    assert!(
+        d.refused.iter().any(|r| r.contains("account.updated")),
+        "{:?}",
+        d.refused
+    );
+    // On, with an external consumer without a safeguard: refused.
+    let d = decide(
+        Handlers::new().register_consumer(mail(None), counter()),
+        pull(),
+    )
+    .await;
+    assert_eq!(d.mode, DispatchMode::Legacy);
+    assert!(!d.refused.is_empty());
+    // On, with safe and excluded consumers: pull, the excluded type on the legacy path.
+    let d = decide(
+        Handlers::new()
+            .register_consumer(capture(), counter())
+            .register_consumer(
+                mail(Some(Safeguard::Excluded("no ledger yet".into()))),
+                counter(),
+            ),
+        pull(),
+    )
+    .await;
+    assert_eq!(d.mode, DispatchMode::Pull);
+    assert_eq!(d.excluded_event_types, vec!["account.welcome".to_string()]);
+    // On, with the gate skipped by name: pull, and the decision says why.
+    let d = decide(
+        Handlers::new().register("account.updated", counter()),
+        pull().dangerously_skip_rollout_gate("checked by hand"),
+    )
+    .await;
+    assert_eq!(d.mode, DispatchMode::Pull);
+    assert_eq!(d.gate_skipped.as_deref(), Some("checked by hand"));
+    // On, with a row whose RecordKey is missing although its payload derives one: refused.
+    let legacy_row = RawRow {
+        payload: lead("nokey"),
+        ..RawRow::pending(None, Utc::now())
+    };
+    db.insert_raw(&legacy_row).await;
+    let d = decide(
+        Handlers::new().register_consumer(capture(), counter()),
+        pull(),
+    )
+    .await;
+    assert_eq!(d.mode, DispatchMode::Legacy);
+    assert!(
+        d.refused.iter().any(|r| r.contains("RecordKey")),
+        "{:?}",
+        d.refused
+    );
+}
+
+backend_tests!(
+    gate_verdicts,
+    excluded_consumers_run_on_the_legacy_path,
+    dispatcher_enforces_the_gate
+);

@@ -37,6 +37,8 @@ impl Handler for Reader {
 
 fn config() -> WorkerConfig {
     WorkerConfig::default()
+        .with_mode(outbox_events::DispatchMode::Pull)
+        .dangerously_skip_rollout_gate("tests of hostile rows with undeclared handlers")
         .with_workers(4)
         .with_poll_interval(Duration::from_millis(50))
         .with_retry_delay(Duration::from_millis(5))
@@ -147,7 +149,10 @@ async fn hostile_rows_fail_clearly_and_block_nothing(db: TestDb) {
     let mut expected = vec![malformed.id, empty.id, contradicting.id];
     expected.sort();
     assert_eq!(mismatched, expected);
-    let dispatcher = Dispatcher::new(repo.clone(), handlers, config()).start();
+    let dispatcher = Dispatcher::new(repo.clone(), handlers, config())
+        .start()
+        .await
+        .unwrap();
     drain(&repo, Duration::from_secs(60)).await;
     let report = dispatcher.shutdown().await;
     assert!(report.graceful, "every worker finished: {report:?}");

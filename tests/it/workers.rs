@@ -154,6 +154,8 @@ impl Handler for OrderedEffect {
 
 fn fast_config(workers: usize) -> WorkerConfig {
     WorkerConfig::default()
+        .with_mode(DispatchMode::Pull)
+        .dangerously_skip_rollout_gate("tests of the worker mechanics with undeclared handlers")
         .with_workers(workers)
         .with_poll_interval(Duration::from_millis(50))
         .with_retry_delay(Duration::from_millis(5))
@@ -196,8 +198,10 @@ async fn ordered_drain(db: TestDb, mode: DispatchMode) {
             overlaps: overlaps.clone(),
         },
     );
-    let dispatcher =
-        Dispatcher::new(repo.clone(), handlers, fast_config(8).with_mode(mode)).start();
+    let dispatcher = Dispatcher::new(repo.clone(), handlers, fast_config(8).with_mode(mode))
+        .start()
+        .await
+        .unwrap();
     drain(&repo, Duration::from_secs(240)).await;
     let report = dispatcher.shutdown().await;
     assert!(report.graceful);
@@ -307,7 +311,10 @@ async fn slow_handler_with_live_heartbeat_runs_once(db: TestDb) {
     let config = fast_config(4)
         .with_heartbeat_interval(Duration::from_millis(150))
         .with_stale_after(Duration::from_millis(600));
-    let dispatcher = Dispatcher::new(repo.clone(), handlers, config).start();
+    let dispatcher = Dispatcher::new(repo.clone(), handlers, config)
+        .start()
+        .await
+        .unwrap();
     drain(&repo, Duration::from_secs(60)).await;
     let report = dispatcher.shutdown().await;
     let runs = runs.lock().unwrap().clone();
@@ -355,7 +362,10 @@ async fn bad_events_fail_without_blocking_others(db: TestDb) {
             overlaps: Arc::default(),
         },
     );
-    let dispatcher = Dispatcher::new(repo.clone(), handlers, fast_config(4)).start();
+    let dispatcher = Dispatcher::new(repo.clone(), handlers, fast_config(4))
+        .start()
+        .await
+        .unwrap();
     drain(&repo, Duration::from_secs(60)).await;
     dispatcher.shutdown().await;
     assert_eq!(
@@ -448,7 +458,10 @@ async fn postgres_lock_timeout_retries_while_other_keys_flow() {
                 overlaps: Arc::default(),
             },
         );
-    let dispatcher = Dispatcher::new(repo.clone(), handlers, fast_config(4)).start();
+    let dispatcher = Dispatcher::new(repo.clone(), handlers, fast_config(4))
+        .start()
+        .await
+        .unwrap();
     let start = Instant::now();
     while db.count("SELECT count(*) FROM test_effect").await < 200 {
         assert!(
@@ -539,7 +552,10 @@ async fn postgres_killed_connection_loses_nothing() {
             runs: runs.clone(),
         },
     );
-    let dispatcher = Dispatcher::new(repo.clone(), handlers, fast_config(2)).start();
+    let dispatcher = Dispatcher::new(repo.clone(), handlers, fast_config(2))
+        .start()
+        .await
+        .unwrap();
     let start = Instant::now();
     let victim = loop {
         if let Some(pid) = *pid.lock().unwrap() {

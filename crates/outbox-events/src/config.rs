@@ -76,14 +76,21 @@ pub struct WorkerConfig {
     pub legacy_batch_size: u32,
     /// Pull mode: event types kept off the pull workers (consumers excluded from the rollout);
     /// a legacy batch loop runs them instead. Ordering still holds across both paths, because
-    /// both use the same eligibility rule over every event type.
+    /// both use the same eligibility rule over every event type. The rollout gate adds the
+    /// event types of consumers declared excluded.
     pub excluded_event_types: Vec<String>,
+    /// Pull mode without the rollout gate, and why: see
+    /// [`WorkerConfig::dangerously_skip_rollout_gate`]. `None` (the default) keeps the gate.
+    pub rollout_gate_skipped: Option<String>,
 }
 
 impl Default for WorkerConfig {
+    /// The named defaults, with the mode `OUTBOX_PULL_WORKER` asks for
+    /// ([`DispatchMode::from_env`]): legacy unless the flag is on. Pull mode still runs only
+    /// when the rollout gate passes (`Dispatcher::start`).
     fn default() -> Self {
         Self {
-            mode: DispatchMode::Pull,
+            mode: DispatchMode::from_env(),
             workers: DEFAULT_WORKERS,
             poll_interval: DEFAULT_POLL_INTERVAL,
             heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
@@ -95,6 +102,7 @@ impl Default for WorkerConfig {
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             legacy_batch_size: 100,
             excluded_event_types: Vec::new(),
+            rollout_gate_skipped: None,
         }
     }
 }
@@ -160,6 +168,15 @@ impl WorkerConfig {
         self.shutdown_timeout = d;
         self
     }
+    /// Runs pull workers without evaluating the rollout gate, for `why` (logged as a warning
+    /// at every start). For tests of the worker mechanics and benchmarks, or an operator who
+    /// has checked the consumers by other means: pull workers redeliver, and an undeclared
+    /// external consumer may then repeat its effect.
+    pub fn dangerously_skip_rollout_gate(mut self, why: impl Into<String>) -> Self {
+        self.rollout_gate_skipped = Some(why.into());
+        self
+    }
+
     /// Keeps these event types off the pull workers (see
     /// [`WorkerConfig::excluded_event_types`]).
     pub fn with_excluded_event_types(mut self, types: Vec<String>) -> Self {

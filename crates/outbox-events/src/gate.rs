@@ -42,6 +42,82 @@ impl GateReport {
     }
 }
 
+/// How a dispatcher decided what to run: pull workers only when asked for and the gate passes
+/// (or was skipped by name), the legacy dispatcher otherwise. Made by
+/// [`crate::Dispatcher::decide`]; the fields say why.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct ModeDecision {
+    /// The mode the workers run.
+    pub mode: crate::DispatchMode,
+    /// Event types kept on the legacy path in pull mode (the configuration's and the excluded
+    /// consumers').
+    pub excluded_event_types: Vec<String>,
+    /// Why pull mode was refused: empty when it runs or was not asked for.
+    pub refused: Vec<String>,
+    /// The reason the gate was skipped, when it was.
+    pub gate_skipped: Option<String>,
+}
+
+impl ModeDecision {
+    /// Filled in by `start_decided` right after the workers start.
+    pub(crate) fn placeholder() -> Self {
+        Self {
+            mode: crate::DispatchMode::Legacy,
+            excluded_event_types: Vec::new(),
+            refused: Vec::new(),
+            gate_skipped: None,
+        }
+    }
+
+    /// Decides from the configuration and the registered consumers, logging the decision.
+    pub(crate) async fn make(
+        repo: &Arc<dyn OutboxRepository>,
+        consumers: &[Consumer],
+        config: &crate::WorkerConfig,
+    ) -> Result<Self, outbox_persistence::Error> {
+        let mut decision = Self {
+            mode: crate::DispatchMode::Legacy,
+            excluded_event_types: config.excluded_event_types.clone(),
+            refused: Vec::new(),
+            gate_skipped: None,
+        };
+        if config.mode != crate::DispatchMode::Pull {
+            tracing::info!(
+                "pull workers not asked for ({} is off): running the legacy dispatcher",
+                crate::OUTBOX_PULL_WORKER
+            );
+            return Ok(decision);
+        }
+        if let Some(why) = &config.rollout_gate_skipped {
+            tracing::warn!(why = %why, "ROLLOUT GATE SKIPPED: running pull workers without checking the consumers");
+            decision.mode = crate::DispatchMode::Pull;
+            decision.gate_skipped = Some(why.clone());
+            return Ok(decision);
+        }
+        let gate = evaluate_gate(repo, consumers).await?;
+        if gate.passes() {
+            decision.mode = crate::DispatchMode::Pull;
+            decision
+                .excluded_event_types
+                .extend(gate.excluded_event_types());
+            decision.excluded_event_types.sort();
+            decision.excluded_event_types.dedup();
+            tracing::info!(excluded = ?decision.excluded_event_types, "rollout gate passed: running pull workers");
+        } else {
+            for reason in &gate.reasons {
+                tracing::warn!("rollout gate: {reason}");
+            }
+            tracing::warn!(
+                reasons = gate.reasons.len(),
+                "pull workers asked for, but the rollout gate refuses: running the legacy dispatcher"
+            );
+            decision.refused = gate.reasons;
+        }
+        Ok(decision)
+    }
+}
+
 /// Evaluates the gate for the registered consumers (`Handlers::consumers`) against the
 /// database behind `repo`.
 pub async fn evaluate_gate(

@@ -26,7 +26,7 @@ pub use config::{
     DEFAULT_STALE_AFTER, DEFAULT_WORKERS, DispatchMode, OUTBOX_PULL_WORKER, WorkerConfig,
 };
 pub use consumer::{Consumer, DeclaredEffect, EffectKind, ExternalKind, Safeguard, Verdict};
-pub use gate::{GateReport, evaluate_gate};
+pub use gate::{GateReport, ModeDecision, evaluate_gate};
 pub use handler::{AttemptContext, Handler, HandlerError, Handlers};
 pub use legacy::slot_for_event;
 pub use metrics::{Metrics, MetricsSnapshot};

@@ -11,6 +11,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::attempt::{self, AttemptEnv};
 use crate::config::{DispatchMode, WorkerConfig};
+use crate::gate::ModeDecision;
 use crate::handler::Handlers;
 use crate::legacy;
 use crate::metrics::{Metrics, MetricsSnapshot};
@@ -51,8 +52,32 @@ impl Dispatcher {
         self
     }
 
-    /// Starts the workers of the configured mode.
-    pub fn start(self) -> DispatcherHandle {
+    /// Decides what to run: pull workers when the configuration asks for them (see
+    /// [`WorkerConfig::default`]: `OUTBOX_PULL_WORKER`) and the rollout gate passes over the
+    /// registered consumers ([`crate::evaluate_gate`]), or the configuration skips the gate by
+    /// name; the legacy dispatcher otherwise (fail closed). The decision and its reasons are
+    /// logged.
+    pub async fn decide(&self) -> Result<ModeDecision, outbox_persistence::Error> {
+        ModeDecision::make(&self.repo, &self.handlers.consumers(), &self.config).await
+    }
+
+    /// Decides ([`Dispatcher::decide`]) and starts the workers.
+    pub async fn start(self) -> Result<DispatcherHandle, outbox_persistence::Error> {
+        let decision = self.decide().await?;
+        Ok(self.start_decided(decision))
+    }
+
+    /// Starts the workers `decision` (made by [`Dispatcher::decide`] on this dispatcher) asks
+    /// for: for a caller that reports or records the decision before the workers start.
+    pub fn start_decided(mut self, decision: ModeDecision) -> DispatcherHandle {
+        self.config.mode = decision.mode;
+        self.config.excluded_event_types = decision.excluded_event_types.clone();
+        let mut handle = self.start_mode();
+        handle.decision = decision;
+        handle
+    }
+
+    fn start_mode(self) -> DispatcherHandle {
         let stop = self.stop;
         let hard_stop = CancellationToken::new();
         let tracker = TaskTracker::new();
@@ -107,6 +132,7 @@ impl Dispatcher {
             shutdown_timeout: self.config.shutdown_timeout,
             repo: env.repo.clone(),
             policy: self.config.claim_policy(),
+            decision: ModeDecision::placeholder(),
         }
     }
 }
@@ -179,6 +205,7 @@ pub struct DispatcherHandle {
     shutdown_timeout: Duration,
     repo: Arc<dyn OutboxRepository>,
     policy: ClaimPolicy,
+    decision: ModeDecision,
 }
 
 /// How a shutdown went.
@@ -191,6 +218,11 @@ pub struct ShutdownReport {
 }
 
 impl DispatcherHandle {
+    /// What the dispatcher decided to run, and why.
+    pub fn decision(&self) -> &ModeDecision {
+        &self.decision
+    }
+
     /// The counters now.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.metrics.snapshot()

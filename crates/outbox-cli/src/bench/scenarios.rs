@@ -120,6 +120,7 @@ async fn enqueue(
 fn config(mode: DispatchMode, workers: usize) -> WorkerConfig {
     WorkerConfig::default()
         .with_mode(mode)
+        .dangerously_skip_rollout_gate("benchmark of the worker mechanics (no external effects)")
         .with_workers(workers)
         .with_lock_timeout(Duration::from_secs(60))
 }
@@ -143,7 +144,9 @@ struct Running {
 async fn start(db: &BenchDb, config: WorkerConfig, handlers: Handlers) -> Result<Running> {
     let pool = db.connect((config.workers * 2 + 4) as u32).await?;
     let started = Utc::now();
-    let handle = Dispatcher::new(pool.repository(), handlers, config).start();
+    let handle = Dispatcher::new(pool.repository(), handlers, config)
+        .start()
+        .await?;
     Ok(Running {
         handle,
         db: pool,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use chrono::Utc;
 use indicatif::{ProgressBar, ProgressStyle};
-use outbox_events::{DispatchMode, Dispatcher, MetricsSnapshot, WorkerConfig, evaluate_gate};
+use outbox_events::{DispatchMode, Dispatcher, MetricsSnapshot, ModeDecision, WorkerConfig};
 use outbox_persistence::{ClaimPolicy, ConnectConfig, Database, OutboxRepository};
 use serde::Serialize;
 
@@ -294,7 +294,9 @@ async fn run_workers(
     let injected = Arc::new(Faults::at(fault_rate));
     let handlers = handlers(actions.clone(), sink.clone(), injected.clone());
     let start = Instant::now();
-    let dispatcher = Dispatcher::new(repo.clone(), handlers.clone(), config.clone()).start();
+    let dispatcher = Dispatcher::new(repo.clone(), handlers.clone(), config.clone());
+    let decision = decide(&dispatcher).await?;
+    let dispatcher = dispatcher.start_decided(decision);
     let fault_task = faults::FaultInjector::start(
         db.clone(),
         repo.clone(),
@@ -393,36 +395,19 @@ pub async fn seed_command(url: Option<&str>, args: SeedArgs) -> Result<ExitCode>
     Ok(ExitCode::SUCCESS)
 }
 
-/// The dispatch mode `work` runs: pull mode only when it is asked for and the rollout gate
-/// passes (fail closed to the legacy path, with the reasons); the excluded event types go to
-/// `config`.
-async fn choose_mode(
-    requested: DispatchMode,
-    repo: &Arc<dyn OutboxRepository>,
-    handlers: &outbox_events::Handlers,
-    config: &mut WorkerConfig,
-) -> Result<DispatchMode> {
-    if requested != DispatchMode::Pull {
-        tracing::info!("OUTBOX_PULL_WORKER is off: running the legacy dispatcher");
-        return Ok(DispatchMode::Legacy);
+/// Decides what `work` runs, through the library (pull mode only when asked for and the rollout
+/// gate passes, fail closed to the legacy path), and says why on stderr when pull mode was
+/// refused.
+async fn decide(dispatcher: &Dispatcher) -> Result<ModeDecision> {
+    let decision = dispatcher.decide().await?;
+    if !decision.refused.is_empty() {
+        eprintln!(
+            "OUTBOX_PULL_WORKER asks for pull workers, but the rollout gate refuses ({} reason(s)); running the legacy dispatcher:\n  {}",
+            decision.refused.len(),
+            decision.refused.join("\n  ")
+        );
     }
-    let gate = evaluate_gate(repo, &handlers.consumers()).await?;
-    if gate.passes() {
-        *config = config
-            .clone()
-            .with_excluded_event_types(gate.excluded_event_types());
-        tracing::info!(excluded = ?gate.excluded_event_types(), "rollout gate passed: running pull workers");
-        return Ok(DispatchMode::Pull);
-    }
-    for reason in &gate.reasons {
-        tracing::warn!("rollout gate: {reason}");
-    }
-    eprintln!(
-        "OUTBOX_PULL_WORKER asks for pull workers, but the rollout gate refuses ({} reason(s)); running the legacy dispatcher:\n  {}",
-        gate.reasons.len(),
-        gate.reasons.join("\n  ")
-    );
-    Ok(DispatchMode::Legacy)
+    Ok(decision)
 }
 
 /// Waits for Ctrl-C, for the dispatcher to stop, or (with `until_drained`) for no row to be
@@ -466,7 +451,7 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
         Some(false) => DispatchMode::Legacy,
         None => DispatchMode::from_env(),
     };
-    let mut config = args.workers.config(WorkerConfig::default());
+    let config = args.workers.config(WorkerConfig::default());
     config.validate().map_err(anyhow::Error::msg)?;
     let db = db::open(url, connect_config(&config)).await?;
     let url = url.unwrap_or_default().to_string();
@@ -476,10 +461,13 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
     let fault_rate = args.workers.fault_rate.unwrap_or(0.0);
     let injected = Arc::new(Faults::at(fault_rate));
     let handlers = handlers(Arc::new(Actions::new()?), sink.clone(), injected.clone());
-    let mode = choose_mode(requested, &repo, &handlers, &mut config).await?;
+    let config = config.with_mode(requested);
+    let dispatcher = Dispatcher::new(repo.clone(), handlers.clone(), config.clone());
+    let decision = decide(&dispatcher).await?;
+    let mode = decision.mode;
     let config = config.with_mode(mode);
     let run = sink.run_started(mode_name(mode)).await?;
-    let dispatcher = Dispatcher::new(repo.clone(), handlers.clone(), config.clone()).start();
+    let dispatcher = dispatcher.start_decided(decision);
     let fault_task = faults::FaultInjector::start(
         db.clone(),
         repo.clone(),
