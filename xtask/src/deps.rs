@@ -65,8 +65,9 @@ const RULES: &[Rule] = &[
     },
     Rule {
         krate: "create-action",
-        // outbox-persistence for the one database-error classifier.
-        workspace: WorkspaceDeps::Only(&["record-key", "outbox-persistence"]),
+        // outbox-persistence for the one database-error classifier; outbox-events (optional,
+        // feature `outbox`) for the glue to the workers.
+        workspace: WorkspaceDeps::Only(&["record-key", "outbox-persistence", "outbox-events"]),
         forbidden_direct: &[],
         forbidden_transitive: &[],
     },

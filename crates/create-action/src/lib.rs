@@ -24,6 +24,8 @@ mod create;
 mod error;
 mod field_set;
 mod ident;
+#[cfg(feature = "outbox")]
+mod outbox;
 mod postgres;
 pub mod redelivery;
 mod registry;

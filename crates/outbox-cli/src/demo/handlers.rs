@@ -154,23 +154,7 @@ impl Actions {
 
 /// Declares a field set's effect from the action's own classification.
 fn field_set_effect(action: &FieldSet, consumer: Consumer, description: &str) -> Consumer {
-    let class = action.effect_class();
-    let kind = if class.is_redelivery_safe() {
-        EffectKind::DeterministicFieldSet
-    } else {
-        EffectKind::NonDeterministicFieldSet {
-            reasons: class.reasons().iter().map(ToString::to_string).collect(),
-        }
-    };
-    consumer.effect(kind, description, None)
-}
-
-fn action_error(e: create_action::Error) -> HandlerError {
-    match e {
-        create_action::Error::Database(e) => HandlerError::Database(e.into()),
-        e if e.is_transient() => HandlerError::Retryable(e.to_string()),
-        e => HandlerError::Permanent(e.to_string()),
-    }
+    action.effect_class().declare(consumer, description)
 }
 
 fn envelope(event: &OutboxEvent) -> Result<EventEnvelope, HandlerError> {
@@ -211,7 +195,7 @@ impl Handler for Capture {
         with_tx!(ctx.tx(), |conn| action
             .run(conn, &envelope, SystemTime::now())
             .await)
-        .map_err(action_error)?;
+        .map_err(HandlerError::from)?;
         log_effect(ctx, event).await?;
         self.faults.check(event, &envelope, 1)
     }
@@ -236,11 +220,11 @@ impl Handler for LeadConversion {
             .run(conn, &envelope)
             .await
             .map(|_| ()))
-        .map_err(action_error)?;
+        .map_err(HandlerError::from)?;
         with_tx!(ctx.tx(), |conn| capture
             .run(conn, &envelope, SystemTime::now())
             .await)
-        .map_err(action_error)?;
+        .map_err(HandlerError::from)?;
         log_effect(ctx, event).await?;
         self.faults.check(event, &envelope, 1)
     }
@@ -408,22 +392,11 @@ pub fn consumers(actions: &Actions) -> [Consumer; 5] {
         Consumer::new("lead-field-capture", LEAD_UPDATED),
         "DemoLead.Captured{Status,Revision} from the snapshot",
     );
-    let natural_key = match actions.convert.effect_class() {
-        create_action::EffectClass::NaturalKeyCreate {
-            object,
-            natural_key,
-            ..
-        } => {
-            format!("{object}({})", natural_key.join(", "))
-        }
-        other => other.to_string(),
-    };
     let conversion = field_set_effect(
         &actions.lead_capture,
-        Consumer::new("lead-conversion", LEAD_CONVERTED).effect(
-            EffectKind::NaturalKeyCreate { natural_key },
+        actions.convert.effect_class().declare(
+            Consumer::new("lead-conversion", LEAD_CONVERTED),
             "the converted lead's opportunity, numbered by an autonumber drawn after the find",
-            None,
         ),
         "DemoLead.Captured{Status,Revision} from the snapshot",
     );
