@@ -1,28 +1,35 @@
-//! `cargo xtask faults [--quick]`: the fault suite. Seeds the demo workload with handler faults,
-//! runs three `outbox work` processes of four workers each, and while they run kills a random
-//! process with SIGKILL every few seconds (starting a new one), cuts random worker connections
-//! with `pg_terminate_backend`, restarts PostgreSQL once and holds row locks from an outside
-//! `psql` session. Then it drains, runs `outbox verify --json` and checks on top of it that every
-//! slow attempt that was reclaimed belonged to a process the suite had killed. The same suite,
-//! minus what SQLite cannot do (cut connections, restart a server, hold one row's lock), runs on
-//! SQLite.
+//! `cargo xtask faults [--quick]`: the fault suite. Seeds the demo workload with handler faults
+//! and a poison event, runs three `outbox work` processes of four workers each (one of them with
+//! its wall clock 40 s behind), and while they run kills a random process with SIGKILL every few
+//! seconds (never the skewed one), cuts random worker connections with `pg_terminate_backend`,
+//! restarts PostgreSQL once and holds row locks from an outside `psql` session. Like a
+//! supervisor, it starts a new process for each one that died, including those the poison event
+//! aborted, until the outbox is drained. Then it runs `outbox verify --json` and checks on top of
+//! it that no process that lived lost a claim, that every reclaimed slow attempt belonged to a
+//! process the suite had killed before the reclaim (each kill is journaled), and that the poison
+//! event ended `failed`. The same suite, minus what SQLite cannot do (cut connections, restart a
+//! server, hold one row's lock), runs on SQLite.
 //!
 //! The suite drives the release binary through its command line only, like an operator would,
 //! so xtask still depends on no workspace crate.
+
+mod report;
+mod skew;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::fs::File;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use crate::cmd::{Cmd, format_duration};
-use crate::{postgres, project_root};
+use crate::{is_ci, postgres, project_root};
+use skew::Skew;
 
 /// Which backends a run covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +57,8 @@ struct Profile {
     workers: usize,
     slow_events: usize,
     slow_ms: u64,
+    /// Poison events: each aborts every process that runs it until it is counted `failed`.
+    poison_events: usize,
     /// Between two SIGKILLs.
     kill_every: Duration,
     /// Between two rounds of `pg_terminate_backend`.
@@ -75,6 +84,7 @@ const FULL: Profile = Profile {
     workers: 4,
     slow_events: 20,
     slow_ms: 5_000,
+    poison_events: 1,
     kill_every: Duration::from_secs(3),
     cut_every: Duration::from_secs(2),
     lock_every: Duration::from_millis(1_500),
@@ -92,6 +102,7 @@ const QUICK: Profile = Profile {
     workers: 4,
     slow_events: 4,
     slow_ms: 4_000,
+    poison_events: 1,
     kill_every: Duration::from_millis(1_500),
     cut_every: Duration::from_secs(1),
     lock_every: Duration::from_secs(1),
@@ -130,8 +141,16 @@ const LOCK_TIMEOUT_MS: u64 = 300;
 /// A row frozen this long after a kill belongs to the killed process (live claims heartbeat
 /// every `HEARTBEAT_MS`).
 const ORPHAN_AFTER: Duration = Duration::from_millis(2_000);
+/// MaxRetryAttempts of every work process: a poison event aborts this many processes, each
+/// followed by at least stale-after (on SQLite up to three times that, when its one writer is
+/// busy) before the next claim counts the death. Six keeps that chain inside the quick run's
+/// deadline, and still lets an ordinary event fail only when six attempts in a row fail.
+const MAX_RETRY_ATTEMPTS: i32 = 6;
 /// The event type of the slow handler (`report.slow` in the demo workload).
 const SLOW_EVENT_TYPE: &str = "report.slow";
+/// What a work process writes to stderr before a poison event aborts it: a copy of
+/// `outbox-cli`'s `demo::POISON_LOG` (a unit test keeps the two equal).
+const POISON_LOG: &str = "poison event: aborting the process";
 
 /// The command-line options of `cargo xtask faults`.
 #[derive(Debug)]
@@ -197,6 +216,15 @@ pub fn run(args: &[String]) -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let skew = skew::prepare(is_ci())?;
+    match &skew {
+        Skew::Ready(library) => println!(
+            "one work process runs {} s behind (LD_PRELOAD={})",
+            skew::SKEW_SECONDS,
+            library.display()
+        ),
+        Skew::Unavailable(why) => println!("skipping the skewed-clock process: {why}"),
+    }
     Cmd::cargo(&["build", "--release", "-p", "outbox-cli"]).run()?;
     let binary = project_root().join("target/release/outbox");
     let mut reports = Vec::new();
@@ -204,7 +232,7 @@ pub fn run(args: &[String]) -> Result<()> {
     for (index, backend) in options.backends.iter().enumerate() {
         let mut rng = Rng(options.seed.wrapping_add(index as u64));
         let profile = profile.on(*backend);
-        let outcome = Suite::new(*backend, &profile, &binary)?.run(&mut rng);
+        let outcome = Suite::new(*backend, &profile, &binary, &skew)?.run(&mut rng);
         match outcome {
             Ok(report) => {
                 println!("\n{}", report.markdown);
@@ -248,7 +276,7 @@ impl Rng {
     }
 }
 
-/// Milliseconds since the Unix epoch, the clock the slow journal uses.
+/// Milliseconds since the Unix epoch (names the run's database and directory).
 fn unix_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -260,6 +288,8 @@ struct Worker {
     number: usize,
     child: Child,
     stdout: PathBuf,
+    /// Whether its wall clock runs behind (the suite never kills it).
+    skewed: bool,
 }
 
 /// Where the run is.
@@ -275,12 +305,41 @@ enum Phase {
 
 /// The signal number of SIGINT.
 const SIGINT: i32 = 2;
+/// The signal number of SIGABRT (`std::process::abort`).
+const SIGABRT: i32 = 6;
+/// The signal number of SIGKILL.
+const SIGKILL: i32 = 9;
 
 /// Whether a work process's stderr says its connection was cut while it started (before any
 /// worker ran): it exits non-zero with the error, as a supervisor expects, and is replaced.
 fn startup_cut(stderr: &str) -> bool {
     stderr.contains("terminating connection due to administrator command")
         || stderr.contains("the database system is")
+}
+
+/// Records how a work process that ended by itself ended: drained or stopped (its JSON report),
+/// aborted by a poison event (SIGABRT after [`POISON_LOG`]), refused to start, stopped while
+/// starting; anything else crashed.
+fn ended(w: &Worker, status: ExitStatus, phase: Phase, chaos: &mut Chaos) {
+    let out = std::fs::read_to_string(&w.stdout).unwrap_or_default();
+    let err = std::fs::read_to_string(w.stdout.with_extension("err")).unwrap_or_default();
+    match out.lines().last().map(serde_json::from_str::<Value>) {
+        Some(Ok(doc)) if status.success() => chaos.process_reports.push(doc),
+        _ if status.signal() == Some(SIGABRT) && err.contains(POISON_LOG) => {
+            chaos.poison_deaths += 1
+        }
+        _ if startup_cut(&err) => chaos.startup_cuts += 1,
+        // SIGINT sent at the end of the chaos reached a process that was still starting,
+        // before it listens for SIGINT: stopped, not crashed.
+        _ if phase == Phase::Calm && status.signal() == Some(SIGINT) => {
+            chaos.stopped_while_starting += 1
+        }
+        _ => chaos.crashed.push(format!(
+            "work process {} exited with {status}: {}",
+            w.number,
+            err.trim()
+        )),
+    }
 }
 
 /// A kill whose orphaned rows are being watched until they are reclaimed.
@@ -294,7 +353,12 @@ struct KillWatch {
 /// What the chaos did.
 #[derive(Default)]
 struct Chaos {
-    kills: Vec<(i64, i64)>,
+    /// The processes killed with SIGKILL.
+    kills: Vec<u32>,
+    /// Processes a poison event aborted (SIGABRT after `POISON_LOG`), each replaced.
+    poison_deaths: usize,
+    /// The skewed processes started (a poison abort may end one; another replaces it).
+    skewed_pids: Vec<u32>,
     connections_cut: u64,
     cut_rounds: u64,
     restarts: Vec<Duration>,
@@ -312,6 +376,7 @@ struct Suite<'a> {
     backend: Backend,
     profile: &'a Profile,
     binary: &'a Path,
+    skew: &'a Skew,
     dir: PathBuf,
     url: String,
     /// PostgreSQL: the database's name, the admin URL and the cluster version.
@@ -324,7 +389,12 @@ struct SuiteReport {
 }
 
 impl<'a> Suite<'a> {
-    fn new(backend: Backend, profile: &'a Profile, binary: &'a Path) -> Result<Self> {
+    fn new(
+        backend: Backend,
+        profile: &'a Profile,
+        binary: &'a Path,
+        skew: &'a Skew,
+    ) -> Result<Self> {
         let stamp = unix_ms();
         let dir = project_root().join("target/faults").join(format!(
             "{}-{}-{stamp}",
@@ -350,6 +420,7 @@ impl<'a> Suite<'a> {
             backend,
             profile,
             binary,
+            skew,
             dir,
             url,
             pg,
@@ -376,6 +447,7 @@ impl<'a> Suite<'a> {
     fn outbox(&self, args: &[&str]) -> Result<String> {
         let output = Command::new(self.binary)
             .args(args)
+            .current_dir(&self.dir)
             .env("DATABASE_URL", &self.url)
             .env("RUST_LOG", "error")
             .env_remove("OUTBOX_PULL_WORKER")
@@ -398,11 +470,12 @@ impl<'a> Suite<'a> {
         let p = self.profile;
         let started = Instant::now();
         self.outbox(&["migrate"])?;
-        let (events, records, slow, slow_ms) = (
+        let (events, records, slow, slow_ms, poison) = (
             p.events.to_string(),
             p.records.to_string(),
             p.slow_events.to_string(),
             p.slow_ms.to_string(),
+            p.poison_events.to_string(),
         );
         print!(
             "{}",
@@ -418,6 +491,8 @@ impl<'a> Suite<'a> {
                 &slow,
                 "--slow-ms",
                 &slow_ms,
+                "--poison-events",
+                &poison,
             ])?
         );
         let mut chaos = Chaos::default();
@@ -432,9 +507,9 @@ impl<'a> Suite<'a> {
             "--pull-worker",
             "true",
             "--heartbeat-ms",
-            "500",
+            &HEARTBEAT_MS.to_string(),
             "--stale-after-ms",
-            "3000",
+            &self.stale_after_ms().to_string(),
         ])?;
         if let Some(line) = last.lines().last()
             && let Ok(doc) = serde_json::from_str::<Value>(line)
@@ -460,7 +535,8 @@ impl<'a> Suite<'a> {
         let p = self.profile;
         let mut workers: Vec<Worker> = Vec::new();
         for _ in 0..p.processes {
-            workers.push(self.spawn(chaos)?);
+            let worker = self.spawn(chaos, &workers)?;
+            workers.push(worker);
         }
         let start = Instant::now();
         let mut next_kill = start + p.kill_every;
@@ -494,32 +570,7 @@ impl<'a> Suite<'a> {
                     stuck.join("\n  ")
                 );
             }
-            // Reap processes that ended by themselves (drained, stopped, or failed).
-            let mut index = 0;
-            while index < workers.len() {
-                if let Some(status) = workers[index].child.try_wait()? {
-                    let w = workers.remove(index);
-                    let out = std::fs::read_to_string(&w.stdout).unwrap_or_default();
-                    let err =
-                        std::fs::read_to_string(w.stdout.with_extension("err")).unwrap_or_default();
-                    match out.lines().last().map(serde_json::from_str::<Value>) {
-                        Some(Ok(doc)) if status.success() => chaos.process_reports.push(doc),
-                        _ if startup_cut(&err) => chaos.startup_cuts += 1,
-                        // SIGINT sent at the end of the chaos reached a process that was still
-                        // starting, before it listens for SIGINT: stopped, not crashed.
-                        _ if phase == Phase::Calm && status.signal() == Some(SIGINT) => {
-                            chaos.stopped_while_starting += 1
-                        }
-                        _ => chaos.crashed.push(format!(
-                            "work process {} exited with {status}: {}",
-                            w.number,
-                            err.trim()
-                        )),
-                    }
-                } else {
-                    index += 1;
-                }
-            }
+            self.reap(&mut workers, phase, chaos)?;
             if !watches.is_empty() {
                 self.follow_watches(&mut watches, chaos)?;
             }
@@ -531,38 +582,33 @@ impl<'a> Suite<'a> {
                             "  {:>6}  chaos processes stopped; one process without faults drains the rest",
                             format_duration(start.elapsed())
                         );
-                        workers.push(self.spawn_worker(chaos, false)?);
+                        workers.push(self.spawn_worker(chaos, false, false)?);
                         phase = Phase::Drain;
                     }
                     std::thread::sleep(Duration::from_millis(100));
                     continue;
                 }
                 Phase::Drain => {
+                    // The supervisor: a poison event aborts processes until it is failed, so
+                    // start another while rows are left.
                     if workers.is_empty() {
-                        break;
+                        if self.unfinished()? == 0 {
+                            break;
+                        }
+                        workers.push(self.spawn_worker(chaos, false, false)?);
                     }
                     std::thread::sleep(Duration::from_millis(100));
                     continue;
                 }
             }
             if workers.len() < p.processes {
-                workers.push(self.spawn(chaos)?);
+                let worker = self.spawn(chaos, &workers)?;
+                workers.push(worker);
             }
-            if now >= next_kill && !workers.is_empty() && !self.near_restart(start, restarted) {
-                let victim = rng.below(workers.len());
-                let mut w = workers.remove(victim);
-                let rows = self.processing_rows()?;
-                w.child.kill()?;
-                let _ = w.child.wait();
-                chaos.kills.push((i64::from(w.child.id()), unix_ms()));
-                watches.push(KillWatch {
-                    at: Instant::now(),
-                    rows: rows
-                        .into_iter()
-                        .map(|(id, lmd)| (id, (lmd, false)))
-                        .collect(),
-                });
-                workers.push(self.spawn(chaos)?);
+            if now >= next_kill && !self.near_restart(start, restarted) {
+                if let Some(watch) = self.kill_one(rng, &mut workers, chaos)? {
+                    watches.push(watch);
+                }
                 next_kill = now + p.kill_every;
             }
             if let Some((name, admin, version)) = &self.pg {
@@ -640,10 +686,7 @@ impl<'a> Suite<'a> {
             }
             if last_status.elapsed() >= Duration::from_millis(500) {
                 last_status = Instant::now();
-                let unfinished = self.count(
-                    "SELECT count(*) FROM _System_OutboxEvent WHERE Status IN ('pending', 'processing')",
-                );
-                let unfinished = unfinished.ok();
+                let unfinished = self.unfinished().ok();
                 let restart_done = self.pg.is_none() || restarted;
                 let calm = unfinished.is_some_and(|n| n <= p.calm_below)
                     || start.elapsed() >= p.chaos_limit;
@@ -685,13 +728,92 @@ impl<'a> Suite<'a> {
         !restarted && t + before >= at || restarted && t < at + before + after
     }
 
-    fn spawn(&self, chaos: &mut Chaos) -> Result<Worker> {
-        self.spawn_worker(chaos, true)
+    /// Rows still pending or processing.
+    fn unfinished(&self) -> Result<i64> {
+        self.count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE Status IN ('pending', 'processing')",
+        )
     }
 
-    /// Starts an `outbox work --until-drained` process, with the demo's injected faults when
-    /// `faults`.
-    fn spawn_worker(&self, chaos: &mut Chaos, faults: bool) -> Result<Worker> {
+    /// Stale-after of the work processes (see [`STALE_AFTER_MS`]).
+    fn stale_after_ms(&self) -> u64 {
+        STALE_AFTER_MS
+    }
+
+    /// Reaps the processes that ended by themselves (see [`ended`]).
+    fn reap(&self, workers: &mut Vec<Worker>, phase: Phase, chaos: &mut Chaos) -> Result<()> {
+        let mut index = 0;
+        while index < workers.len() {
+            let Some(status) = workers[index].child.try_wait()? else {
+                index += 1;
+                continue;
+            };
+            let w = workers.remove(index);
+            ended(&w, status, phase, chaos);
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs a random work process other than the skewed one (whose report must survive),
+    /// journals the kill in the side store (so that verification can order it against the
+    /// reclaims), starts a replacement, and returns the watch of the rows it held.
+    fn kill_one(
+        &self,
+        rng: &mut Rng,
+        workers: &mut Vec<Worker>,
+        chaos: &mut Chaos,
+    ) -> Result<Option<KillWatch>> {
+        let candidates: Vec<usize> = (0..workers.len()).filter(|i| !workers[*i].skewed).collect();
+        if candidates.is_empty() {
+            return Ok(None);
+        }
+        let mut w = workers.remove(candidates[rng.below(candidates.len())]);
+        // Rows that do not move over a heartbeat interval before the kill were orphaned
+        // already (a poison abort, an earlier kill): not this kill's to measure.
+        let before: HashMap<String, String> = self.processing_rows()?.into_iter().collect();
+        std::thread::sleep(Duration::from_millis(HEARTBEAT_MS + 200));
+        let rows: Vec<(String, String)> = self
+            .processing_rows()?
+            .into_iter()
+            .filter(|(id, lmd)| before.get(id) != Some(lmd))
+            .collect();
+        w.child.kill()?;
+        let status = w.child.wait()?;
+        if status.signal() != Some(SIGKILL) {
+            // It had ended by itself (a poison event aborted it) before the signal.
+            ended(&w, status, Phase::Chaos, chaos);
+            let worker = self.spawn(chaos, workers)?;
+            workers.push(worker);
+            return Ok(None);
+        }
+        let pid = w.child.id();
+        chaos.kills.push(pid);
+        self.side_execute(&format!(
+            "INSERT INTO DemoAttemptJournal (Mark, EventId, RetryCount, Pid) VALUES ('killed', '', 0, {pid})"
+        ))?;
+        let watch = KillWatch {
+            at: Instant::now(),
+            rows: rows
+                .into_iter()
+                .map(|(id, lmd)| (id, (lmd, false)))
+                .collect(),
+        };
+        let worker = self.spawn(chaos, workers)?;
+        workers.push(worker);
+        Ok(Some(watch))
+    }
+
+    /// Starts a chaos process: the skewed one when the skew is available and none of
+    /// `running` is skewed (a poison event may have aborted it), otherwise an ordinary one.
+    fn spawn(&self, chaos: &mut Chaos, running: &[Worker]) -> Result<Worker> {
+        let skewed = matches!(self.skew, Skew::Ready(_)) && !running.iter().any(|w| w.skewed);
+        self.spawn_worker(chaos, true, skewed)
+    }
+
+    /// Starts an `outbox work --until-drained` process in the run's directory (where a process
+    /// that aborts leaves any core file), with the demo's injected faults when `faults` and its
+    /// wall clock [`skew::SKEW_SECONDS`] behind when `skewed`.
+    fn spawn_worker(&self, chaos: &mut Chaos, faults: bool, skewed: bool) -> Result<Worker> {
         chaos.spawned += 1;
         let number = chaos.spawned;
         let url = if self.backend == Backend::Postgres {
@@ -701,41 +823,48 @@ impl<'a> Suite<'a> {
         };
         let stdout = self.dir.join(format!("work-{number}.out"));
         let workers = self.profile.workers.to_string();
-        let child = Command::new(self.binary)
-            .args([
-                "work",
-                "--until-drained",
-                "--json",
-                "--pull-worker",
-                "true",
-                "--workers",
-                &workers,
-                "--fault-rate",
-                if faults { "0.04" } else { "0" },
-                "--heartbeat-ms",
-                &HEARTBEAT_MS.to_string(),
-                "--stale-after-ms",
-                &STALE_AFTER_MS.to_string(),
-                "--lock-timeout-ms",
-                &LOCK_TIMEOUT_MS.to_string(),
-                "--retry-delay-ms",
-                "50",
-                "--max-retry-delay-ms",
-                "2000",
-                "--max-retry-attempts",
-                "10",
-            ])
-            .env("DATABASE_URL", &url)
-            .env("RUST_LOG", "error")
-            .env_remove("OUTBOX_PULL_WORKER")
-            .stdout(File::create(&stdout)?)
-            .stderr(File::create(stdout.with_extension("err"))?)
-            .spawn()
-            .context("starting an outbox work process")?;
+        let mut cmd = Command::new(self.binary);
+        cmd.args([
+            "work",
+            "--until-drained",
+            "--json",
+            "--pull-worker",
+            "true",
+            "--workers",
+            &workers,
+            "--fault-rate",
+            if faults { "0.04" } else { "0" },
+            "--heartbeat-ms",
+            &HEARTBEAT_MS.to_string(),
+            "--stale-after-ms",
+            &self.stale_after_ms().to_string(),
+            "--lock-timeout-ms",
+            &LOCK_TIMEOUT_MS.to_string(),
+            "--retry-delay-ms",
+            "50",
+            "--max-retry-delay-ms",
+            "2000",
+            "--max-retry-attempts",
+            &MAX_RETRY_ATTEMPTS.to_string(),
+        ])
+        .current_dir(&self.dir)
+        .env("DATABASE_URL", &url)
+        .env("RUST_LOG", "error")
+        .env_remove("OUTBOX_PULL_WORKER")
+        .stdout(File::create(&stdout)?)
+        .stderr(File::create(stdout.with_extension("err"))?);
+        if let (true, Skew::Ready(library)) = (skewed, self.skew) {
+            skew::apply(&mut cmd, library);
+        }
+        let child = cmd.spawn().context("starting an outbox work process")?;
+        if skewed {
+            chaos.skewed_pids.push(child.id());
+        }
         Ok(Worker {
             number,
             child,
             stdout,
+            skewed,
         })
     }
 
@@ -801,20 +930,7 @@ impl<'a> Suite<'a> {
     fn query(&self, sql: &str) -> Result<Vec<Vec<String>>> {
         let out = match self.backend {
             Backend::Postgres => psql(&self.url, sql)?,
-            Backend::Sqlite => {
-                let path = self.url.trim_start_matches("sqlite://");
-                let output = Command::new("sqlite3")
-                    .args(["-cmd", ".timeout 5000", "-separator", "|", path, sql])
-                    .output()
-                    .context("running sqlite3")?;
-                if !output.status.success() {
-                    bail!(
-                        "sqlite3 failed: {}",
-                        String::from_utf8_lossy(&output.stderr)
-                    );
-                }
-                String::from_utf8_lossy(&output.stdout).into_owned()
-            }
+            Backend::Sqlite => sqlite3(self.url.trim_start_matches("sqlite://"), sql)?,
         };
         Ok(out
             .lines()
@@ -823,231 +939,24 @@ impl<'a> Suite<'a> {
             .collect())
     }
 
+    /// Runs a statement on the side store (the demo's mail provider and journals: the same
+    /// database on PostgreSQL, a sibling file on SQLite).
+    fn side_execute(&self, sql: &str) -> Result<()> {
+        match self.backend {
+            Backend::Postgres => psql(&self.url, sql).map(|_| ()),
+            Backend::Sqlite => {
+                let path = format!("{}-mailbox.db", self.url.trim_start_matches("sqlite://"));
+                sqlite3(&path, sql).map(|_| ())
+            }
+        }
+    }
+
     fn count(&self, sql: &str) -> Result<i64> {
         let rows = self.query(sql)?;
         rows.first()
             .and_then(|r| r.first())
             .and_then(|v| v.trim().parse().ok())
             .with_context(|| format!("no count from {sql}"))
-    }
-
-    fn report(
-        &self,
-        chaos: &Chaos,
-        verification: &Value,
-        processing: i64,
-        drain_time: Duration,
-        total: Duration,
-    ) -> SuiteReport {
-        let p = self.profile;
-        let pg = self.backend == Backend::Postgres;
-        let mut checks: Vec<(String, bool, String)> = Vec::new();
-        if let Some(list) = verification["checks"].as_array() {
-            for c in list {
-                checks.push((
-                    c["name"].as_str().unwrap_or("?").to_string(),
-                    c["ok"].as_bool().unwrap_or(false),
-                    c["detail"].as_str().unwrap_or_default().to_string(),
-                ));
-            }
-        } else {
-            checks.push((
-                "outbox verify --json".into(),
-                false,
-                verification.to_string(),
-            ));
-        }
-        checks.push((
-            "no row left processing".into(),
-            processing == 0,
-            format!("{processing} rows in processing after the drain"),
-        ));
-        // A slow attempt superseded by a later attempt of the same try must have died with a
-        // process the suite killed, before the later attempt started.
-        let kills: HashMap<i64, i64> = chaos.kills.iter().copied().collect();
-        let superseded = verification["slow_superseded"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
-        let live_reclaims = superseded
-            .iter()
-            .filter(|s| {
-                let pid = s["pid"].as_i64().unwrap_or(-1);
-                let next = s["next_started_ms"].as_i64().unwrap_or(0);
-                kills.get(&pid).is_none_or(|killed_at| *killed_at > next)
-            })
-            .count();
-        checks.push((
-            "a slow handler with a live heartbeat is never reclaimed".into(),
-            live_reclaims == 0,
-            format!(
-                "{} slow attempts; {} reclaimed after their process was killed, {live_reclaims} reclaimed while their process lived",
-                verification["slow_attempts"],
-                superseded.len() - live_reclaims
-            ),
-        ));
-        checks.push((
-            "no worker process crashed".into(),
-            chaos.crashed.is_empty(),
-            if chaos.crashed.is_empty() {
-                format!(
-                    "{} processes started, {} killed by the suite, {} refused to start because their connection was cut while starting (exit 1 with the error, replaced), {} stopped by the end-of-chaos SIGINT while still starting, the rest exited 0",
-                    chaos.spawned,
-                    chaos.kills.len(),
-                    chaos.startup_cuts,
-                    chaos.stopped_while_starting
-                )
-            } else {
-                chaos.crashed.join("; ")
-            },
-        ));
-        let mut coverage = format!("{} SIGKILLs", chaos.kills.len());
-        let mut covered = !chaos.kills.is_empty();
-        if pg {
-            write!(
-                coverage,
-                ", {} connections cut, {} restart(s), {} outside lock holds",
-                chaos.connections_cut,
-                chaos.restarts.len(),
-                chaos.lock_holds
-            )
-            .ok();
-            covered &=
-                chaos.connections_cut > 0 && chaos.restarts.len() == 1 && chaos.lock_holds > 0;
-        }
-        checks.push(("every fault was injected".into(), covered, coverage));
-
-        let failures = &verification["failures_by_cause"];
-        let cause = |name: &str| failures[name].as_i64().unwrap_or(0);
-        let mut reclaim = chaos.reclaim_ms.clone();
-        reclaim.sort_unstable();
-        let reclaim_text = if reclaim.is_empty() {
-            "n/a (no killed process held a row)".to_string()
-        } else {
-            format!(
-                "p50 {} ms, max {} ms over {} rows (stale-after {} ms, heartbeat {} ms)",
-                reclaim[reclaim.len() / 2],
-                reclaim[reclaim.len() - 1],
-                reclaim.len(),
-                STALE_AFTER_MS,
-                HEARTBEAT_MS
-            )
-        };
-        let sum = |key: &str| -> u64 {
-            chaos
-                .process_reports
-                .iter()
-                .map(|r| r["metrics"][key].as_u64().unwrap_or(0))
-                .sum()
-        };
-        let passed = checks.iter().all(|c| c.1);
-        let mut md = String::new();
-        let _ = writeln!(
-            md,
-            "### Fault suite on {} ({} profile): {}\n",
-            self.backend.name(),
-            p.name,
-            if passed { "PASSED" } else { "FAILED" }
-        );
-        let mut rows: Vec<(&'static str, String)> = Vec::new();
-        let mut add = |k: &'static str, v: String| rows.push((k, v));
-        add(
-            "events",
-            format!(
-                "{} ({} processed, {} failed) over {} records, {} of them slow ({} ms)",
-                p.events + p.slow_events,
-                verification["processed"],
-                verification["failed"],
-                p.records,
-                p.slow_events,
-                p.slow_ms
-            ),
-        );
-        add(
-            "workers",
-            format!(
-                "{} `outbox work` processes of {} workers at a time; {} started in all",
-                p.processes, p.workers, chaos.spawned
-            ),
-        );
-        add(
-            "time",
-            format!(
-                "{} of chaos, {} from the first worker to drained; {} in all",
-                format_duration(chaos.chaos_time),
-                format_duration(drain_time),
-                format_duration(total)
-            ),
-        );
-        add("processes killed (SIGKILL)", chaos.kills.len().to_string());
-        if pg {
-            add(
-                "connections cut (pg_terminate_backend)",
-                format!("{} in {} rounds", chaos.connections_cut, chaos.cut_rounds),
-            );
-            add(
-                "PostgreSQL restarts",
-                chaos
-                    .restarts
-                    .iter()
-                    .map(|d| format!("1 (back after {})", format_duration(*d)))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            );
-            add(
-                "outside row-lock holds (psql)",
-                chaos.lock_holds.to_string(),
-            );
-        } else {
-            add(
-                "not applicable on SQLite",
-                "connection cuts, server restart, outside row locks (the work processes' own lock holder takes SQLite's write lock)".into(),
-            );
-        }
-        add(
-            "lock timeouts hit (counted failures)",
-            cause("lock_timeout").to_string(),
-        );
-        add(
-            "retries (sum of RetryCount)",
-            format!(
-                "{} = {} injected handler faults + {} lock timeouts + {} lost connections + {} other",
-                verification["retries"],
-                cause("injected"),
-                cause("lock_timeout"),
-                cause("connection_lost"),
-                cause("other") + cause("no_error_recorded")
-            ),
-        );
-        add("kill to reclaim", reclaim_text);
-        add(
-            "seen by the processes that exited normally",
-            format!(
-                "{} claims, {} stale reclaims, {} lost claims, {} detached bookkeeping",
-                sum("claimed"),
-                sum("stale_reclaims"),
-                sum("lost_claims"),
-                sum("detached_bookkeeping")
-            ),
-        );
-        let _ = writeln!(md, "| measure | value |\n|---|---|");
-        for (k, v) in &rows {
-            let _ = writeln!(md, "| {k} | {v} |");
-        }
-        let _ = writeln!(md, "\n| invariant | result | measured |\n|---|---|---|");
-        for (name, ok, detail) in &checks {
-            let _ = writeln!(
-                md,
-                "| {name} | {} | {} |",
-                if *ok { "ok" } else { "**FAIL**" },
-                detail.replace('|', "/")
-            );
-        }
-        let _ = writeln!(md, "\nLogs of each work process: `{}`", self.dir.display());
-        SuiteReport {
-            markdown: md,
-            passed,
-        }
     }
 }
 
@@ -1073,6 +982,21 @@ fn psql(url: &str, sql: &str) -> Result<String> {
         bail!(
             "psql failed: {}",
             String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Runs one statement with `sqlite3` on the file at `path` and returns its output.
+fn sqlite3(path: &str, sql: &str) -> Result<String> {
+    let output = Command::new("sqlite3")
+        .args(["-cmd", ".timeout 5000", "-separator", "|", path, sql])
+        .output()
+        .context("running sqlite3")?;
+    if !output.status.success() {
+        bail!(
+            "sqlite3 failed: {}",
+            String::from_utf8_lossy(&output.stderr)
         );
     }
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
@@ -1144,8 +1068,23 @@ mod tests {
     }
 
     #[test]
+    fn the_poison_log_line_is_the_binarys() {
+        let path = project_root().join("crates/outbox-cli/src/demo/handlers.rs");
+        let source = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            source.contains(&format!("POISON_LOG: &str = \"{POISON_LOG}\";")),
+            "{} no longer defines POISON_LOG as {POISON_LOG:?}",
+            path.display()
+        );
+    }
+
+    #[test]
     fn quick_profile_fits_in_ci() {
         assert!(QUICK.deadline <= Duration::from_secs(90));
+        // A poison event's chain of deaths, each waiting out stale-after (three times that at
+        // worst on SQLite), fits in the deadline.
+        let chain = Duration::from_millis(STALE_AFTER_MS * 3) * MAX_RETRY_ATTEMPTS as u32;
+        assert!(chain < QUICK.deadline, "{chain:?}");
         assert!(QUICK.restart_at < QUICK.chaos_limit && QUICK.chaos_limit < QUICK.deadline);
     }
 }

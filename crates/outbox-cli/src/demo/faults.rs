@@ -170,10 +170,22 @@ async fn kill_a_worker(
     config: &WorkerConfig,
     stop: &CancellationToken,
 ) -> Option<Option<u64>> {
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let policy = config.claim_policy();
     let scope = Scope::Only(vec![ACCOUNT_UPDATED.to_string()]);
-    let claim = repo.claim_next(policy, &scope).await.ok().flatten()?;
+    // The workers start first; the claim may find every eligible row taken, or SQLite's
+    // writer busy, so it is tried again for a while.
+    let mut claim = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if stop.is_cancelled() {
+            return None;
+        }
+        if let Ok(Some(c)) = repo.claim_next(policy, &scope).await {
+            claim = Some(c);
+            break;
+        }
+    }
+    let claim = claim?;
     let id = claim.event.id;
     let entered = Arc::new(Notify::new());
     let doomed = Handlers::new().register(claim.event.event_type.clone(), Parked(entered.clone()));

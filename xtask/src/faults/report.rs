@@ -1,0 +1,350 @@
+//! The fault suite's report: the invariants `outbox verify --json` read from the database, the
+//! suite's own checks on top of them (what only the suite knows: which processes it killed,
+//! which exited normally, which ran with its clock behind), the measures, and the markdown.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::skew::{SKEW_SECONDS, Skew};
+use super::{Backend, Chaos, HEARTBEAT_MS, MAX_RETRY_ATTEMPTS, Suite, SuiteReport};
+use crate::cmd::format_duration;
+
+/// One invariant: its name, whether it held, what was measured.
+type Invariant = (String, bool, String);
+
+/// The sum of a counter over the JSON reports of processes that exited normally.
+fn sum<'a>(reports: impl Iterator<Item = &'a Value>, key: &str) -> u64 {
+    reports
+        .map(|r| r["metrics"][key].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// The invariants `outbox verify --json` checked.
+fn verified(verification: &Value) -> Vec<Invariant> {
+    let Some(list) = verification["checks"].as_array() else {
+        return vec![(
+            "outbox verify --json".into(),
+            false,
+            verification.to_string(),
+        )];
+    };
+    list.iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap_or("?").to_string(),
+                c["ok"].as_bool().unwrap_or(false),
+                c["detail"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+impl Suite<'_> {
+    /// The run's report.
+    pub(super) fn report(
+        &self,
+        chaos: &Chaos,
+        verification: &Value,
+        processing: i64,
+        drain_time: Duration,
+        total: Duration,
+    ) -> SuiteReport {
+        let mut checks = verified(verification);
+        checks.push((
+            "no row left processing".into(),
+            processing == 0,
+            format!("{processing} rows in processing after the drain"),
+        ));
+        self.integrity_checks(chaos, verification, &mut checks);
+        self.process_checks(chaos, &mut checks);
+        let rows = self.measures(chaos, verification, drain_time, total);
+        let passed = checks.iter().all(|c| c.1);
+        let mut md = String::new();
+        let _ = writeln!(
+            md,
+            "### Fault suite on {} ({} profile): {}\n",
+            self.backend.name(),
+            self.profile.name,
+            if passed { "PASSED" } else { "FAILED" }
+        );
+        let _ = writeln!(md, "| measure | value |\n|---|---|");
+        for (k, v) in &rows {
+            let _ = writeln!(md, "| {k} | {v} |");
+        }
+        let _ = writeln!(md, "\n| invariant | result | measured |\n|---|---|---|");
+        for (name, ok, detail) in &checks {
+            let _ = writeln!(
+                md,
+                "| {name} | {} | {} |",
+                if *ok { "ok" } else { "**FAIL**" },
+                detail.replace('|', "/")
+            );
+        }
+        let _ = writeln!(md, "\nLogs of each work process: `{}`", self.dir.display());
+        SuiteReport {
+            markdown: md,
+            passed,
+        }
+    }
+
+    /// Lost claims, reruns, repeated sends and the poison events: what a live process must
+    /// never cause, and what a dead one must leave behind.
+    fn integrity_checks(&self, chaos: &Chaos, v: &Value, checks: &mut Vec<Invariant>) {
+        let reports = || chaos.process_reports.iter();
+        let lost = sum(reports(), "lost_claims");
+        checks.push((
+            "0 lost claims by a live process".into(),
+            lost == 0 && v["lost_claims"].as_i64() == Some(0),
+            format!(
+                "{lost} lost claims reported by the {} processes that exited normally; {} by their runs in the side store",
+                chaos.process_reports.len(),
+                v["lost_claims"]
+            ),
+        ));
+        if let Skew::Ready(_) = self.skew {
+            let skewed: Vec<&Value> = reports()
+                .filter(|r| {
+                    r["pid"]
+                        .as_u64()
+                        .is_some_and(|pid| chaos.skewed_pids.contains(&(pid as u32)))
+                })
+                .collect();
+            let (claimed, lost) = (
+                sum(skewed.iter().copied(), "claimed"),
+                sum(skewed.iter().copied(), "lost_claims"),
+            );
+            checks.push((
+                format!("a worker whose clock runs {SKEW_SECONDS} s behind loses no claim"),
+                !skewed.is_empty() && claimed > 0 && lost == 0,
+                format!(
+                    "{} skewed process(es) started, {} exited normally: {claimed} claims, {lost} lost, {} stale reclaims",
+                    chaos.skewed_pids.len(),
+                    skewed.len(),
+                    sum(skewed.iter().copied(), "stale_reclaims")
+                ),
+            ));
+        }
+        let twice = v["sent_twice_in_one_attempt"].as_i64();
+        checks.push((
+            "0 sends repeated within one attempt".into(),
+            twice == Some(0),
+            format!(
+                "{} sends repeated within one attempt; {} redelivered by a later attempt after a counted failure or death; {} duplicates absorbed by the idempotency key",
+                v["sent_twice_in_one_attempt"],
+                v["sends_redelivered"],
+                v["duplicate_sends_absorbed"]
+            ),
+        ));
+        let superseded = v["superseded"].as_array().cloned().unwrap_or_default();
+        let early = superseded
+            .iter()
+            .filter(|s| s["death_before_reclaim"] != true)
+            .count();
+        checks.push((
+            "a slow handler with a live heartbeat is never reclaimed".into(),
+            early == 0 && v["ran_twice"].as_i64() == Some(0),
+            format!(
+                "{} journaled runs, {} ran again while running; {} reclaimed after their process's death was journaled (SIGKILL or poison abort), {early} before it",
+                v["journaled_runs"],
+                v["ran_twice"],
+                superseded.len() - early
+            ),
+        ));
+        let (poison, failed) = (v["poison"].as_i64(), v["poison_failed"].as_i64());
+        checks.push((
+            "the poison events ended failed".into(),
+            poison.is_some_and(|n| n > 0) && failed == poison,
+            format!(
+                "{} poison event(s), {} failed with LastError \"worker died: …\", after {} processes aborted on it (MaxRetryAttempts {MAX_RETRY_ATTEMPTS})",
+                v["poison"], v["poison_failed"], chaos.poison_deaths
+            ),
+        ));
+    }
+
+    /// No crash, and every fault injected.
+    fn process_checks(&self, chaos: &Chaos, checks: &mut Vec<Invariant>) {
+        checks.push((
+            "no worker process crashed".into(),
+            chaos.crashed.is_empty(),
+            if chaos.crashed.is_empty() {
+                format!(
+                    "{} processes started, {} killed by the suite, {} aborted by the poison event (SIGABRT after its log line, replaced), {} refused to start because their connection was cut while starting (exit 1 with the error, replaced), {} stopped by the end-of-chaos SIGINT while still starting, the rest exited 0",
+                    chaos.spawned,
+                    chaos.kills.len(),
+                    chaos.poison_deaths,
+                    chaos.startup_cuts,
+                    chaos.stopped_while_starting
+                )
+            } else {
+                chaos.crashed.join("; ")
+            },
+        ));
+        let mut coverage = format!(
+            "{} SIGKILLs, {} poison aborts",
+            chaos.kills.len(),
+            chaos.poison_deaths
+        );
+        let mut covered = !chaos.kills.is_empty() && chaos.poison_deaths > 0;
+        if let Skew::Ready(_) = self.skew {
+            write!(coverage, ", {} skewed process(es)", chaos.skewed_pids.len()).ok();
+            covered &= !chaos.skewed_pids.is_empty();
+        }
+        if self.backend == Backend::Postgres {
+            write!(
+                coverage,
+                ", {} connections cut, {} restart(s), {} outside lock holds",
+                chaos.connections_cut,
+                chaos.restarts.len(),
+                chaos.lock_holds
+            )
+            .ok();
+            covered &=
+                chaos.connections_cut > 0 && chaos.restarts.len() == 1 && chaos.lock_holds > 0;
+        }
+        checks.push(("every fault was injected".into(), covered, coverage));
+    }
+
+    /// The measures table.
+    fn measures(
+        &self,
+        chaos: &Chaos,
+        v: &Value,
+        drain_time: Duration,
+        total: Duration,
+    ) -> Vec<(&'static str, String)> {
+        let p = self.profile;
+        let cause = |name: &str| v["failures_by_cause"][name].as_i64().unwrap_or(0);
+        let mut rows: Vec<(&'static str, String)> = Vec::new();
+        let mut add = |k: &'static str, v: String| rows.push((k, v));
+        add(
+            "events",
+            format!(
+                "{} ({} processed, {} failed) over {} records, {} of them slow ({} ms), {} poison",
+                p.events + p.slow_events + 2 * p.poison_events,
+                v["processed"],
+                v["failed"],
+                p.records + p.poison_events,
+                p.slow_events,
+                p.slow_ms,
+                p.poison_events
+            ),
+        );
+        add(
+            "workers",
+            format!(
+                "{} `outbox work` processes of {} workers at a time{}; {} started in all",
+                p.processes,
+                p.workers,
+                match self.skew {
+                    Skew::Ready(_) => format!(", one with its clock {SKEW_SECONDS} s behind"),
+                    Skew::Unavailable(_) => String::new(),
+                },
+                chaos.spawned
+            ),
+        );
+        add(
+            "time",
+            format!(
+                "{} of chaos, {} from the first worker to drained; {} in all",
+                format_duration(chaos.chaos_time),
+                format_duration(drain_time),
+                format_duration(total)
+            ),
+        );
+        add(
+            "worker deaths",
+            format!(
+                "{} = {} SIGKILLs + {} poison aborts; {} dead attempts counted on reclaim",
+                chaos.kills.len() + chaos.poison_deaths,
+                chaos.kills.len(),
+                chaos.poison_deaths,
+                cause("worker_died")
+            ),
+        );
+        if self.backend == Backend::Postgres {
+            add(
+                "connections cut (pg_terminate_backend)",
+                format!("{} in {} rounds", chaos.connections_cut, chaos.cut_rounds),
+            );
+            add(
+                "PostgreSQL restarts",
+                chaos
+                    .restarts
+                    .iter()
+                    .map(|d| format!("1 (back after {})", format_duration(*d)))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            );
+            add(
+                "outside row-lock holds (psql)",
+                chaos.lock_holds.to_string(),
+            );
+        } else {
+            add(
+                "not applicable on SQLite",
+                "connection cuts, server restart, outside row locks (the work processes' own lock holder takes SQLite's write lock)".into(),
+            );
+        }
+        add(
+            "lock timeouts hit (counted failures)",
+            cause("lock_timeout").to_string(),
+        );
+        add(
+            "retries (sum of RetryCount)",
+            format!(
+                "{} = {} injected handler faults + {} lock timeouts + {} lost connections + {} dead attempts (worker died) + {} other",
+                v["retries"],
+                cause("injected"),
+                cause("lock_timeout"),
+                cause("connection_lost"),
+                cause("worker_died"),
+                cause("other") + cause("no_error_recorded")
+            ),
+        );
+        add("kill to reclaim", self.reclaim_text(chaos));
+        let reports = || chaos.process_reports.iter();
+        add(
+            "seen by the processes that exited normally",
+            format!(
+                "{} claims, {} stale reclaims, {} lost claims, {} detached bookkeeping",
+                sum(reports(), "claimed"),
+                sum(reports(), "stale_reclaims"),
+                sum(reports(), "lost_claims"),
+                sum(reports(), "detached_bookkeeping")
+            ),
+        );
+        if let Skew::Unavailable(why) = self.skew {
+            add("skewed-clock process", format!("skipped: {why}"));
+        }
+        add(
+            "external sends (welcome emails)",
+            format!(
+                "{} delivered; {} redelivered by a later attempt after a counted failure or death, {} repeated within one attempt; {} duplicates absorbed by the provider's idempotency key",
+                v["emails"],
+                v["sends_redelivered"],
+                v["sent_twice_in_one_attempt"],
+                v["duplicate_sends_absorbed"]
+            ),
+        );
+        rows
+    }
+
+    /// Kill-to-reclaim times of the rows the killed processes held.
+    fn reclaim_text(&self, chaos: &Chaos) -> String {
+        let mut reclaim = chaos.reclaim_ms.clone();
+        reclaim.sort_unstable();
+        if reclaim.is_empty() {
+            return "n/a (no killed process held a row)".to_string();
+        }
+        format!(
+            "p50 {} ms, max {} ms over {} rows (stale-after {} ms, heartbeat {} ms)",
+            reclaim[reclaim.len() / 2],
+            reclaim[reclaim.len() - 1],
+            reclaim.len(),
+            self.stale_after_ms(),
+            HEARTBEAT_MS
+        )
+    }
+}
