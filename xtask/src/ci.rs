@@ -102,6 +102,11 @@ const STEPS: &[Step] = &[
     ),
     Step::xtask("tests", "test", test_all),
     Step::xtask("demo on SQLite and PostgreSQL", "demo", demo::demo),
+    Step::xtask(
+        "embedding example on SQLite and PostgreSQL",
+        "example",
+        demo::example,
+    ),
     Step::xtask("fault suite (quick)", "faults --quick", faults_quick),
     Step::xtask(
         "benchmark (figures, not asserted)",

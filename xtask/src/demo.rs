@@ -80,6 +80,43 @@ pub fn demo() -> Result<()> {
     result
 }
 
+/// `cargo xtask example`: the embedding example (`examples/contact-service`) with pull workers
+/// behind the rollout gate, on a fresh SQLite file and a fresh PostgreSQL database. It checks
+/// its own result and exits non-zero when it is wrong.
+pub fn example() -> Result<()> {
+    let run = |url: &str| {
+        Cmd::cargo(&[
+            "run",
+            "--release",
+            "-q",
+            "-p",
+            "contact-service",
+            "--",
+            url,
+            "400",
+        ])
+        .env("OUTBOX_PULL_WORKER", "true")
+        .run()
+    };
+    let dir = std::env::temp_dir().join(format!("contact_service_{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let sqlite = format!("sqlite://{}", dir.join("contacts.db").display());
+    let result = run(&sqlite);
+    std::fs::remove_dir_all(&dir).ok();
+    result?;
+    let admin = postgres::database_url();
+    postgres::check_reachable(&admin).map_err(anyhow::Error::msg)?;
+    let name = format!("contact_service_{}", std::process::id());
+    psql(&admin, &format!("DROP DATABASE IF EXISTS {name}"))?;
+    psql(&admin, &format!("CREATE DATABASE {name}"))?;
+    let result = run(&with_database(&admin, &name));
+    psql(
+        &admin,
+        &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+    )?;
+    result
+}
+
 /// Replaces the database name of a PostgreSQL URL.
 fn with_database(url: &str, name: &str) -> String {
     let (base, query) = url

@@ -79,6 +79,13 @@ const RULES: &[Rule] = &[
         forbidden_transitive: &[],
     },
     Rule {
+        // The embedding example: the library crates only, like a platform team's service.
+        krate: "contact-service",
+        workspace: WorkspaceDeps::Only(&["outbox-events", "create-action"]),
+        forbidden_direct: &["sqlx", "async-trait", "tokio-util"],
+        forbidden_transitive: &[],
+    },
+    Rule {
         krate: "outbox-cli",
         workspace: WorkspaceDeps::Any,
         forbidden_direct: &[],

@@ -33,6 +33,8 @@ commands:
   consumer-map [--check]
                    write docs/consumer-map.md from the binary (--check: fail when stale)
   demo             run `outbox demo` on SQLite and on a fresh PostgreSQL database
+  example          run the embedding example (examples/contact-service) with pull workers on
+                   SQLite and on a fresh PostgreSQL database
   faults [--quick] [--backend postgres|sqlite|both] [--report FILE] [--seed N]
                    the fault suite: killed workers, cut connections, a restarted PostgreSQL,
                    lock timeouts; then drain and verify (--quick: the CI size)
@@ -74,6 +76,10 @@ fn run(args: Vec<String>) -> Result<()> {
         "demo" => {
             no_arguments(command, rest)?;
             demo::demo()
+        }
+        "example" => {
+            no_arguments(command, rest)?;
+            demo::example()
         }
         "faults" => faults::run(rest),
         "bench" => bench::run(&bench::BenchOptions::parse(rest)?),
