@@ -17,6 +17,8 @@
 //! Actions run on `sqlx::PgConnection` or `sqlx::SqliteConnection` ([`ActionConn`]) inside the
 //! caller's transaction: `action.run(&mut *tx, &event)`.
 
+#![warn(missing_docs)]
+
 pub mod autonumber;
 mod class;
 mod conn;

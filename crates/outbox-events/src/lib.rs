@@ -9,6 +9,8 @@
 //! This crate names no concrete database: it speaks to [`OutboxRepository`] and hands handlers
 //! the attempt's [`Tx`].
 
+#![warn(missing_docs)]
+
 mod attempt;
 mod config;
 mod consumer;

@@ -14,6 +14,8 @@
 //! heartbeats on a monotonic clock. Callers pass durations ([`ClaimPolicy`]); tests move a
 //! [`ClockShift`] instead of sleeping.
 
+#![warn(missing_docs)]
+
 mod database;
 mod error;
 mod model;

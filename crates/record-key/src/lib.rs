@@ -25,6 +25,8 @@
 //! trim, lowercase or convert numbers, because a silently different key would put the record's
 //! events in two unordered groups.
 
+#![warn(missing_docs)]
+
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
