@@ -97,4 +97,49 @@ async fn errors_say_their_cause(db: TestDb) {
     );
 }
 
-backend_tests!(caller_token_and_drained, errors_say_their_cause);
+/// An application that owns its pool and its transactions enqueues on the connection of a
+/// transaction it opened itself with sqlx; the rows commit or roll back with it.
+async fn enqueue_on_the_applications_own_transaction(db: TestDb) {
+    let events = [NewEvent::new("t", r#"{"object":"Lead","record_id":"own"}"#)];
+    let ids = match &db.db {
+        outbox_events::Database::Postgres(pool) => {
+            let mut rolled_back = pool.begin().await.unwrap();
+            outbox_events::persistence::postgres::enqueue(&mut rolled_back, &events)
+                .await
+                .unwrap();
+            rolled_back.rollback().await.unwrap();
+            let mut tx = pool.begin().await.unwrap();
+            let ids = outbox_events::persistence::postgres::enqueue(&mut tx, &events)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            ids
+        }
+        outbox_events::Database::Sqlite(pool) => {
+            let mut rolled_back = pool.begin().await.unwrap();
+            outbox_events::persistence::sqlite::enqueue(&mut rolled_back, &events)
+                .await
+                .unwrap();
+            rolled_back.rollback().await.unwrap();
+            let mut tx = pool.begin().await.unwrap();
+            let ids = outbox_events::persistence::sqlite::enqueue(&mut tx, &events)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            ids
+        }
+    };
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent").await,
+        1,
+        "the rolled-back enqueue left nothing"
+    );
+    let row = db.repository().get_event(ids[0]).await.unwrap().unwrap();
+    assert_eq!(row.record_key.as_deref(), Some("lead:own"));
+}
+
+backend_tests!(
+    caller_token_and_drained,
+    errors_say_their_cause,
+    enqueue_on_the_applications_own_transaction
+);
