@@ -83,8 +83,8 @@ impl FaultInjector {
     }
 }
 
-/// Every second, holds the row of a record with a pending capture event, from a connection of
-/// its own, for three lock timeouts.
+/// Every second, holds the row of a random record with a pending capture event, from a
+/// connection of its own, for three lock timeouts.
 async fn hold_locks(db: &Database, config: &WorkerConfig, stop: &CancellationToken) -> u64 {
     let hold = config.lock_timeout * 3;
     let mut holds = 0;
@@ -106,8 +106,12 @@ async fn hold_one(
     hold: Duration,
     stop: &CancellationToken,
 ) -> Result<bool, sqlx::Error> {
+    // A random record with a pending capture event that has not failed twice yet: the holds
+    // exercise lock timeouts, and must not fail one event again and again (an event left
+    // pending behind a long head, say, would otherwise be picked every time).
     const TARGET: &str = "SELECT RecordKey FROM _System_OutboxEvent
-        WHERE Status = 'pending' AND EventType = 'account.updated' LIMIT 1";
+        WHERE Status = 'pending' AND EventType = 'account.updated' AND RetryCount < 2
+        ORDER BY random() LIMIT 1";
     let wait = async {
         tokio::select! {
             _ = stop.cancelled() => {}

@@ -10,15 +10,18 @@ use outbox_persistence::WORKER_DIED;
 use serde::Serialize;
 
 use super::handlers::is_poison;
-use super::journal::{self, JournalFindings};
+use super::journal::{self, JournalFindings, WorkRun};
 use super::sink::MailSink;
 use super::verify::{Check, EventRow, check};
 
 /// What the integrity checks read.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Integrity {
-    /// Claims lost by the processes that exited normally (their own counters).
+    /// Claims the processes lost while they lived (the counters of completed runs, and the
+    /// last recorded counters of runs that died).
     pub lost_claims: i64,
+    /// Every work run.
+    pub runs: Vec<WorkRun>,
     /// Work runs that exited normally.
     pub completed_runs: usize,
     /// Work runs never completed: processes that died.
@@ -50,12 +53,14 @@ pub async fn check_integrity(
     let mut out = Integrity::default();
     let runs = sink.work_runs().await?;
     let lived: HashMap<i64, bool> = runs.iter().map(|r| (r.pid, r.completed)).collect();
+    let mut lost_before_dying = 0;
     for r in &runs {
+        out.lost_claims += r.lost_claims;
         if r.completed {
             out.completed_runs += 1;
-            out.lost_claims += r.lost_claims;
         } else {
             out.worker_deaths += 1;
+            lost_before_dying += r.lost_claims;
         }
     }
     check(
@@ -63,8 +68,11 @@ pub async fn check_integrity(
         "no claim lost by a live process",
         out.lost_claims == 0,
         format!(
-            "{} claims lost by the {} processes that exited normally (their own counters); {} processes died without writing theirs",
-            out.lost_claims, out.completed_runs, out.worker_deaths
+            "{} claims lost: {} by the {} processes that exited normally, {lost_before_dying} recorded before they died by the {} that died",
+            out.lost_claims,
+            out.lost_claims - lost_before_dying,
+            out.completed_runs,
+            out.worker_deaths
         ),
     );
 
@@ -108,6 +116,7 @@ pub async fn check_integrity(
         ),
     );
     check_poison(events, &mut out, checks);
+    out.runs = runs;
     Ok(out)
 }
 

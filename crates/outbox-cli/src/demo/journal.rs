@@ -7,8 +7,8 @@
 //!   fault suite writes `killed` after it SIGKILLed a process. Rows are ordered by the store's
 //!   own sequence, never by a host clock, so a worker whose clock runs behind cannot blur them.
 //! - `DemoWorkRun`: one row per `outbox work` process (and per `outbox demo`), written before
-//!   its workers start and completed with its counters when it exits. A run never completed is
-//!   a process that died.
+//!   its workers start, updated with its counters every few seconds and completed when it exits.
+//!   A run never completed is a process that died; its counters are those it last recorded.
 //!
 //! From these, verification tells a handler that ran again while it still ran (a claim taken
 //! over from a live worker) from a redelivery after its process died.
@@ -84,7 +84,7 @@ pub struct Entry {
 pub struct WorkRun {
     /// The process.
     pub pid: i64,
-    /// Whether it exited normally and wrote its counters.
+    /// Whether it exited normally (otherwise the counters are the last it recorded).
     pub completed: bool,
     /// Rows it claimed.
     pub claimed: i64,
@@ -172,10 +172,19 @@ impl MailSink {
 
     /// Completes run `run_id` with the process's counters (it exits normally).
     pub async fn run_completed(&self, run_id: i64, m: &MetricsSnapshot) -> Result<()> {
+        self.update_run(run_id, m, true).await
+    }
+
+    /// Records the counters of run `run_id` so far (the process works on).
+    pub async fn run_progress(&self, run_id: i64, m: &MetricsSnapshot) -> Result<()> {
+        self.update_run(run_id, m, false).await
+    }
+
+    async fn update_run(&self, run_id: i64, m: &MetricsSnapshot, completed: bool) -> Result<()> {
         let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         with_pool!(&self.db, |pool| {
             sqlx::query(
-                "UPDATE DemoWorkRun SET Completed = 1, Claimed = $2, LostClaims = $3,
+                "UPDATE DemoWorkRun SET Completed = $6, Claimed = $2, LostClaims = $3,
                    StaleReclaims = $4, Cancelled = $5
                  WHERE RunId = $1",
             )
@@ -184,6 +193,7 @@ impl MailSink {
             .bind(n(m.lost_claims))
             .bind(n(m.stale_reclaims))
             .bind(n(m.cancelled))
+            .bind(i64::from(completed))
             .execute(pool)
             .await
             .map(|_| ())

@@ -410,15 +410,38 @@ async fn decide(dispatcher: &Dispatcher) -> Result<ModeDecision> {
     Ok(decision)
 }
 
+/// How often `work` records its counters in its run while it works.
+const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+
+/// A work process's run in the side store, and the counters it records there while it works:
+/// a process that dies later (killed, aborted) leaves what it had counted so far, so a claim
+/// it lost while alive still shows.
+struct Progress {
+    sink: MailSink,
+    run: i64,
+    metrics: Arc<outbox_events::Metrics>,
+}
+
+impl Progress {
+    async fn record(&self) {
+        let m = self.metrics.snapshot();
+        if let Err(e) = self.sink.run_progress(self.run, &m).await {
+            tracing::debug!(error = %e, "could not record this run's progress");
+        }
+    }
+}
+
 /// Waits for Ctrl-C, for the dispatcher to stop, or (with `until_drained`) for no row to be
 /// left pending or processing.
 async fn wait_for_the_end(
     repo: &Arc<dyn OutboxRepository>,
     stop: tokio_util::sync::CancellationToken,
     until_drained: bool,
+    progress: &Progress,
 ) {
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
+    let mut last_progress = Instant::now();
     loop {
         tokio::select! {
             _ = &mut ctrl_c => {
@@ -427,6 +450,10 @@ async fn wait_for_the_end(
             }
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+        if last_progress.elapsed() >= PROGRESS_EVERY {
+            last_progress = Instant::now();
+            progress.record().await;
         }
         if until_drained {
             // A database that is briefly away (restarted, connection cut) is not the end of
@@ -442,9 +469,9 @@ async fn wait_for_the_end(
     }
 }
 
-/// `outbox work`. Its run is recorded in the side store before the workers start and completed
-/// with its counters on a normal exit, so that `verify` can tell a live process's lost claims
-/// from a dead one's.
+/// `outbox work`. Its run is recorded in the side store before the workers start, updated with
+/// its counters every few seconds, and completed on a normal exit, so that `verify` can count
+/// the claims a process lost while it lived, whatever became of it later.
 pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode> {
     let requested = match args.pull_worker {
         Some(true) => DispatchMode::Pull,
@@ -477,7 +504,18 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
         false,
     );
     let start = Instant::now();
-    wait_for_the_end(&repo, dispatcher.stop_token(), args.until_drained).await;
+    let progress = Progress {
+        sink: sink.clone(),
+        run,
+        metrics: dispatcher.metrics_handle(),
+    };
+    wait_for_the_end(
+        &repo,
+        dispatcher.stop_token(),
+        args.until_drained,
+        &progress,
+    )
+    .await;
     let faults = fault_task.stop().await;
     let report = dispatcher.shutdown().await;
     let m = report.metrics;

@@ -47,8 +47,10 @@ pub struct Verification {
     pub duplicate_sends_absorbed: i64,
     /// Counted failures (rows of the retry audit) by cause.
     pub failures_by_cause: BTreeMap<&'static str, i64>,
-    /// Claims lost by processes that exited normally (must be 0).
+    /// Claims lost by processes while they lived (must be 0).
     pub lost_claims: i64,
+    /// Every work process's run, with its counters (the last it recorded, when it died).
+    pub work_runs: Vec<super::journal::WorkRun>,
     /// Journaled handler runs that went on after another run of their event began, or died
     /// while their process lived on (must be 0).
     pub ran_twice: i64,
@@ -435,6 +437,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
             .unwrap_or(0),
         failures_by_cause,
         lost_claims: integrity.lost_claims,
+        work_runs: integrity.runs,
         ran_twice: (integrity.journal.ran_twice + integrity.superseded_while_alive) as i64,
         sent_twice_in_one_attempt: integrity.sent_twice_in_one_attempt,
         sends_redelivered: integrity.sends_redelivered,
