@@ -61,16 +61,25 @@ async fn caller_token_and_drained(db: TestDb) {
     .unwrap();
     assert!(drained);
     assert_eq!(handled.load(Ordering::SeqCst), 30);
-    // The service cancels its own token: claiming stops, `drained` no longer waits.
+    // The service cancels its own token: claiming stops, and shutdown waits for the workers.
     shutdown.cancel();
-    // A claim already under way when the token is cancelled completes; let those end.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(handle.shutdown().await.graceful);
     let mut tx = repo.begin().await.unwrap();
     repo.enqueue(&mut tx, &events[..1]).await.unwrap();
     tx.commit().await.unwrap();
-    assert!(!handle.drained(Duration::from_millis(20)).await.unwrap());
-    let report = handle.shutdown().await;
-    assert!(report.graceful);
+    // A dispatcher whose token is already cancelled claims nothing, and `drained` does not
+    // wait for rows that nobody will take.
+    let stopped = Dispatcher::new(
+        repo.clone(),
+        Handlers::new().register("t", Count(handled.clone())),
+        WorkerConfig::default().with_workers(3),
+    )
+    .with_stop_token(shutdown.clone())
+    .start()
+    .await
+    .unwrap();
+    assert!(!stopped.drained(Duration::from_millis(20)).await.unwrap());
+    assert!(stopped.shutdown().await.graceful);
     assert_eq!(
         handled.load(Ordering::SeqCst),
         30,

@@ -82,6 +82,44 @@ macro_rules! db_now {
     };
 }
 
+/// The design's state rules for the candidate `e`: `pending` (a retried row once its retry
+/// delay passed, any row from its `LastModifiedDate` on) or a stale `processing` row. Needs a
+/// `clock` CTE, stale-after `$2` and the retry delay `$3`.
+macro_rules! claimable_state {
+    () => {
+        "    (e.Status = 'pending'
+     OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
+    AND (e.Status <> 'pending'
+         OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
+         OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
+"
+    };
+}
+
+/// The design's ordering rule for the candidate `e` (no older non-terminal row of its key; the
+/// `(CreatedDate, Id)` comparison as a row comparison, which the index bounds) and the
+/// in-flight guard.
+macro_rules! key_order {
+    () => {
+        concat!(
+            "    AND (
+      e.RecordKey IS NULL
+      OR (NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent older
+        WHERE older.RecordKey = e.RecordKey
+          AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
+          AND older.Status NOT IN ('processed', 'failed')
+      )
+",
+            in_flight_guard!(),
+            "      )
+    )
+"
+        )
+    };
+}
+
 /// The candidate selection of `claim_next`: the design's eligible set and order, computed so
 /// that its cost does not grow with the backlog or with one hot key (see `docs/queries.md`).
 ///
@@ -140,25 +178,9 @@ in_prefix AS (
   ) w
   JOIN _System_OutboxEvent e ON e.Id = w.Id
   WHERE
-    (e.Status = 'pending'
-     OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
-    AND (e.Status <> 'pending'
-         OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
-         OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
-    AND (
-      e.RecordKey IS NULL
-      OR (NOT EXISTS (
-        SELECT 1
-        FROM _System_OutboxEvent older
-        WHERE older.RecordKey = e.RecordKey
-          AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
-          AND older.Status NOT IN ('processed', 'failed')
-      )
 ",
-            in_flight_guard!(),
-            "      )
-    )
-",
+            claimable_state!(),
+            key_order!(),
             $($scope)*,
             "  ORDER BY w.CreatedDate, w.Id
   LIMIT 1
@@ -177,12 +199,9 @@ by_head AS (
   ) c
   JOIN _System_OutboxEvent e ON e.Id = c.Id
   WHERE
-    (e.Status = 'pending'
-     OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
-    AND (e.Status <> 'pending'
-         OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
-         OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
-    AND (e.RecordKey IS NULL OR (TRUE
+",
+            claimable_state!(),
+            "    AND (e.RecordKey IS NULL OR (TRUE
 ",
             in_flight_guard!(),
             "    ))
@@ -271,26 +290,11 @@ WITH clock AS (SELECT ",
 candidate AS (
   SELECT e.Id, e.Status AS old_status
   FROM _System_OutboxEvent e
-  WHERE e.Id = $5
-    AND (e.Status = 'pending'
-         OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
-    AND (e.Status <> 'pending'
-         OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
-         OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
-    AND (
-      e.RecordKey IS NULL
-      OR (NOT EXISTS (
-        SELECT 1
-        FROM _System_OutboxEvent older
-        WHERE older.RecordKey = e.RecordKey
-          AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
-          AND older.Status NOT IN ('processed', 'failed')
-      )
+  WHERE e.Id = $5 AND
 ",
-    in_flight_guard!(),
-    "      )
-    )
-  FOR UPDATE OF e SKIP LOCKED
+    claimable_state!(),
+    key_order!(),
+    "  FOR UPDATE OF e SKIP LOCKED
 )",
     claim_update!()
 );
@@ -306,28 +310,10 @@ WITH clock AS (SELECT ",
 SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
 FROM _System_OutboxEvent e
 WHERE
-  (e.Status = 'pending'
-   OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
-  AND (e.Status <> 'pending'
-       OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
-       OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
-  AND (
-    e.RecordKey IS NULL
-    OR (NOT EXISTS (
-      SELECT 1
-      FROM _System_OutboxEvent older
-      WHERE older.RecordKey = e.RecordKey
-        AND (
-          older.CreatedDate < e.CreatedDate
-          OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
-        )
-        AND older.Status NOT IN ('processed', 'failed')
-    )
 ",
-    in_flight_guard!(),
-    "    )
-  )
-  AND ($5::text[] IS NULL OR e.EventType = ANY($5))
+    claimable_state!(),
+    key_order!(),
+    "  AND ($5::text[] IS NULL OR e.EventType = ANY($5))
   AND ($6::text[] IS NULL OR e.EventType <> ALL($6))
 ORDER BY e.CreatedDate ASC, e.Id ASC
 LIMIT $4"

@@ -388,6 +388,24 @@ impl Liveness {
     }
 }
 
+/// Fails a row other code wrote that this code cannot read, with the reason, by `rowid`.
+async fn fail_unreadable(
+    conn: &mut SqliteConnection,
+    rowid: i64,
+    reason: &str,
+) -> Result<Candidate> {
+    tracing::warn!(rowid, error = %reason, "failing an outbox row that cannot be read");
+    sqlx::query(
+        "UPDATE _System_OutboxEvent SET Status = 'failed', LastError = ?2
+         WHERE rowid = ?1 AND Status NOT IN ('processed', 'failed')",
+    )
+    .bind(rowid)
+    .bind(clip_error(reason))
+    .execute(&mut *conn)
+    .await?;
+    Ok(Candidate::Failed)
+}
+
 /// What became of one candidate.
 enum Candidate {
     /// Claimed.
@@ -414,16 +432,7 @@ async fn claim_on(
         Ok(event) => event,
         Err(e) => {
             let reason = format!("unreadable outbox row written by other code: {}", e.chain());
-            tracing::warn!(rowid, error = %reason, "failing an outbox row that cannot be read");
-            sqlx::query(
-                "UPDATE _System_OutboxEvent SET Status = 'failed', LastError = ?2
-                 WHERE rowid = ?1 AND Status NOT IN ('processed', 'failed')",
-            )
-            .bind(rowid)
-            .bind(clip_error(&reason))
-            .execute(&mut *conn)
-            .await?;
-            return Ok(Candidate::Failed);
+            return fail_unreadable(conn, rowid, &reason).await;
         }
     };
     let raw_id: String = row.try_get(0)?;
@@ -440,16 +449,7 @@ async fn claim_on(
                 "outbox row id {raw_id:?} written by other code cannot be stored as {}: {e}",
                 event.id
             );
-            tracing::warn!(rowid, error = %reason, "failing an outbox row whose id cannot be read");
-            sqlx::query(
-                "UPDATE _System_OutboxEvent SET Status = 'failed', LastError = ?2
-                 WHERE rowid = ?1 AND Status NOT IN ('processed', 'failed')",
-            )
-            .bind(rowid)
-            .bind(clip_error(&reason))
-            .execute(&mut *conn)
-            .await?;
-            return Ok(Candidate::Failed);
+            return fail_unreadable(conn, rowid, &reason).await;
         }
     }
     let raw_last_modified: String = row.try_get(7)?;

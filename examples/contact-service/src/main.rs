@@ -74,10 +74,7 @@ impl Handler for CreateContact {
 
 /// Applies the service's migrations (sqlx's default table) and the outbox's (its own table).
 pub async fn migrate(db: &Database) -> Result<()> {
-    let dir = match db {
-        Database::Postgres(_) => concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/postgres"),
-        Database::Sqlite(_) => concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/sqlite"),
-    };
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
     let service = Migrator::new(std::path::Path::new(dir)).await?;
     with_pool!(db, |pool| service.run(pool).await)?;
     db.migrate().await?;

@@ -1,5 +1,6 @@
 -- The service's own schema, applied by its own sqlx migrator (recorded in `_sqlx_migrations`).
 -- Its version, 1, is also the outbox's first: each records its versions in a table of its own.
+-- Portable SQL: one file serves PostgreSQL and SQLite.
 CREATE TABLE contact_request (
     id    TEXT PRIMARY KEY,
     email TEXT NOT NULL,
