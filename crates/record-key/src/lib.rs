@@ -38,6 +38,21 @@ pub const MAX_OBJECT_LEN: usize = 64;
 pub const MAX_RECORD_ID_LEN: usize = 255;
 
 /// The ordering key of an outbox row: events with the same key are processed in enqueue order.
+///
+/// # Invariants
+///
+/// A key built by [`RecordKey::new`] or derived by [`record_key_from_payload`] (and
+/// [`EventEnvelope::record_key`]) is always `object:record_id`: the object API name folded to
+/// ASCII lower case (a valid identifier of at most [`MAX_OBJECT_LEN`] bytes), a colon, and the
+/// record identifier unchanged (non-empty, at most [`MAX_RECORD_ID_LEN`] bytes, no surrounding
+/// white space, no control characters). Equal records give equal keys, different records
+/// different keys. These are the only ways to make a key for a *new* event.
+///
+/// A key read back from the `RecordKey` column ([`RecordKey::from_stored`], and
+/// deserialisation, which is transparent and does not validate either) holds the stored text
+/// as is: a row written by foreign code or an older release may hold text that `new` would
+/// refuse, and reading it must never fail. Such a key compares, hashes and displays as its
+/// text; it never changes on the way through.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct RecordKey(String);
@@ -59,6 +74,25 @@ impl RecordKey {
         Self(format!("{}:{record_id}", object.to_ascii_lowercase()))
     }
 
+    /// The key of a row as stored in its `RecordKey` column, taken as is: no validation, no
+    /// case folding, no trimming, so that reading a row never fails and writing the key back
+    /// gives the same text.
+    ///
+    /// This is for text read back from the outbox table (which foreign code or an older release
+    /// may have written without [`RecordKey::new`]'s rules). It is **not** for deriving the key
+    /// of a new event: use [`record_key_from_payload`] or [`RecordKey::new`], which validate and
+    /// fold the object name's case, so that one record always gets one key.
+    ///
+    /// ```
+    /// use record_key::RecordKey;
+    /// let stored = RecordKey::from_stored("Lead: legacy key ");
+    /// assert_eq!(stored.as_str(), "Lead: legacy key ");
+    /// assert_eq!(RecordKey::from_stored("lead:00Q1"), RecordKey::new("Lead", "00Q1").unwrap());
+    /// ```
+    pub fn from_stored(text: impl Into<String>) -> Self {
+        Self(text.into())
+    }
+
     /// The key as stored in the `RecordKey` column.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -77,12 +111,16 @@ impl fmt::Display for RecordKey {
 }
 
 /// Why a payload could not yield a `RecordKey`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+///
+/// [`RecordKeyError::InvalidJson`] keeps the parser's error as its
+/// [`source`](std::error::Error::source) (with its line and column); the other variants hold
+/// no underlying error.
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RecordKeyError {
-    /// The payload is not valid JSON.
+    /// The payload is not valid JSON; the parser's error is the source.
     #[error("payload is not valid JSON: {0}")]
-    InvalidJson(String),
+    InvalidJson(#[source] serde_json::Error),
     /// The payload is JSON but not an object.
     #[error("payload is not a JSON object")]
     NotAnObject,
@@ -116,8 +154,7 @@ pub struct EventEnvelope {
 impl EventEnvelope {
     /// Parses and validates a payload. Fails exactly when [`record_key_from_payload`] fails.
     pub fn parse(payload: &str) -> Result<Self, RecordKeyError> {
-        let value: Value = serde_json::from_str(payload)
-            .map_err(|e| RecordKeyError::InvalidJson(e.to_string()))?;
+        let value: Value = serde_json::from_str(payload).map_err(RecordKeyError::InvalidJson)?;
         Self::from_value(value)
     }
 

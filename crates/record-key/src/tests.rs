@@ -6,22 +6,28 @@ fn key(payload: &str) -> Result<Option<String>, RecordKeyError> {
     record_key_from_payload(payload).map(|k| k.map(RecordKey::into_string))
 }
 
+/// `key`'s result with the error as its `Debug` text: `RecordKeyError` is not `PartialEq`
+/// (it keeps the parser's error), but every variant except `InvalidJson` shows exactly.
+fn shown(result: &Result<Option<String>, RecordKeyError>) -> Result<Option<String>, String> {
+    result.as_ref().map(Clone::clone).map_err(|e| format!("{e:?}"))
+}
+
 #[test]
 fn object_case_is_folded_record_id_case_is_kept() {
-    let upper = key(r#"{"object":"Lead","record_id":"00Qa"}"#);
-    let lower = key(r#"{"object":"lead","record_id":"00Qa"}"#);
-    let shout = key(r#"{"object":"LEAD","record_id":"00Qa"}"#);
-    assert_eq!(upper, Ok(Some("lead:00Qa".to_string())));
+    let upper = key(r#"{"object":"Lead","record_id":"00Qa"}"#).unwrap();
+    let lower = key(r#"{"object":"lead","record_id":"00Qa"}"#).unwrap();
+    let shout = key(r#"{"object":"LEAD","record_id":"00Qa"}"#).unwrap();
+    assert_eq!(upper, Some("lead:00Qa".to_string()));
     assert_eq!(upper, lower, "one object, one key");
     assert_eq!(upper, shout);
     assert_ne!(
-        key(r#"{"object":"Lead","record_id":"00QA"}"#),
+        key(r#"{"object":"Lead","record_id":"00QA"}"#).unwrap(),
         upper,
         "record ids are case-sensitive"
     );
     assert_eq!(
-        RecordKey::new("Lead", "00Qa").map(RecordKey::into_string),
-        Ok("lead:00Qa".to_string())
+        RecordKey::new("Lead", "00Qa").unwrap().into_string(),
+        "lead:00Qa"
     );
 }
 
@@ -101,7 +107,7 @@ fn derivation_table() {
         ),
     ];
     for (payload, expected) in cases {
-        assert_eq!(&key(payload), expected, "payload {payload}");
+        assert_eq!(shown(&key(payload)), shown(expected), "payload {payload}");
     }
 }
 
@@ -115,6 +121,65 @@ fn invalid_json_is_a_typed_error() {
 }
 
 #[test]
+fn invalid_json_keeps_the_parser_error_as_its_source() {
+    use std::error::Error as _;
+    let err = record_key_from_payload("{\"object\": \"Lead\",\n  oops}").unwrap_err();
+    let source = err.source().expect("InvalidJson has a source");
+    let parser = source
+        .downcast_ref::<serde_json::Error>()
+        .expect("the source is the serde_json::Error itself");
+    assert_eq!((parser.line(), parser.column()), (2, 3), "position kept");
+    assert!(parser.is_syntax());
+    assert_eq!(
+        err.to_string(),
+        format!("payload is not valid JSON: {parser}"),
+        "the message still names the parser's error"
+    );
+    for err in [
+        RecordKeyError::NotAnObject,
+        RecordKeyError::MissingObject,
+        RecordKeyError::InvalidObject("x".into()),
+        RecordKeyError::InvalidRecordId("x".into()),
+        RecordKeyError::InvalidSnapshot,
+    ] {
+        assert!(err.source().is_none(), "{err:?} holds no underlying error");
+    }
+}
+
+#[test]
+fn a_stored_key_is_taken_as_is() {
+    // Text that `RecordKey::new` would refuse or fold, as foreign code may have stored it.
+    for text in [
+        "Lead:00Q1",
+        " lead:00Q1 ",
+        "no-colon-at-all",
+        "",
+        "lead:a\u{0}b",
+        "LEAD:ünïcode",
+    ] {
+        let key = RecordKey::from_stored(text);
+        assert_eq!(key.as_str(), text);
+        assert_eq!(key.to_string(), text);
+        assert_eq!(key.clone().into_string(), text);
+        assert_eq!(
+            serde_json::from_str::<RecordKey>(&serde_json::to_string(&key).unwrap()).unwrap(),
+            key,
+            "serialisation round-trips the stored text"
+        );
+    }
+    assert_eq!(
+        RecordKey::from_stored(String::from("lead:00Q1")),
+        RecordKey::new("Lead", "00Q1").unwrap(),
+        "a stored key equals the derived key with the same text"
+    );
+    assert_ne!(
+        RecordKey::from_stored("Lead:00Q1"),
+        RecordKey::new("Lead", "00Q1").unwrap(),
+        "a stored key is not folded"
+    );
+}
+
+#[test]
 fn lengths_are_bounded() {
     let long_id = "x".repeat(MAX_RECORD_ID_LEN + 1);
     let payload = format!(r#"{{"object":"Lead","record_id":"{long_id}"}}"#);
@@ -124,7 +189,7 @@ fn lengths_are_bounded() {
     ));
     let max_id = "x".repeat(MAX_RECORD_ID_LEN);
     let payload = format!(r#"{{"object":"Lead","record_id":"{max_id}"}}"#);
-    assert_eq!(key(&payload), Ok(Some(format!("lead:{max_id}"))));
+    assert_eq!(key(&payload).unwrap(), Some(format!("lead:{max_id}")));
     let long_object = "L".repeat(MAX_OBJECT_LEN + 1);
     assert!(matches!(
         RecordKey::new(&long_object, "1"),
@@ -220,7 +285,7 @@ fn same_record_same_key_whatever_order_whitespace_or_unrelated_fields() {
             }
             let payload = render(&members, &mut rng);
             assert_eq!(
-                key(&payload),
+                shown(&key(&payload)),
                 Ok(Some(expected.clone())),
                 "seed {seed}, payload {payload}"
             );
