@@ -9,7 +9,10 @@ fn key(payload: &str) -> Result<Option<String>, RecordKeyError> {
 /// `key`'s result with the error as its `Debug` text: `RecordKeyError` is not `PartialEq`
 /// (it keeps the parser's error), but every variant except `InvalidJson` shows exactly.
 fn shown(result: &Result<Option<String>, RecordKeyError>) -> Result<Option<String>, String> {
-    result.as_ref().map(Clone::clone).map_err(|e| format!("{e:?}"))
+    match result {
+        Ok(key) => Ok(key.clone()),
+        Err(e) => Err(format!("{e:?}")),
+    }
 }
 
 #[test]
