@@ -1,13 +1,12 @@
-//! `cargo xtask bench` and `cargo xtask explain`: build the `outbox` binary in release and run
-//! its hidden `bench` command against PostgreSQL, which creates a fresh database, measures, and
+//! `cargo xtask bench` and `cargo xtask explain`: build the `outbox-bench` binary in release and
+//! run it against PostgreSQL; it creates a fresh database, measures (or prints the plans), and
 //! drops it.
-
-use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 
+use crate::binaries::{BENCH, Release};
 use crate::cmd::Cmd;
-use crate::{postgres, project_root};
+use crate::postgres;
 
 /// What `cargo xtask bench` was asked for.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -33,16 +32,16 @@ impl BenchOptions {
     }
 }
 
-/// `cargo xtask bench [--quick] [--json]`.
+/// `cargo xtask bench [--quick] [--json]`: `outbox-bench [--quick] [--json]`.
 pub fn run(options: &BenchOptions) -> Result<()> {
-    let mut args = vec!["bench"];
+    let mut args = Vec::new();
     if options.quick {
         args.push("--quick");
     }
     if options.json {
         args.push("--json");
     }
-    run_outbox(&args)
+    run_bench(&args)
 }
 
 /// The CI step: `cargo xtask bench --quick` (figures printed, not asserted).
@@ -53,33 +52,21 @@ pub fn quick() -> Result<()> {
     })
 }
 
-/// `cargo xtask explain`: the plans of the design's eligible query and of `claim_next` on
-/// seeded tables (10k, 100k and 1M rows, and a hot key's backlog).
+/// `cargo xtask explain`: `outbox-bench --explain`, the plans of the design's eligible query and
+/// of `claim_next` on seeded tables (10k, 100k and 1M rows, and a hot key's backlog).
 pub fn explain() -> Result<()> {
-    run_outbox(&["bench", "--explain"])
+    run_bench(&["--explain"])
 }
 
-fn run_outbox(args: &[&str]) -> Result<()> {
+/// Builds `outbox-bench` in release and runs it with `args` against the PostgreSQL server under
+/// test (`DATABASE_URL`).
+fn run_bench(args: &[&str]) -> Result<()> {
     let url = postgres::database_url();
-    if let Err(why) = postgres::check_reachable(&url) {
-        bail!(
-            "the benchmark needs PostgreSQL, but {} is unreachable: {why}",
-            postgres::redacted(&url)
-        );
-    }
-    Cmd::cargo(&["build", "--release", "-p", "outbox-cli"]).run()?;
-    let binary = target_dir().join("release").join("outbox");
-    Cmd::program(&binary.to_string_lossy(), args)
+    postgres::require(&url, "the benchmark")?;
+    let release = Release::build(&[BENCH])?;
+    Cmd::program(&release.path(BENCH).to_string_lossy(), args)
         .env("DATABASE_URL", &url)
         .run()
-}
-
-/// Cargo's target directory: `CARGO_TARGET_DIR` when set, else `target/` in the workspace.
-fn target_dir() -> PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) => project_root().join(dir),
-        None => project_root().join("target"),
-    }
 }
 
 #[cfg(test)]

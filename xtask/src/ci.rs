@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 
 use crate::cmd::{Cmd, format_duration};
-use crate::{bench, demo, deps, is_ci, postgres};
+use crate::{bench, demo, deps, is_ci, postgres, tidy};
 
 /// What a CI step runs.
 enum Action {
@@ -73,11 +73,12 @@ fn cargo_command(args: &[&str], env: &[(&str, &str)]) -> Cmd {
 }
 
 /// The steps of `cargo xtask ci`, in the order they run; the first failure stops the run. Adding a
-/// step is one line here. Steps planned next, each an `xtask` step once its command exists:
-/// `consumer-map --check` and `faults --quick` before the tests. The benchmark runs after the
-/// tests and prints its figures without asserting them.
+/// step is one line here. The static checks come first (tidy before the build, since it reads
+/// only the source); the runs of the binaries after the tests. The benchmark prints its figures
+/// without asserting them.
 const STEPS: &[Step] = &[
     Step::cargo("format", &["fmt", "--all", "--", "--check"]),
+    Step::xtask("source rules", "tidy", tidy::run),
     Step::cargo(
         "lint",
         &[
@@ -214,6 +215,7 @@ mod tests {
                 .unwrap_or_else(|| panic!("no step `{c}` in {commands:?}"))
         };
         assert_eq!(position("cargo fmt --all -- --check"), 0);
+        assert_eq!(position("cargo xtask tidy"), 1);
         let tests = position("cargo xtask test");
         for check in [
             "cargo clippy --workspace --all-targets -- -D warnings",

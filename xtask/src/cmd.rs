@@ -25,15 +25,6 @@ impl Cmd {
         }
     }
 
-    /// Any program with `args`.
-    pub fn new<S: AsRef<str>>(program: &str, args: &[S]) -> Self {
-        Self {
-            program: program.to_string(),
-            args: args.iter().map(|arg| arg.as_ref().to_string()).collect(),
-            env: Vec::new(),
-        }
-    }
-
     /// A command running `program` with `args`.
     pub fn program<S: AsRef<str>>(program: &str, args: &[S]) -> Self {
         Self {

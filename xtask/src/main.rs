@@ -1,16 +1,21 @@
-//! Project automation, run as `cargo xtask <command>`: the CI pipeline, the test run on every
-//! reachable backend, and the dependency-direction check.
+//! Project automation, run as `cargo xtask <command>`; [`USAGE`] lists the commands (`cargo
+//! xtask help` prints it). `ci.rs` holds the pipeline CI runs and the test run, `tidy.rs` and
+//! `deps.rs` the checks of the source and of the dependency direction, and `demo.rs`, `bench.rs`
+//! and `faults/` the drivers that run the release binaries (`binaries.rs`) as separate
+//! processes against SQLite and PostgreSQL (`postgres.rs`).
 //!
-//! xtask depends on no workspace crate, so it builds (and `cargo xtask deps` runs) even while the
-//! rest of the workspace does not compile.
+//! xtask depends on no workspace crate, so it builds, and its checks of the source and the
+//! manifests run, even while the rest of the workspace does not compile.
 
 mod bench;
+mod binaries;
 mod ci;
 mod cmd;
 mod demo;
 mod deps;
 mod faults;
 mod postgres;
+mod tidy;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -21,18 +26,26 @@ const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci               run what CI runs: fmt, clippy, deps, doc, then the tests
+  ci               run what CI runs: fmt, tidy, clippy, deps, consumer-map --check, doc, the
+                   tests, then demo, example, faults --quick and bench --quick
   test [-- ARGS]   run `cargo test --workspace` on SQLite and, when reachable, PostgreSQL
                    (ARGS are passed to `cargo test`)
+  tidy             check the source: the outbox table and backend pools named only where
+                   allowed, a //! header on every file, no ignored test, missing_docs lints
+                   on library crates, no long file or function outside tests
   deps             check the direction of dependencies between workspace crates
   bench [--quick] [--json]
-                   measure throughput, latency, head-of-line blocking, scaling and cost of the
-                   workers against PostgreSQL ceilings (fresh database, dropped after)
-  explain          print the PostgreSQL plans of the eligible query and of claim_next on
-                   seeded tables (10k, 100k, 1M rows and a hot key's backlog)
+                   run `outbox-bench`: throughput, latency, head-of-line blocking, scaling and
+                   cost of the workers against PostgreSQL ceilings (fresh database, dropped
+                   after)
+  explain          run `outbox-bench --explain`: the PostgreSQL plans of the eligible query
+                   and of claim_next on seeded tables (10k, 100k, 1M rows and a hot key's
+                   backlog)
   consumer-map [--check]
-                   write docs/consumer-map.md from the binary (--check: fail when stale)
-  demo             run `outbox demo` on SQLite and on a fresh PostgreSQL database
+                   write docs/consumer-map.md from `outbox-demo consumers` (--check: fail
+                   when stale)
+  demo             run `outbox demo` (which runs `outbox-demo`) on SQLite and on a fresh
+                   PostgreSQL database
   example          run the embedding example (examples/contact-service) with pull workers on
                    SQLite and on a fresh PostgreSQL database
   faults [--quick] [--backend postgres|sqlite|both] [--report FILE] [--seed N]
@@ -67,6 +80,10 @@ fn run(args: Vec<String>) -> Result<()> {
         "deps" => {
             no_arguments(command, rest)?;
             deps::run()
+        }
+        "tidy" => {
+            no_arguments(command, rest)?;
+            tidy::run()
         }
         "consumer-map" => match rest {
             [] => demo::consumer_map(false),

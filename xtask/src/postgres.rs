@@ -1,9 +1,15 @@
-//! Finding the PostgreSQL server the tests use and checking that it accepts connections.
+//! The PostgreSQL server xtask's runs use: finding it, checking that it accepts connections,
+//! naming a database on it ([`with_database`]), running a statement with `psql` ([`psql`]), and
+//! running something on a fresh database that is dropped after ([`with_fresh_database`]).
 
 use std::io::ErrorKind;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::cmd::format_duration;
 
 /// The PostgreSQL server tests use when `DATABASE_URL` is not set; the same as the test harness's
 /// `outbox_tests::DEFAULT_POSTGRES_URL`.
@@ -120,6 +126,113 @@ fn tcp_connect(host: &str, port: u16) -> Result<(), String> {
     Err(last_error)
 }
 
+/// `url` with its database name replaced by `name`; the query string (`?sslmode=…`) is kept.
+pub fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(base, query)| (base, Some(query)));
+    let start = base.find("://").map_or(0, |i| i + 3);
+    let end = base[start..].find('/').map_or(base.len(), |i| start + i);
+    match query {
+        Some(query) => format!("{}/{name}?{query}", &base[..end]),
+        None => format!("{}/{name}", &base[..end]),
+    }
+}
+
+/// `url` with one more query parameter `key=value` (after `?` or `&`, whichever fits).
+pub fn with_parameter(url: &str, key: &str, value: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}{key}={value}")
+}
+
+/// The `psql` command that runs `sql` against `url`: no `~/.psqlrc`, quiet, unaligned tuples
+/// only with `|` between fields, stopping at the first error. Spawn it to run it in the
+/// background (the fault suite's lock holds); [`psql`] runs it and returns its output.
+pub fn psql_command(url: &str, sql: &str) -> Command {
+    let mut command = Command::new("psql");
+    command.args([
+        "-X",
+        "-q",
+        "-At",
+        "-F",
+        "|",
+        "-v",
+        "ON_ERROR_STOP=1",
+        "-d",
+        url,
+        "-c",
+        sql,
+    ]);
+    command
+}
+
+/// Runs `sql` with `psql` against `url` and returns its output: one line per row, fields
+/// separated by `|`.
+pub fn psql(url: &str, sql: &str) -> Result<String> {
+    let output = psql_command(url, sql)
+        .output()
+        .context("could not start psql")?;
+    if !output.status.success() {
+        bail!(
+            "psql failed on `{sql}`: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Creates the database `name` on the server of `admin` (dropping a leftover of that name
+/// first), runs `body` with its URL, and drops it again (`WITH (FORCE)`, after waiting up to
+/// 30 s for the server, which `body` may have restarted), whatever `body` returned. A failed
+/// drop is printed, not returned: `body`'s result is the one that matters.
+pub fn with_fresh_database<T>(
+    admin: &str,
+    name: &str,
+    body: impl FnOnce(&str) -> Result<T>,
+) -> Result<T> {
+    psql(admin, &format!("DROP DATABASE IF EXISTS {name}"))?;
+    psql(admin, &format!("CREATE DATABASE {name}"))?;
+    let result = body(&with_database(admin, name));
+    let dropped = wait_ready(admin, Duration::from_secs(30)).and_then(|()| {
+        psql(
+            admin,
+            &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+        )
+    });
+    if let Err(error) = dropped {
+        eprintln!("could not drop database {name}: {error:#}");
+    }
+    result
+}
+
+/// Waits until the server of `url` accepts connections, checking every 100 ms for up to
+/// `limit`.
+pub fn wait_ready(url: &str, limit: Duration) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        match check_reachable(url) {
+            Ok(()) => return Ok(()),
+            Err(why) if start.elapsed() > limit => {
+                bail!(
+                    "PostgreSQL not ready after {}: {why}",
+                    format_duration(limit)
+                )
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// Fails, saying why, when the server of `url` is unreachable; `needed_by` names what needs it.
+pub fn require(url: &str, needed_by: &str) -> Result<()> {
+    check_reachable(url).map_err(|why| {
+        anyhow::anyhow!(
+            "{needed_by} needs PostgreSQL, but {} is unreachable: {why}",
+            redacted(url)
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +280,35 @@ mod tests {
         drop(listener);
         let error = tcp_connect("127.0.0.1", port).unwrap_err();
         assert!(error.starts_with("TCP connect to 127.0.0.1:"), "{error}");
+    }
+
+    #[test]
+    fn database_name_is_replaced_and_the_query_kept() {
+        assert_eq!(
+            with_database("postgres://root@h:5432/test", "x"),
+            "postgres://root@h:5432/x"
+        );
+        assert_eq!(
+            with_database("postgres://h/test?sslmode=disable", "x"),
+            "postgres://h/x?sslmode=disable"
+        );
+        assert_eq!(with_database("postgres://h", "x"), "postgres://h/x");
+        assert_eq!(
+            with_database("postgres://root@127.0.0.1:5432/test?sslmode=disable", "x"),
+            "postgres://root@127.0.0.1:5432/x?sslmode=disable"
+        );
+    }
+
+    #[test]
+    fn a_parameter_is_appended_after_the_right_separator() {
+        assert_eq!(
+            with_parameter("postgres://h/x", "application_name", "w-1"),
+            "postgres://h/x?application_name=w-1"
+        );
+        assert_eq!(
+            with_parameter("postgres://h/x?sslmode=disable", "application_name", "w-1"),
+            "postgres://h/x?sslmode=disable&application_name=w-1"
+        );
     }
 
     #[test]
