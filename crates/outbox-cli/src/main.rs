@@ -1,45 +1,106 @@
-//! The `outbox` binary: the composition root that wires the repository, the workers, the demo
-//! workload and the operator commands together.
+//! The `outbox` binary: the operator commands over the library API ([`outbox_cli`]), and
+//! `outbox demo`, which hands over to the separate `outbox-demo` binary so that the binary
+//! operators deploy carries no demo workload and no benchmark.
 
-mod bench;
-mod cli;
-mod db;
-mod demo;
-mod ops;
-
+use std::ffi::OsString;
 use std::process::ExitCode;
 
-use clap::Parser;
-use tracing_subscriber::EnvFilter;
+use clap::{Parser, Subcommand};
+use outbox_cli::OperatorCommand;
+
+/// Dispatches a CRM platform's post-commit events from a transactional outbox table.
+#[derive(Debug, Parser)]
+#[command(name = "outbox", version, about)]
+struct Cli {
+    /// The database: postgres://… or sqlite://PATH.
+    #[arg(long, global = true, env = "DATABASE_URL")]
+    database_url: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    #[command(flatten)]
+    Operator(OperatorCommand),
+    /// Run the whole repair on a CRM workload and verify it from the database: runs the
+    /// `outbox-demo` binary installed next to this one with the arguments given (see
+    /// `outbox demo --help`).
+    #[command(disable_help_flag = true)]
+    Demo {
+        /// Arguments for `outbox-demo`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+}
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
-    // The demo injects faults on purpose and reports them; its default log shows errors only.
-    let default_level = match cli.command {
-        cli::Command::Demo(_) | cli::Command::Bench(_) => "error",
-        _ => "warn",
-    };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Demo { args } => demo::run(cli.database_url.as_deref(), &args),
+        Command::Operator(command) => {
+            outbox_cli::init_tracing("warn");
+            // This binary registers no consumers of its own: `gate` and `consumers` judge the
+            // consumers of the service that runs them (mount `OperatorCommand` in its binary).
+            outbox_cli::block_on(outbox_cli::run_operator(
+                cli.database_url.as_deref(),
+                command,
+                &[],
+            ))
         }
-    };
-    match runtime.block_on(cli::run(cli)) {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+    }
+}
+
+mod demo {
+    //! `outbox demo`: the demo workload lives in its own binary, `outbox-demo`, looked up next
+    //! to this executable and then on `PATH`.
+
+    use std::ffi::OsString;
+    use std::path::PathBuf;
+    use std::process::{Command, ExitCode};
+
+    const DEMO_BINARY: &str = "outbox-demo";
+
+    fn find() -> Option<PathBuf> {
+        let name = format!("{DEMO_BINARY}{}", std::env::consts::EXE_SUFFIX);
+        let beside = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(|dir| dir.join(&name)))
+            .filter(|p| p.is_file());
+        beside.or_else(|| {
+            std::env::var_os("PATH").and_then(|paths| {
+                std::env::split_paths(&paths)
+                    .map(|dir| dir.join(&name))
+                    .find(|p| p.is_file())
+            })
+        })
+    }
+
+    /// Runs `outbox-demo ARGS` (passing `--database-url` on when given) and exits with its code.
+    pub fn run(url: Option<&str>, args: &[OsString]) -> ExitCode {
+        let Some(binary) = find() else {
+            eprintln!(
+                "error: the demo is the separate `{DEMO_BINARY}` binary, and none was found next to this one or on PATH; build it with `cargo build --release -p outbox-demo` (or run `cargo run --release -p outbox-demo`)"
+            );
+            return ExitCode::FAILURE;
+        };
+        let mut command = Command::new(&binary);
+        if let Some(url) = url {
+            command.env("DATABASE_URL", url);
+        }
+        match command.args(args).status() {
+            Ok(status) => match status.code() {
+                Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+                None => {
+                    eprintln!("error: {} was killed ({status})", binary.display());
+                    ExitCode::FAILURE
+                }
+            },
+            Err(e) => {
+                eprintln!("error: cannot run {}: {e}", binary.display());
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -1,18 +1,20 @@
-//! Operator commands: migrate, status, retry, explain, backfill, the consumer map and the gate.
-//! Each one changes only what it was asked to change.
+//! Operator commands: migrate, status, events, retry, explain, backfill, the consumer map and
+//! the gate. Each one changes only what it was asked to change.
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use outbox_events::{
     Consumer, DEFAULT_RETRY_DELAY, DEFAULT_STALE_AFTER, Safeguard, Verdict, evaluate_gate,
 };
-use outbox_persistence::{ClaimPolicy, ConnectConfig, Database, RetryFilter};
+use chrono::SecondsFormat;
+use outbox_persistence::{
+    ClaimPolicy, ConnectConfig, Database, EventFilter, EventStatus, RetryFilter,
+};
 use serde::Serialize;
 
-use crate::cli::{BackfillArgs, RetryArgs};
-use crate::{db, demo};
+use crate::args::{BackfillArgs, EventsArgs, RetryArgs};
+use crate::db;
 
 /// `outbox migrate`.
 pub async fn migrate(url: Option<&str>) -> Result<ExitCode> {
@@ -243,13 +245,9 @@ pub fn consumer_map_markdown(rows: &[MapRow]) -> String {
     out
 }
 
-fn registered_consumers() -> Result<Vec<Consumer>> {
-    Ok(demo::consumers(&demo::Actions::new()?).to_vec())
-}
-
 /// `outbox consumers`.
-pub fn consumers(json: bool) -> Result<ExitCode> {
-    let rows = consumer_map(&registered_consumers()?);
+pub fn consumers(consumers: &[Consumer], json: bool) -> Result<ExitCode> {
+    let rows = consumer_map(consumers);
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
@@ -259,10 +257,9 @@ pub fn consumers(json: bool) -> Result<ExitCode> {
 }
 
 /// `outbox gate`.
-pub async fn gate(url: Option<&str>, json: bool) -> Result<ExitCode> {
+pub async fn gate(url: Option<&str>, consumers: &[Consumer], json: bool) -> Result<ExitCode> {
     let db = db::open(url, ConnectConfig::default()).await?;
-    let consumers = registered_consumers()?;
-    let report = evaluate_gate(&db.repository(), &consumers).await?;
+    let report = evaluate_gate(&db.repository(), consumers).await?;
     db.close().await;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -277,10 +274,58 @@ pub async fn gate(url: Option<&str>, json: bool) -> Result<ExitCode> {
             println!("{reason}");
         }
     }
-    let _ = Duration::ZERO;
     Ok(if report.passes() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `outbox events`: the rows as [`outbox_persistence::EventRow`] prints them (never a
+/// payload; timestamps with microseconds, so equal stored values print equal).
+pub async fn events(url: Option<&str>, args: EventsArgs) -> Result<ExitCode> {
+    let mut filter = EventFilter::new().limit(args.limit);
+    let mut statuses = Vec::new();
+    for s in &args.status {
+        statuses.push(
+            s.parse::<EventStatus>()
+                .map_err(|e| anyhow::anyhow!("--status {s}: {e}"))?,
+        );
+    }
+    if !statuses.is_empty() {
+        filter = filter.statuses(statuses);
+    }
+    if let Some(t) = &args.event_type {
+        filter = filter.event_type(t.clone());
+    }
+    if !args.id.is_empty() {
+        filter = filter.ids(args.id.iter().copied());
+    }
+    if let Some(k) = &args.key {
+        filter = filter.record_key(k.clone());
+    }
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let rows = db.repository().list_events(filter).await?;
+    db.close().await;
+    if args.json {
+        println!("{}", serde_json::to_string(&rows)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let micros = |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(SecondsFormat::Micros, true);
+    for r in &rows {
+        println!(
+            "{}  {:<10}  {:<24}  {:<24}  created {}  modified {}  retries {}{}",
+            r.id,
+            r.status,
+            r.event_type,
+            r.record_key.as_ref().map_or("-", |k| k.as_str()),
+            micros(r.created_date),
+            micros(r.last_modified_date),
+            r.retry_count,
+            r.last_error
+                .as_deref()
+                .map_or(String::new(), |e| format!("  last error: {e}"))
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -28,7 +28,7 @@ fn a_bad_database_url_is_named_with_what_to_pass() {
         assert!(err.contains("--database-url"), "{url}: {err}");
     }
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args(["work", "--until-drained"])
+        .args(["status"])
         .env_remove("DATABASE_URL")
         .output()
         .unwrap();
@@ -39,7 +39,7 @@ fn a_bad_database_url_is_named_with_what_to_pass() {
 #[test]
 fn a_database_that_is_down_is_reported_as_unreachable() {
     // Nothing listens on port 1.
-    for args in [&["work", "--until-drained"][..], &["migrate"]] {
+    for args in [&["status"][..], &["migrate"]] {
         let err = refused("postgres://root@127.0.0.1:1/test", args);
         assert!(
             err.contains("cannot reach the database at postgres://root@127.0.0.1:1/test"),
@@ -51,7 +51,7 @@ fn a_database_that_is_down_is_reported_as_unreachable() {
 /// An empty database (or one whose migration table was dropped) asks for `outbox migrate`.
 async fn an_unmigrated_schema_asks_for_migrate(db: TestDb) {
     db.execute("DROP TABLE _system_outbox_migrations").await;
-    for args in [&["work", "--until-drained"][..], &["status"], &["seed"]] {
+    for args in [&["events"][..], &["status"], &["gate"]] {
         let err = refused(&db.url, args);
         assert!(
             err.contains("the database schema is not migrated") && err.contains("outbox migrate"),
@@ -78,7 +78,7 @@ async fn a_schema_newer_than_the_binary_is_refused(db: TestDb) {
             .await
         }
     }
-    for args in [&["work", "--until-drained"][..], &["status"], &["migrate"]] {
+    for args in [&["events"][..], &["status"], &["migrate"]] {
         let err = refused(&db.url, args);
         assert!(
             err.contains("newer than this binary") && err.contains("99990101000000"),

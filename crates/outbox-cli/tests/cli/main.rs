@@ -3,38 +3,13 @@
 //! `tests/cli/` beside this `main.rs` is a module.
 
 mod errors;
-mod operator;
+mod events;
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Runs the `outbox` binary with `DATABASE_URL=url` and `args`.
 pub fn outbox(url: &str, args: &[&str]) -> Output {
     outbox_with_env(url, args, &[])
-}
-
-/// The `outbox` command with `DATABASE_URL=url` and `args`, run in `dir` (so that a process
-/// that aborts leaves any core file there, not in the repository).
-pub fn outbox_command(dir: &Path, url: &str, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox"));
-    cmd.args(args)
-        .current_dir(dir)
-        .env("DATABASE_URL", url)
-        .env_remove("OUTBOX_PULL_WORKER");
-    cmd
-}
-
-/// A fresh, empty directory under the temporary directory for the child processes of a test.
-pub fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "outbox-cli-{name}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    ));
-    std::fs::create_dir_all(&dir).expect("create a scratch directory");
-    dir
 }
 
 /// Runs the `outbox` binary with `DATABASE_URL=url`, `args` and extra environment.

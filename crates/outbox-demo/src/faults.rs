@@ -105,25 +105,27 @@ async fn hold_one(
     db: &Database,
     hold: Duration,
     stop: &CancellationToken,
-) -> Result<bool, sqlx::Error> {
+) -> Result<bool, outbox_persistence::Error> {
     // A random record with a pending capture event that has not failed twice yet: the holds
     // exercise lock timeouts, and must not fail one event again and again (an event left
     // pending behind a long head, say, would otherwise be picked every time).
-    const TARGET: &str = "SELECT RecordKey FROM _System_OutboxEvent
-        WHERE Status = 'pending' AND EventType = 'account.updated' AND RetryCount < 2
-        ORDER BY random() LIMIT 1";
     let wait = async {
         tokio::select! {
             _ = stop.cancelled() => {}
             _ = tokio::time::sleep(hold) => {}
         }
     };
+    let key = outbox_persistence::test_support::inspect::random_pending_key(
+        db,
+        crate::workload::ACCOUNT_UPDATED,
+        2,
+    )
+    .await?;
+    let Some(id) = key.and_then(|k| k.split_once(':').map(|(_, id)| id.to_string())) else {
+        return Ok(false);
+    };
     match db {
         Database::Postgres(pool) => {
-            let key: Option<String> = sqlx::query_scalar(TARGET).fetch_optional(pool).await?;
-            let Some(id) = key.and_then(|k| k.split_once(':').map(|(_, id)| id.to_string())) else {
-                return Ok(false);
-            };
             let mut tx = pool.begin().await?;
             sqlx::query("SELECT 1 FROM DemoAccount WHERE Id = $1 FOR UPDATE")
                 .bind(&id)
@@ -134,10 +136,6 @@ async fn hold_one(
         }
         Database::Sqlite(pool) => {
             // SQLite has no row locks: holding its write lock blocks every writer.
-            let key: Option<String> = sqlx::query_scalar(TARGET).fetch_optional(pool).await?;
-            let Some(id) = key.and_then(|k| k.split_once(':').map(|(_, id)| id.to_string())) else {
-                return Ok(false);
-            };
             let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
             sqlx::query("UPDATE DemoAccount SET Revision = Revision WHERE Id = $1")
                 .bind(&id)

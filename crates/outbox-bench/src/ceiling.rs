@@ -16,7 +16,7 @@ use super::{BenchDb, Sizes};
 /// Rows of the plain queue table per second of a run: more than any run can consume.
 const QUEUE_ROWS_PER_SECOND: u64 = 15_000;
 
-pub(super) async fn run(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+pub(crate) async fn run(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("ceilings");
     for &connections in sizes.workers {
         let pool = pg(db, connections).await?;

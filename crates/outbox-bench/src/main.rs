@@ -1,8 +1,8 @@
-//! `outbox bench` (hidden; run it as `cargo xtask bench`): throughput, latency, head-of-line
+//! `outbox-bench` (run it as `cargo xtask bench`): throughput, latency, head-of-line
 //! blocking, scaling and bloat of the pull workers and the legacy dispatcher, measured side by
 //! side against the PostgreSQL ceilings of the same server in one run.
 //!
-//! The command creates a fresh database next to the one `--database-url` names, migrates it,
+//! It creates a fresh database next to the one `--database-url` names, migrates it,
 //! runs every scenario there and drops it. Figures are printed, never asserted: the targets are
 //! listed next to them so that a reader sees the gap. `--explain` instead seeds the claim
 //! shapes and prints the plans of the design's query and of `claim_next` (`cargo xtask explain`).
@@ -17,16 +17,21 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
+use clap::Parser;
 use outbox_persistence::{ConnectConfig, Database};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection};
 
-pub use report::Report;
+use report::Report;
 
-/// `outbox bench`.
-#[derive(Debug, Args)]
-pub struct BenchArgs {
+/// Measures the outbox's workers on PostgreSQL, side by side with the server's ceilings.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-bench", version, about)]
+struct BenchArgs {
+    /// The PostgreSQL server: a fresh database is created next to the one this names, and
+    /// dropped at the end.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
     /// Smaller sizes and shorter runs (under two minutes on two cores), for CI.
     #[arg(long)]
     pub quick: bool,
@@ -43,7 +48,7 @@ pub struct BenchArgs {
 
 /// Sizes of one run.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Sizes {
+struct Sizes {
     pub quick: bool,
     /// Events of a drain.
     pub drain_events: usize,
@@ -114,7 +119,7 @@ impl Sizes {
 }
 
 /// The bench database: created fresh, dropped at the end.
-pub(crate) struct BenchDb {
+struct BenchDb {
     /// The URL of the bench database.
     pub url: String,
     admin: PgConnectOptions,
@@ -135,7 +140,7 @@ impl BenchDb {
             .execute(&mut conn)
             .await?;
         conn.close().await?;
-        let url = with_database(url, &name);
+        let url = outbox_persistence::test_support::with_database(url, &name);
         let db = Database::connect(&url, ConnectConfig::default()).await?;
         db.migrate().await?;
         db.close().await;
@@ -165,30 +170,19 @@ impl BenchDb {
     }
 }
 
-/// `url` with its database name replaced by `name`.
-fn with_database(url: &str, name: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let scheme_end = base.find("://").map_or(0, |i| i + 3);
-    let base = match base[scheme_end..].find('/') {
-        Some(slash) => &base[..scheme_end + slash],
-        None => base,
-    };
-    match query {
-        Some(q) => format!("{base}/{name}?{q}"),
-        None => format!("{base}/{name}"),
-    }
+fn main() -> ExitCode {
+    let args = BenchArgs::parse();
+    outbox_cli::init_tracing("error");
+    outbox_cli::block_on(run(args))
 }
 
 /// Runs the benchmark (or the plans, with `--explain`).
-pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<ExitCode> {
-    let Some(url) = url else {
-        bail!("no database given: {}", crate::db::URL_HELP);
+async fn run(args: BenchArgs) -> Result<ExitCode> {
+    let Some(url) = args.database_url.as_deref() else {
+        bail!("no database given: {}", outbox_cli::db::URL_HELP);
     };
     if !url.starts_with("postgres") {
-        bail!("`outbox bench` measures PostgreSQL; point --database-url at a PostgreSQL server");
+        bail!("`outbox-bench` measures PostgreSQL; point --database-url at a PostgreSQL server");
     }
     let sizes = Sizes::new(args.quick);
     let db = BenchDb::create(url).await?;
@@ -245,22 +239,4 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     }
     report.finish().await;
     Ok(report)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn with_database_replaces_only_the_name() {
-        assert_eq!(
-            with_database("postgres://root@127.0.0.1:5432/test", "b"),
-            "postgres://root@127.0.0.1:5432/b"
-        );
-        assert_eq!(
-            with_database("postgres://u:p@h/x?sslmode=disable", "b"),
-            "postgres://u:p@h/b?sslmode=disable"
-        );
-        assert_eq!(with_database("postgres://h", "b"), "postgres://h/b");
-    }
 }

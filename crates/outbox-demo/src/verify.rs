@@ -1,5 +1,5 @@
 //! Verification of the demo's invariants, read from the database (never from logs), so that
-//! `outbox verify` can check any run, including several `outbox work` processes.
+//! `outbox-demo verify` can check any run, including several `outbox-demo work` processes.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -83,98 +83,13 @@ impl Verification {
     }
 }
 
-/// `(Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount, LastError)` on
-/// PostgreSQL.
-type PgEventRow = (
-    Uuid,
-    String,
-    String,
-    Option<String>,
-    DateTime<Utc>,
-    String,
-    i32,
-    Option<String>,
-);
-/// The same on SQLite, where ids and times are text.
-type SqliteEventRow = (
-    String,
-    String,
-    String,
-    Option<String>,
-    String,
-    String,
-    i32,
-    Option<String>,
-);
-/// `(Id, CapturedName, CapturedIndustry, CapturedRevision)` of a demo account.
-type AccountRow = (String, Option<String>, Option<String>, Option<i64>);
-
-/// One outbox row, as verification reads it.
-pub struct EventRow {
-    /// `Id`.
-    pub id: Uuid,
-    /// `EventType`.
-    pub event_type: String,
-    /// `Status`.
-    pub status: String,
-    /// `RecordKey`.
-    pub record_key: Option<String>,
-    /// `CreatedDate`.
-    pub created: DateTime<Utc>,
-    /// `Payload`.
-    pub payload: String,
-    /// `RetryCount`.
-    pub retry_count: i32,
-    /// `LastError`.
-    pub last_error: Option<String>,
-}
+/// One outbox row, as verification reads it (payload included).
+pub use outbox_persistence::test_support::inspect::StoredRow as EventRow;
 
 type Row = EventRow;
 
 async fn load_events(db: &Database) -> Result<Vec<Row>> {
-    let rows = match db {
-        Database::Postgres(pool) => {
-            let rows: Vec<PgEventRow> = sqlx::query_as(
-                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount, LastError FROM _System_OutboxEvent",
-            )
-            .fetch_all(pool)
-            .await?;
-            rows.into_iter()
-                .map(|r| Row {
-                    id: r.0,
-                    event_type: r.1,
-                    status: r.2,
-                    record_key: r.3,
-                    created: r.4,
-                    payload: r.5,
-                    retry_count: r.6,
-                    last_error: r.7,
-                })
-                .collect()
-        }
-        Database::Sqlite(pool) => {
-            let rows: Vec<SqliteEventRow> = sqlx::query_as(
-                "SELECT Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount, LastError FROM _System_OutboxEvent",
-            )
-            .fetch_all(pool)
-            .await?;
-            let mut out = Vec::with_capacity(rows.len());
-            for r in rows {
-                out.push(Row {
-                    id: Uuid::parse_str(&r.0)?,
-                    event_type: r.1,
-                    status: r.2,
-                    record_key: r.3,
-                    created: DateTime::parse_from_rfc3339(&r.4)?.with_timezone(&Utc),
-                    payload: r.5,
-                    retry_count: r.6,
-                    last_error: r.7,
-                });
-            }
-            out
-        }
-    };
-    Ok(rows)
+    Ok(outbox_persistence::test_support::inspect::all_rows(db).await?)
 }
 
 /// Adds one invariant to `checks`.
@@ -413,13 +328,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         ),
     );
 
-    let retries: i64 = with_pool!(db, |pool| {
-        sqlx::query_scalar(
-            "SELECT CAST(coalesce(sum(RetryCount), 0) AS BIGINT) FROM _System_OutboxEvent",
-        )
-        .fetch_one(pool)
-        .await
-    })?;
+    let retries = outbox_persistence::test_support::inspect::retry_count_sum(db).await?;
     let failures_by_cause = check_retry_audit(db, &events, retries, &mut checks).await?;
     let integrity = check_integrity(sink, &events, &mut checks).await?;
     Ok(Verification {
@@ -484,13 +393,19 @@ async fn check_retry_audit(
     retries: i64,
     checks: &mut Vec<Check>,
 ) -> Result<BTreeMap<&'static str, i64>> {
-    let audit: Vec<(String, i32, i32, Option<String>)> = with_pool!(db, |pool| {
-        sqlx::query_as(
-            "SELECT EventId, OldRetryCount, NewRetryCount, LastError FROM DemoRetryAudit ORDER BY Seq",
-        )
-        .fetch_all(pool)
-        .await
-    })?;
+    let audit: Vec<(String, i32, i32, Option<String>)> =
+        outbox_persistence::test_support::inspect::retry_audit(db)
+            .await?
+            .into_iter()
+            .map(|a| {
+                (
+                    a.event_id,
+                    a.old_retry_count,
+                    a.new_retry_count,
+                    a.last_error,
+                )
+            })
+            .collect();
     let mut by_cause: BTreeMap<&'static str, i64> = BTreeMap::new();
     let mut counts: HashMap<&str, Vec<i32>> = HashMap::new();
     let (mut jumps, mut misattributed) = (0, 0);

@@ -5,9 +5,9 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use chrono::Utc;
+use outbox_persistence::sqlx::PgPool;
+use outbox_persistence::test_support::bench::{self, Backlog};
 use outbox_persistence::{ClaimPolicy, Database, Scope};
-use sqlx::PgPool;
 
 use super::report::{Report, Row};
 use super::{BenchDb, Sizes};
@@ -18,45 +18,6 @@ const KEYS: usize = 1_000;
 const HOT_OTHERS: usize = 10_000;
 /// Heads in flight (claimed by live workers) in every shape.
 const IN_FLIGHT: usize = 8;
-
-/// The select-and-claim statement as it was before the per-key-head rewrite: the design's
-/// eligible query, as written, feeding the claim. Kept here to measure before and after.
-pub(super) const DESIGN_CLAIM_NEXT: &str = "\
-WITH candidate AS (
-  SELECT e.Id, e.Status AS old_status
-  FROM _System_OutboxEvent e
-  WHERE
-    (e.Status = 'pending'
-     OR (e.Status = 'processing' AND e.LastModifiedDate < $2))
-    AND (e.Status <> 'pending'
-         OR e.RetryCount = 0
-         OR e.LastModifiedDate < $3)
-    AND (
-      e.RecordKey IS NULL
-      OR NOT EXISTS (
-        SELECT 1
-        FROM _System_OutboxEvent older
-        WHERE older.RecordKey = e.RecordKey
-          AND (
-            older.CreatedDate < e.CreatedDate
-            OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
-          )
-          AND older.Status NOT IN ('processed', 'failed')
-      )
-    )
-    AND ($4::text[] IS NULL OR e.EventType = ANY($4))
-    AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
-  ORDER BY e.CreatedDate ASC, e.Id ASC
-  LIMIT 1
-  FOR UPDATE OF e SKIP LOCKED
-)
-UPDATE _System_OutboxEvent t
-SET Status = 'processing',
-    LastModifiedDate = GREATEST($1, t.LastModifiedDate + interval '1 microsecond')
-FROM candidate c
-WHERE t.Id = c.Id
-RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
-          t.LastModifiedDate, t.LastError, c.old_status";
 
 /// A seeded backlog shape.
 #[derive(Debug, Clone, Copy)]
@@ -97,31 +58,16 @@ async fn seed(pool: &PgPool, shape: Shape) -> Result<()> {
         Shape::Backlog(n) => (0, n),
         Shape::Hot(h) => (h, HOT_OTHERS),
     };
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "TRUNCATE _System_OutboxEvent;
-         INSERT INTO _System_OutboxEvent
-           (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
-         SELECT gen_random_uuid(), 'bench', '{{}}', 'pending', 0, 'Lead:hot', t, t
-         FROM (SELECT now() - interval '1 day' + i * interval '1 microsecond' AS t
-               FROM generate_series(1, {hot}) i) s;
-         INSERT INTO _System_OutboxEvent
-           (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
-         SELECT gen_random_uuid(), 'bench', '{{}}', 'pending', 0, 'Lead:r' || (i % {KEYS}), t, t
-         FROM (SELECT i, now() - interval '12 hours' + i * interval '1 microsecond' AS t
-               FROM generate_series(1, {rows}) i) s;
-         UPDATE _System_OutboxEvent SET Status = 'processing',
-                LastModifiedDate = now() + interval '1 day'
-         WHERE Id IN (
-           SELECT Id FROM (
-             SELECT DISTINCT ON (RecordKey) Id, CreatedDate
-             FROM _System_OutboxEvent ORDER BY RecordKey, CreatedDate, Id) heads
-           ORDER BY CreatedDate, Id LIMIT {IN_FLIGHT});"
-    )))
-    .execute(pool)
+    bench::seed_backlog(
+        pool,
+        Backlog {
+            hot,
+            rows,
+            keys: KEYS,
+            in_flight: IN_FLIGHT,
+        },
+    )
     .await?;
-    sqlx::raw_sql("VACUUM ANALYZE _System_OutboxEvent")
-        .execute(pool)
-        .await?;
     Ok(())
 }
 
@@ -143,34 +89,6 @@ fn cutoffs() -> ClaimPolicy {
     )
 }
 
-/// The design's query as written takes its cutoffs as timestamps: the bench computes them on
-/// this host, which is the database's host in every bench run.
-struct DesignCutoffs {
-    now: chrono::DateTime<Utc>,
-    stale_cutoff: chrono::DateTime<Utc>,
-    retry_cutoff: chrono::DateTime<Utc>,
-}
-
-fn design_cutoffs() -> DesignCutoffs {
-    let now = outbox_persistence::truncate_micros(Utc::now());
-    let policy = cutoffs();
-    let span = |d: std::time::Duration| chrono::Duration::from_std(d).unwrap_or_default();
-    DesignCutoffs {
-        now,
-        stale_cutoff: now - span(policy.stale_after),
-        retry_cutoff: now - span(policy.retry_delay),
-    }
-}
-
-/// An interval for the repository's claim statement.
-fn interval(d: std::time::Duration) -> sqlx::postgres::types::PgInterval {
-    sqlx::postgres::types::PgInterval {
-        months: 0,
-        days: 0,
-        microseconds: i64::try_from(d.as_micros()).unwrap_or(i64::MAX),
-    }
-}
-
 /// Times `claim` (which claims one row and returns its id) up to `samples` times or
 /// `budget`, completing each claimed row untimed so that the next claim takes the next.
 async fn time_claims<F, Fut>(
@@ -190,10 +108,7 @@ where
         let id = claim().await?;
         ms.push(t.elapsed().as_secs_f64() * 1000.0);
         let Some(id) = id else { break };
-        sqlx::query("UPDATE _System_OutboxEvent SET Status = 'processed' WHERE Id = $1")
-            .bind(id)
-            .execute(pool)
-            .await?;
+        bench::mark_processed(pool, id).await?;
     }
     Ok(ms)
 }
@@ -206,7 +121,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-pub(super) async fn select_and_claim(
+pub(crate) async fn select_and_claim(
     db: &BenchDb,
     sizes: &Sizes,
     report: &mut Report,
@@ -217,7 +132,6 @@ pub(super) async fn select_and_claim(
         anyhow::bail!("the bench runs on PostgreSQL");
     };
     let repo = database.repository();
-    let no_types: Option<Vec<String>> = None;
     let mut p50 = Vec::new();
     for shape in shapes(sizes) {
         for variant in ["design query", "claim_next"] {
@@ -235,19 +149,8 @@ pub(super) async fn select_and_claim(
                 })
                 .await?
             } else {
-                time_claims(pool, sizes.claim_samples, sizes.claim_budget, || {
-                    let c = design_cutoffs();
-                    let no_types = no_types.clone();
-                    async move {
-                        Ok(sqlx::query_scalar(DESIGN_CLAIM_NEXT)
-                            .bind(c.now)
-                            .bind(c.stale_cutoff)
-                            .bind(c.retry_cutoff)
-                            .bind(&no_types)
-                            .bind(&no_types)
-                            .fetch_optional(pool)
-                            .await?)
-                    }
+                time_claims(pool, sizes.claim_samples, sizes.claim_budget, || async {
+                    Ok(bench::design_claim_next(pool, cutoffs()).await?)
                 })
                 .await?
             };
@@ -290,54 +193,14 @@ pub(super) async fn select_and_claim(
 
 /// `outbox bench --explain`: the plans, with run times, of the design's query and of
 /// `claim_next` on every shape (each inside a transaction that is rolled back).
-pub(super) async fn explain(db: &BenchDb, sizes: &Sizes) -> Result<()> {
+pub(crate) async fn explain(db: &BenchDb, sizes: &Sizes) -> Result<()> {
     let database = db.connect(2).await?;
     let Database::Postgres(pool) = &database else {
         anyhow::bail!("the bench runs on PostgreSQL");
     };
-    let no_types: Option<Vec<String>> = None;
     for shape in shapes(sizes) {
         seed(pool, shape).await?;
-        for (name, sql) in [
-            (
-                "the design's eligible query, as written (LIMIT 1)",
-                outbox_persistence::postgres::ELIGIBLE_QUERY,
-            ),
-            (
-                "select-and-claim before: the design's query feeding the claim",
-                DESIGN_CLAIM_NEXT,
-            ),
-            (
-                "select-and-claim now: claim_next",
-                outbox_persistence::postgres::CLAIM_NEXT,
-            ),
-        ] {
-            let c = design_cutoffs();
-            let p = cutoffs();
-            let mut tx = pool.begin().await?;
-            let query = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
-                "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {sql}"
-            )));
-            let query = if sql == outbox_persistence::postgres::ELIGIBLE_QUERY {
-                query.bind(c.stale_cutoff).bind(c.retry_cutoff).bind(1_i64)
-            } else if sql == outbox_persistence::postgres::CLAIM_NEXT {
-                query
-                    .bind(interval(std::time::Duration::ZERO))
-                    .bind(interval(p.stale_after))
-                    .bind(interval(p.retry_delay))
-                    .bind(p.max_retry_attempts)
-                    .bind(no_types.clone())
-                    .bind(no_types.clone())
-            } else {
-                query
-                    .bind(c.now)
-                    .bind(c.stale_cutoff)
-                    .bind(c.retry_cutoff)
-                    .bind(no_types.clone())
-                    .bind(no_types.clone())
-            };
-            let plan = query.fetch_all(&mut *tx).await?;
-            tx.rollback().await?;
+        for (name, plan) in bench::explain_claims(pool, cutoffs()).await? {
             println!("== {}: {name}", shape.name());
             for line in plan {
                 println!("{line}");

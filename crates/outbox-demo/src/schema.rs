@@ -22,24 +22,6 @@ const POSTGRES: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS DemoEffectLog (
         Seq BIGSERIAL PRIMARY KEY, EventId TEXT NOT NULL, RecordKey TEXT, EventType TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS demo_effect_log_event ON DemoEffectLog (EventId)",
-    "CREATE TABLE IF NOT EXISTS DemoRetryAudit (
-        Seq BIGSERIAL PRIMARY KEY, EventId TEXT NOT NULL, OldRetryCount INTEGER NOT NULL,
-        NewRetryCount INTEGER NOT NULL, Status TEXT NOT NULL, LastError TEXT)",
-];
-
-/// The retry audit's trigger on PostgreSQL, created once (concurrent `CREATE OR REPLACE` of one
-/// function fails, so processes starting together skip it when the trigger exists).
-const POSTGRES_AUDIT_TRIGGER: &[&str] = &[
-    "CREATE OR REPLACE FUNCTION demo_retry_audit() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        INSERT INTO DemoRetryAudit (EventId, OldRetryCount, NewRetryCount, Status, LastError)
-        VALUES (NEW.Id::text, OLD.RetryCount, NEW.RetryCount, NEW.Status, NEW.LastError);
-        RETURN NULL;
-    END;
-    $$",
-    "CREATE OR REPLACE TRIGGER demo_retry_audit AFTER UPDATE OF RetryCount ON _System_OutboxEvent
-        FOR EACH ROW WHEN (NEW.RetryCount IS DISTINCT FROM OLD.RetryCount)
-        EXECUTE FUNCTION demo_retry_audit()",
 ];
 
 const SQLITE: &[&str] = &[
@@ -60,15 +42,6 @@ const SQLITE: &[&str] = &[
         Seq INTEGER PRIMARY KEY AUTOINCREMENT, EventId TEXT NOT NULL, RecordKey TEXT,
         EventType TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS demo_effect_log_event ON DemoEffectLog (EventId)",
-    "CREATE TABLE IF NOT EXISTS DemoRetryAudit (
-        Seq INTEGER PRIMARY KEY AUTOINCREMENT, EventId TEXT NOT NULL, OldRetryCount INTEGER NOT NULL,
-        NewRetryCount INTEGER NOT NULL, Status TEXT NOT NULL, LastError TEXT)",
-    "CREATE TRIGGER IF NOT EXISTS demo_retry_audit AFTER UPDATE OF RetryCount ON _System_OutboxEvent
-        FOR EACH ROW WHEN NEW.RetryCount IS NOT OLD.RetryCount
-        BEGIN
-            INSERT INTO DemoRetryAudit (EventId, OldRetryCount, NewRetryCount, Status, LastError)
-            VALUES (NEW.Id, OLD.RetryCount, NEW.RetryCount, NEW.Status, NEW.LastError);
-        END",
 ];
 
 /// The receiving side of the simulated mail provider: it keeps one row per idempotency key and
@@ -77,8 +50,9 @@ pub const MAILBOX: &str = "CREATE TABLE IF NOT EXISTS DemoMailbox (
     IdempotencyKey TEXT PRIMARY KEY, Recipient TEXT NOT NULL, Subject TEXT NOT NULL,
     Deliveries BIGINT NOT NULL)";
 
-/// Creates the demo tables when missing, and the retry audit: a trigger that records every
-/// change of `RetryCount` in `DemoRetryAudit`, in the transaction that made it (so no crash can
+/// Creates the demo tables when missing, and installs the retry audit of the persistence
+/// crate's test support: a trigger that records every change of `RetryCount`, in the
+/// transaction that made it (so no crash can
 /// separate a count from its audit row).
 pub async fn ensure(db: &Database) -> Result<()> {
     let statements = match db {
@@ -88,18 +62,7 @@ pub async fn ensure(db: &Database) -> Result<()> {
     for sql in statements {
         with_pool!(db, |pool| sqlx::query(*sql).execute(pool).await.map(|_| ()))?;
     }
-    if let Database::Postgres(pool) = db {
-        let exists: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'demo_retry_audit')",
-        )
-        .fetch_one(pool)
-        .await?;
-        if !exists {
-            for sql in POSTGRES_AUDIT_TRIGGER {
-                sqlx::query(*sql).execute(pool).await?;
-            }
-        }
-    }
+    outbox_persistence::test_support::inspect::install_retry_audit(db).await?;
     Ok(())
 }
 

@@ -13,8 +13,9 @@ use outbox_events::{
     AttemptContext, DispatchMode, Dispatcher, DispatcherHandle, Handler, HandlerError, Handlers,
     OutboxEvent, WorkerConfig,
 };
+use outbox_persistence::sqlx::PgPool;
+use outbox_persistence::test_support::bench::{self, Figures, Keys, TableCounters};
 use outbox_persistence::{Database, NewEvent, OutboxRepository};
-use sqlx::{PgPool, Row as _};
 
 use super::report::{Report, Row};
 use super::{BenchDb, Sizes};
@@ -90,15 +91,12 @@ fn pg(db: &Database) -> Result<&PgPool> {
 async fn reset(db: &BenchDb) -> Result<()> {
     let pool = db.connect(1).await?;
     sqlx::raw_sql(
-        "TRUNCATE _System_OutboxEvent;
-         CREATE TABLE IF NOT EXISTS bench_lock (id int PRIMARY KEY, n bigint NOT NULL);
+        "CREATE TABLE IF NOT EXISTS bench_lock (id int PRIMARY KEY, n bigint NOT NULL);
          INSERT INTO bench_lock VALUES (1, 0) ON CONFLICT DO NOTHING;",
     )
     .execute(pg(&pool)?)
     .await?;
-    sqlx::raw_sql("VACUUM ANALYZE _System_OutboxEvent")
-        .execute(pg(&pool)?)
-        .await?;
+    bench::reset(pg(&pool)?).await?;
     pool.close().await;
     Ok(())
 }
@@ -180,50 +178,6 @@ impl Running {
     }
 }
 
-/// Latency figures of processed rows matching `filter` (SQL over the outbox table).
-struct Figures {
-    n: usize,
-    p50_ms: f64,
-    p99_ms: f64,
-    /// Seconds from `since` to the last processed row.
-    span_s: f64,
-}
-
-async fn figures(pool: &PgPool, filter: &str, since: DateTime<Utc>) -> Result<Figures> {
-    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*),
-                percentile_cont(0.5) WITHIN GROUP (ORDER BY lat),
-                percentile_cont(0.99) WITHIN GROUP (ORDER BY lat),
-                EXTRACT(EPOCH FROM (max(LastModifiedDate) - $1))::float8
-         FROM (SELECT LastModifiedDate,
-                      EXTRACT(EPOCH FROM (LastModifiedDate - CreatedDate))::float8 * 1000 AS lat
-               FROM _System_OutboxEvent
-               WHERE Status = 'processed' AND ({filter})) s"
-    )))
-    .bind(since)
-    .fetch_one(pool)
-    .await?;
-    Ok(Figures {
-        n: row.try_get::<i64, _>(0)? as usize,
-        p50_ms: row.try_get::<Option<f64>, _>(1)?.unwrap_or(0.0),
-        p99_ms: row.try_get::<Option<f64>, _>(2)?.unwrap_or(0.0),
-        span_s: row.try_get::<Option<f64>, _>(3)?.unwrap_or(0.0),
-    })
-}
-
-/// Rows of one key processed before an older row of the same key (must be zero).
-async fn order_violations(pool: &PgPool) -> Result<i64> {
-    Ok(sqlx::query_scalar(
-        "SELECT count(*) FROM (
-           SELECT LastModifiedDate < lag(LastModifiedDate)
-                    OVER (PARTITION BY RecordKey ORDER BY CreatedDate, Id) AS early
-           FROM _System_OutboxEvent WHERE RecordKey IS NOT NULL AND Status = 'processed') s
-         WHERE early",
-    )
-    .fetch_one(pool)
-    .await?)
-}
-
 /// Drains `events` (already enqueued) with a fresh dispatcher; the figures of every row.
 async fn drain(
     db: &BenchDb,
@@ -237,13 +191,13 @@ async fn drain(
     let since = run.started;
     run.stop().await?;
     let pool = db.connect(1).await?;
-    let f = figures(pg(&pool)?, "true", since).await?;
-    let violations = order_violations(pg(&pool)?).await?;
+    let f = bench::latency(pg(&pool)?, Keys::All, since).await?;
+    let violations = bench::order_violations(pg(&pool)?).await?;
     pool.close().await;
     Ok((f, violations))
 }
 
-pub(super) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("drains");
     let mut pull_keyed_8 = None;
     let mut pull_unkeyed_8 = None;
@@ -313,7 +267,7 @@ pub(super) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> 
     Ok(())
 }
 
-pub(super) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("head-of-line");
     for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
         reset(db).await?;
@@ -363,21 +317,11 @@ pub(super) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
             .await?;
         run.stop().await?;
         let pool = feeder;
-        let others = format!("RecordKey <> '{BLOCKED_KEY}'");
-        let f = figures(pg(&pool)?, &others, block_start).await?;
-        let during: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*) FROM _System_OutboxEvent
-             WHERE Status = 'processed' AND {others} AND LastModifiedDate <= $1"
-        )))
-        .bind(block_end)
-        .fetch_one(pg(&pool)?)
-        .await?;
-        let blocked_f = figures(
-            pg(&pool)?,
-            &format!("RecordKey = '{BLOCKED_KEY}'"),
-            block_start,
-        )
-        .await?;
+        let f = bench::latency(pg(&pool)?, Keys::Except(BLOCKED_KEY), block_start).await?;
+        let during =
+            bench::processed_until(pg(&pool)?, Keys::Except(BLOCKED_KEY), block_end).await?;
+        let blocked_f =
+            bench::latency(pg(&pool)?, Keys::Only(BLOCKED_KEY), block_start).await?;
         pool.close().await;
         let block_s = (block_end - block_start).as_seconds_f64();
         let rate = during as f64 / block_s;
@@ -412,7 +356,7 @@ pub(super) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
     Ok(())
 }
 
-pub(super) async fn hot_key(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+pub(crate) async fn hot_key(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("hot key");
     let n = sizes.hot_events;
     for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
@@ -430,10 +374,10 @@ pub(super) async fn hot_key(db: &BenchDb, sizes: &Sizes, report: &mut Report) ->
         let since = run.started;
         run.stop().await?;
         let pool = db.connect(1).await?;
-        let all = figures(pg(&pool)?, "true", since).await?;
-        let others = figures(pg(&pool)?, &format!("RecordKey <> '{HOT_KEY}'"), since).await?;
-        let hot = figures(pg(&pool)?, &format!("RecordKey = '{HOT_KEY}'"), since).await?;
-        let violations = order_violations(pg(&pool)?).await?;
+        let all = bench::latency(pg(&pool)?, Keys::All, since).await?;
+        let others = bench::latency(pg(&pool)?, Keys::Except(HOT_KEY), since).await?;
+        let hot = bench::latency(pg(&pool)?, Keys::Only(HOT_KEY), since).await?;
+        let violations = bench::order_violations(pg(&pool)?).await?;
         pool.close().await;
         report.push(Row {
             scenario: format!("hot key: {n} on 1 record + {n} over {}", sizes.records),
@@ -454,7 +398,7 @@ pub(super) async fn hot_key(db: &BenchDb, sizes: &Sizes, report: &mut Report) ->
     Ok(())
 }
 
-pub(super) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+pub(crate) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("slow handlers");
     let workers = 32;
     let sleep = Duration::from_millis(50);
@@ -503,7 +447,7 @@ pub(super) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Repo
     Ok(())
 }
 
-pub(super) async fn enqueue_rate(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+pub(crate) async fn enqueue_rate(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("enqueue");
     let tasks = 8;
     for per_tx in [1usize, 1_000] {
@@ -552,7 +496,7 @@ pub(super) async fn enqueue_rate(db: &BenchDb, sizes: &Sizes, report: &mut Repor
     Ok(())
 }
 
-pub(super) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+pub(crate) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("idle pickup");
     for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
         reset(db).await?;
@@ -572,7 +516,7 @@ pub(super) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report
         }
         let since = run.started;
         run.stop().await?;
-        let f = figures(pg(&feeder)?, "true", since).await?;
+        let f = bench::latency(pg(&feeder)?, Keys::All, since).await?;
         feeder.close().await;
         report.push(Row {
             scenario: "idle pickup: one event into an idle pool".into(),
@@ -595,35 +539,14 @@ pub(super) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report
     Ok(())
 }
 
-/// Counters of the outbox table and the server's WAL position.
-#[derive(Debug, Clone, Copy)]
-struct Counters {
-    upd: i64,
-    hot_upd: i64,
-    dead: i64,
-    wal: f64,
-}
-
-async fn counters(pool: &PgPool) -> Result<Counters> {
+async fn counters(pool: &PgPool) -> Result<TableCounters> {
     // Backends flush their table statistics when they exit; the dispatcher's pool is closed
     // before this is called, so give the flush a moment.
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let row = sqlx::query(
-        "SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup,
-                pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8
-         FROM pg_stat_user_tables WHERE relname = '_system_outboxevent'",
-    )
-    .fetch_one(pool)
-    .await?;
-    Ok(Counters {
-        upd: row.try_get(0)?,
-        hot_upd: row.try_get(1)?,
-        dead: row.try_get(2)?,
-        wal: row.try_get(3)?,
-    })
+    Ok(bench::table_counters(pool).await?)
 }
 
-pub(super) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
+pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("cost per event");
     // No-op drains: WAL, dead tuples and updates per event.
     for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
@@ -650,10 +573,10 @@ pub(super) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Re
             events: Some(n),
             note: format!(
                 "WAL {:.0} B/event (server-wide); dead tuples left {:.2}/event; updates {:.2}/event, HOT {:.2}/event",
-                per(after.wal - before.wal),
+                per(after.wal_bytes - before.wal_bytes),
                 per((after.dead - before.dead) as f64),
-                per((after.upd - before.upd) as f64),
-                per((after.hot_upd - before.hot_upd) as f64),
+                per((after.updates - before.updates) as f64),
+                per((after.hot_updates - before.hot_updates) as f64),
             ),
             ..Row::default()
         });
@@ -679,9 +602,9 @@ pub(super) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Re
     pool.close().await;
     // Claims and `processed` change Status (in the partial indexes' predicates), so they are
     // never HOT; the rest of the updates are heartbeats.
-    let updates = after.upd - before.upd;
+    let updates = after.updates - before.updates;
     let heartbeats = updates - 2 * n as i64;
-    let hot = after.hot_upd - before.hot_upd;
+    let hot = after.hot_updates - before.hot_updates;
     let share = if heartbeats > 0 {
         hot as f64 / heartbeats as f64
     } else {
@@ -696,7 +619,7 @@ pub(super) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Re
             "{heartbeats} heartbeat updates, {:.0}% HOT; dead tuples left {:.2}/event; WAL {:.0} B/event (server-wide)",
             share * 100.0,
             (after.dead - before.dead) as f64 / n as f64,
-            (after.wal - before.wal) / n as f64
+            (after.wal_bytes - before.wal_bytes) / n as f64
         ),
         ..Row::default()
     });

@@ -1,0 +1,116 @@
+//! The operator side of the outbox as a library: the commands of the `outbox` binary
+//! (`migrate`, `status`, `events`, `retry`, `explain`, `backfill-record-keys`, `consumers`,
+//! `gate`) as a [`clap`] subcommand enum that a service mounts in its own command line, with its
+//! own registered consumers, and the shared worker options.
+//!
+//! ```no_run
+//! use clap::Parser;
+//! use outbox_cli::OperatorCommand;
+//!
+//! #[derive(Parser)]
+//! struct Cli {
+//!     #[arg(long, env = "DATABASE_URL")]
+//!     database_url: Option<String>,
+//!     #[command(subcommand)]
+//!     command: OperatorCommand,
+//! }
+//!
+//! # async fn run() -> anyhow::Result<std::process::ExitCode> {
+//! let cli = Cli::parse();
+//! // The consumers this service registers with its dispatcher: `gate` and `consumers` judge them.
+//! let consumers = Vec::new();
+//! outbox_cli::run_operator(cli.database_url.as_deref(), cli.command, &consumers).await
+//! # }
+//! ```
+//!
+//! The `outbox` binary is this library with no consumers of its own; the demo workload
+//! (`outbox-demo`) mounts the same commands with the demo's consumers.
+
+#![warn(missing_docs)]
+
+pub mod args;
+pub mod db;
+pub mod ops;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::Subcommand;
+use outbox_events::Consumer;
+
+use args::{BackfillArgs, EventsArgs, JsonArg, RetryArgs};
+
+/// The operator commands. Each one changes only what it was asked to change.
+#[derive(Debug, Subcommand)]
+pub enum OperatorCommand {
+    /// Apply the migrations this binary carries (a no-op when they are applied).
+    Migrate,
+    /// Counts by status, the oldest pending age, stale claims and blocked keys.
+    Status(JsonArg),
+    /// List outbox rows (never their payloads), oldest first.
+    Events(EventsArgs),
+    /// Return failed rows to pending (audited in the log).
+    Retry(RetryArgs),
+    /// Print PostgreSQL plans of the eligible-event and claim queries.
+    Explain,
+    /// Set missing RecordKey values of non-terminal rows, in resumable batches.
+    BackfillRecordKeys(BackfillArgs),
+    /// Print the consumer map: every registered consumer, its effects and its verdict.
+    Consumers(JsonArg),
+    /// Exit 0 only when OUTBOX_PULL_WORKER may flip for the registered consumers; otherwise
+    /// print one line per reason.
+    Gate(JsonArg),
+}
+
+/// Runs one operator command against the database at `url`; `consumers` are the consumers the
+/// calling service registers (judged by `consumers` and `gate`). The exit code says whether it
+/// succeeded.
+pub async fn run_operator(
+    url: Option<&str>,
+    command: OperatorCommand,
+    consumers: &[Consumer],
+) -> Result<ExitCode> {
+    match command {
+        OperatorCommand::Migrate => ops::migrate(url).await,
+        OperatorCommand::Status(a) => ops::status(url, a.json).await,
+        OperatorCommand::Events(args) => ops::events(url, args).await,
+        OperatorCommand::Retry(args) => ops::retry(url, args).await,
+        OperatorCommand::Explain => ops::explain(url).await,
+        OperatorCommand::BackfillRecordKeys(args) => ops::backfill(url, args).await,
+        OperatorCommand::Consumers(a) => ops::consumers(consumers, a.json),
+        OperatorCommand::Gate(a) => ops::gate(url, consumers, a.json).await,
+    }
+}
+
+/// Logs to stderr at `default_level` unless `RUST_LOG` says otherwise.
+pub fn init_tracing(default_level: &str) {
+    use tracing_subscriber::EnvFilter;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Runs `main` on a multi-threaded runtime and turns its outcome into the process's exit code
+/// (an error is printed with its causes).
+pub fn block_on(main: impl Future<Output = Result<ExitCode>>) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(main) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! PostgreSQL backlogs shaped for measurement, the design's select-and-claim as written (the
+//! baseline the bench compares `claim_next` with), and figures read back from the table:
+//! latencies, per-key order, update and WAL counters. Used by `outbox-bench`.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgPool, Row as _};
+use uuid::Uuid;
+
+use crate::{ClaimPolicy, Result};
+
+/// The select-and-claim statement as it was before the per-key-head rewrite: the design's
+/// eligible query, as written, feeding the claim. Kept to measure before and after.
+const DESIGN_CLAIM_NEXT: &str = "\
+WITH candidate AS (
+  SELECT e.Id, e.Status AS old_status
+  FROM _System_OutboxEvent e
+  WHERE
+    (e.Status = 'pending'
+     OR (e.Status = 'processing' AND e.LastModifiedDate < $2))
+    AND (e.Status <> 'pending'
+         OR e.RetryCount = 0
+         OR e.LastModifiedDate < $3)
+    AND (
+      e.RecordKey IS NULL
+      OR NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent older
+        WHERE older.RecordKey = e.RecordKey
+          AND (
+            older.CreatedDate < e.CreatedDate
+            OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
+          )
+          AND older.Status NOT IN ('processed', 'failed')
+      )
+    )
+  ORDER BY e.CreatedDate ASC, e.Id ASC
+  LIMIT 1
+  FOR UPDATE OF e SKIP LOCKED
+)
+UPDATE _System_OutboxEvent t
+SET Status = 'processing',
+    LastModifiedDate = GREATEST($1, t.LastModifiedDate + interval '1 microsecond')
+FROM candidate c
+WHERE t.Id = c.Id
+RETURNING t.Id";
+
+/// Empties the outbox table and refreshes its statistics.
+pub async fn reset(pool: &PgPool) -> Result<()> {
+    sqlx::raw_sql("TRUNCATE _System_OutboxEvent")
+        .execute(pool)
+        .await?;
+    vacuum_analyze(pool).await
+}
+
+/// `VACUUM ANALYZE` of the outbox table.
+pub async fn vacuum_analyze(pool: &PgPool) -> Result<()> {
+    sqlx::raw_sql("VACUUM ANALYZE _System_OutboxEvent")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// A backlog shape to seed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backlog {
+    /// Pending rows of one hot key (`lead:hot`), created before every other row.
+    pub hot: usize,
+    /// Pending rows over `keys` keys (`lead:r0` …), interleaved round robin.
+    pub rows: usize,
+    /// Keys the `rows` are spread over.
+    pub keys: usize,
+    /// Heads of the oldest keys claimed by live workers (their heartbeat is a day ahead).
+    pub in_flight: usize,
+}
+
+/// Empties the outbox and seeds `shape` (event type `bench`, payload `{}`).
+pub async fn seed_backlog(pool: &PgPool, shape: Backlog) -> Result<()> {
+    let Backlog {
+        hot,
+        rows,
+        keys,
+        in_flight,
+    } = shape;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "TRUNCATE _System_OutboxEvent;
+         INSERT INTO _System_OutboxEvent
+           (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
+         SELECT gen_random_uuid(), 'bench', '{{}}', 'pending', 0, 'lead:hot', t, t
+         FROM (SELECT now() - interval '1 day' + i * interval '1 microsecond' AS t
+               FROM generate_series(1, {hot}) i) s;
+         INSERT INTO _System_OutboxEvent
+           (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
+         SELECT gen_random_uuid(), 'bench', '{{}}', 'pending', 0, 'lead:r' || (i % {keys}), t, t
+         FROM (SELECT i, now() - interval '12 hours' + i * interval '1 microsecond' AS t
+               FROM generate_series(1, {rows}) i) s;
+         UPDATE _System_OutboxEvent SET Status = 'processing',
+                LastModifiedDate = now() + interval '1 day'
+         WHERE Id IN (
+           SELECT Id FROM (
+             SELECT DISTINCT ON (RecordKey) Id, CreatedDate
+             FROM _System_OutboxEvent ORDER BY RecordKey, CreatedDate, Id) heads
+           ORDER BY CreatedDate, Id LIMIT {in_flight});",
+        keys = keys.max(1),
+    )))
+    .execute(pool)
+    .await?;
+    vacuum_analyze(pool).await
+}
+
+/// The design's cutoffs as timestamps, computed from the database's clock.
+async fn design_cutoffs(
+    pool: &PgPool,
+    policy: ClaimPolicy,
+) -> Result<(DateTime<Utc>, DateTime<Utc>, DateTime<Utc>)> {
+    let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(pool)
+        .await?;
+    let span = |d: Duration| chrono::Duration::from_std(d).unwrap_or_default();
+    Ok((
+        now,
+        now - span(policy.stale_after),
+        now - span(policy.retry_delay),
+    ))
+}
+
+/// Claims one row with the design's query as written (no in-flight guard, no per-key heads);
+/// returns its id. For measurement only: it is not the repository's claim.
+pub async fn design_claim_next(pool: &PgPool, policy: ClaimPolicy) -> Result<Option<Uuid>> {
+    let (now, stale, retry) = design_cutoffs(pool, policy).await?;
+    Ok(sqlx::query_scalar(DESIGN_CLAIM_NEXT)
+        .bind(now)
+        .bind(stale)
+        .bind(retry)
+        .fetch_optional(pool)
+        .await?)
+}
+
+/// Marks row `id` processed directly (no attempt), so that the next timed claim takes the next
+/// row.
+pub async fn mark_processed(pool: &PgPool, id: Uuid) -> Result<()> {
+    sqlx::query("UPDATE _System_OutboxEvent SET Status = 'processed' WHERE Id = $1")
+        .bind(id)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// `EXPLAIN (ANALYZE, BUFFERS)` of the design's eligible query and of `claim_next`
+/// ([`crate::postgres::explain_analyze`]), and of the design's query feeding the claim, on the
+/// table as it is; each runs in a transaction that is rolled back, so nothing is claimed.
+pub async fn explain_claims(
+    pool: &PgPool,
+    policy: ClaimPolicy,
+) -> Result<Vec<(&'static str, Vec<String>)>> {
+    let mut plans = crate::postgres::explain_analyze(pool, policy).await?;
+    let (now, stale, retry) = design_cutoffs(pool, policy).await?;
+    let mut tx = pool.begin().await?;
+    let design = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {DESIGN_CLAIM_NEXT}"
+    )))
+    .bind(now)
+    .bind(stale)
+    .bind(retry)
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.rollback().await?;
+    plans.push((
+        "select-and-claim before: the design's query feeding the claim",
+        design,
+    ));
+    Ok(plans)
+}
+
+/// Which processed rows a figure is about.
+#[derive(Debug, Clone, Copy)]
+pub enum Keys<'a> {
+    /// Every row.
+    All,
+    /// Rows of this record key.
+    Only(&'a str),
+    /// Rows of every other record key (and rows without one).
+    Except(&'a str),
+}
+
+impl Keys<'_> {
+    /// The condition, with the key bound as `$2`.
+    fn condition(self) -> &'static str {
+        match self {
+            Keys::All => "$2::text IS NULL",
+            Keys::Only(_) => "RecordKey = $2",
+            Keys::Except(_) => "RecordKey IS DISTINCT FROM $2",
+        }
+    }
+
+    fn key(self) -> Option<String> {
+        match self {
+            Keys::All => None,
+            Keys::Only(k) | Keys::Except(k) => Some(k.to_string()),
+        }
+    }
+}
+
+/// Enqueue-to-processed latency of processed rows (`LastModifiedDate - CreatedDate`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Figures {
+    /// Rows counted.
+    pub n: usize,
+    /// Median latency, ms.
+    pub p50_ms: f64,
+    /// 99th percentile latency, ms.
+    pub p99_ms: f64,
+    /// Seconds from `since` to the last processed row.
+    pub span_s: f64,
+}
+
+/// Latency figures of the processed rows of `keys`, with the span measured from `since`.
+pub async fn latency(pool: &PgPool, keys: Keys<'_>, since: DateTime<Utc>) -> Result<Figures> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*),
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY lat),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY lat),
+                EXTRACT(EPOCH FROM (max(LastModifiedDate) - $1))::float8
+         FROM (SELECT LastModifiedDate,
+                      EXTRACT(EPOCH FROM (LastModifiedDate - CreatedDate))::float8 * 1000 AS lat
+               FROM _System_OutboxEvent
+               WHERE Status = 'processed' AND {}) s",
+        keys.condition()
+    )))
+    .bind(since)
+    .bind(keys.key())
+    .fetch_one(pool)
+    .await?;
+    Ok(Figures {
+        n: row.try_get::<i64, _>(0)? as usize,
+        p50_ms: row.try_get::<Option<f64>, _>(1)?.unwrap_or(0.0),
+        p99_ms: row.try_get::<Option<f64>, _>(2)?.unwrap_or(0.0),
+        span_s: row.try_get::<Option<f64>, _>(3)?.unwrap_or(0.0),
+    })
+}
+
+/// Processed rows of `keys` whose outcome was written at or before `until`.
+pub async fn processed_until(pool: &PgPool, keys: Keys<'_>, until: DateTime<Utc>) -> Result<i64> {
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM _System_OutboxEvent
+         WHERE Status = 'processed' AND LastModifiedDate <= $1 AND {}",
+        keys.condition()
+    )))
+    .bind(until)
+    .bind(keys.key())
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Rows of one key processed before an older row of the same key (must be zero).
+pub async fn order_violations(pool: &PgPool) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM (
+           SELECT LastModifiedDate < lag(LastModifiedDate)
+                    OVER (PARTITION BY RecordKey ORDER BY CreatedDate, Id) AS early
+           FROM _System_OutboxEvent WHERE RecordKey IS NOT NULL AND Status = 'processed') s
+         WHERE early",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Update counters of the outbox table and the server's WAL position.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TableCounters {
+    /// Row updates.
+    pub updates: i64,
+    /// Of which heap-only (HOT) updates.
+    pub hot_updates: i64,
+    /// Dead tuples.
+    pub dead: i64,
+    /// The WAL position, bytes.
+    pub wal_bytes: f64,
+}
+
+/// The outbox table's counters now. Backends flush their statistics when they exit, so read
+/// them after the measured pool is closed and flushed.
+pub async fn table_counters(pool: &PgPool) -> Result<TableCounters> {
+    let row = sqlx::query(
+        "SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup,
+                pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8
+         FROM pg_stat_user_tables WHERE relname = '_system_outboxevent'",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(TableCounters {
+        updates: row.try_get(0)?,
+        hot_updates: row.try_get(1)?,
+        dead: row.try_get(2)?,
+        wal_bytes: row.try_get(3)?,
+    })
+}
