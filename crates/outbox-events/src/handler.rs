@@ -8,20 +8,70 @@ use outbox_persistence::{Attempt, OutboxEvent, Tx};
 
 use crate::consumer::Consumer;
 
+/// A boxed error kept as the cause of a [`HandlerError`] (any `std::error::Error + Send + Sync`,
+/// `anyhow::Error`, a `String` converts into it).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 /// What a handler's failure means for the row.
+///
+/// A failure built from another error keeps that error as its
+/// [`source`](std::error::Error::source): build it with [`HandlerError::retryable_from`],
+/// [`HandlerError::permanent_from`] or [`HandlerError::db`] (or `?` on an
+/// `outbox_persistence::Error`), rather than formatting the error into a message. The message
+/// (`Display`, which the row's error column records) still names the cause.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HandlerError {
-    /// Try again later (up to `MaxRetryAttempts`).
+    /// Try again later (up to `MaxRetryAttempts`). The message is all there is: for a failure
+    /// caused by another error, see [`HandlerError::RetryableFrom`].
     #[error("retryable: {0}")]
     Retryable(String),
-    /// Retrying cannot help (for example a payload the handler cannot read): `failed` now.
+    /// Retrying cannot help (for example a payload the handler cannot read): `failed` now. For
+    /// a failure caused by another error, see [`HandlerError::PermanentFrom`].
     #[error("permanent: {0}")]
     Permanent(String),
+    /// Try again later because of `source`, another error the handler ran into (built by
+    /// [`HandlerError::retryable_from`]).
+    #[error("retryable: {}", with_cause(context, source.as_ref()))]
+    RetryableFrom {
+        /// What the handler was doing (may be empty).
+        context: String,
+        /// The error that made the attempt fail.
+        #[source]
+        source: BoxError,
+    },
+    /// `failed` now because of `source`, another error the handler ran into (built by
+    /// [`HandlerError::permanent_from`]).
+    #[error("permanent: {}", with_cause(context, source.as_ref()))]
+    PermanentFrom {
+        /// What the handler was doing (may be empty).
+        context: String,
+        /// The error that made the attempt fail.
+        #[source]
+        source: BoxError,
+    },
     /// A database error from the handler's own statements; a lock timeout or a lost connection
     /// is retried like [`HandlerError::Retryable`].
     #[error("database: {}", .0.chain())]
     Database(#[from] outbox_persistence::Error),
+}
+
+/// `context: cause` (just the cause when there is no context), with the cause's own sources,
+/// so that the row's recorded error names what went wrong without a chain walker.
+fn with_cause(context: &str, source: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = context.to_string();
+    let mut next = Some(source);
+    while let Some(error) = next {
+        let text = error.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        next = error.source();
+    }
+    out
 }
 
 impl HandlerError {
@@ -31,6 +81,26 @@ impl HandlerError {
         HandlerError::Database(e.into())
     }
 
+    /// A retryable failure caused by `source`; `context` says what the handler was doing (for
+    /// example `"mail provider"`; empty for none). Replaces
+    /// `HandlerError::Retryable(format!("mail provider: {e}"))`, which keeps only the text.
+    pub fn retryable_from(context: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        HandlerError::RetryableFrom {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
+    /// A permanent failure caused by `source`; `context` says what the handler was doing (for
+    /// example `"unreadable payload"`; empty for none). Replaces
+    /// `HandlerError::Permanent(format!("unreadable payload: {e}"))`, which keeps only the text.
+    pub fn permanent_from(context: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        HandlerError::PermanentFrom {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
     /// Whether this failure is a database lock timeout.
     pub fn is_lock_timeout(&self) -> bool {
         matches!(self, HandlerError::Database(e) if e.is_lock_timeout())
@@ -38,7 +108,10 @@ impl HandlerError {
 
     /// Whether the row should be retried (as opposed to failed at once).
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, HandlerError::Permanent(_))
+        !matches!(
+            self,
+            HandlerError::Permanent(_) | HandlerError::PermanentFrom { .. }
+        )
     }
 }
 
@@ -195,5 +268,63 @@ impl Handlers {
         let mut types: Vec<&str> = self.by_type.keys().map(String::as_str).collect();
         types.sort_unstable();
         types
+    }
+}
+
+#[cfg(test)]
+mod error_tests {
+    //! The cause chain of [`HandlerError`].
+
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("connection reset")]
+    struct Reset;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("smtp send failed")]
+    struct Smtp(#[source] Reset);
+
+    #[test]
+    fn a_failure_built_from_an_error_keeps_it_as_its_source() {
+        let retry = HandlerError::retryable_from("mail provider", Smtp(Reset));
+        assert!(retry.is_retryable());
+        let source = retry.source().expect("the cause is kept");
+        assert!(source.downcast_ref::<Smtp>().is_some(), "{source:?}");
+        assert!(source.source().unwrap().downcast_ref::<Reset>().is_some());
+        assert_eq!(
+            retry.to_string(),
+            "retryable: mail provider: smtp send failed: connection reset"
+        );
+
+        let permanent = HandlerError::permanent_from("", Smtp(Reset));
+        assert!(!permanent.is_retryable());
+        assert!(permanent.source().unwrap().downcast_ref::<Smtp>().is_some());
+        assert_eq!(
+            permanent.to_string(),
+            "permanent: smtp send failed: connection reset"
+        );
+    }
+
+    #[test]
+    fn a_database_failure_keeps_the_repository_error_as_its_source() {
+        let e = HandlerError::db(sqlx::Error::PoolTimedOut);
+        let source = e.source().expect("the database error is kept");
+        assert!(
+            source.downcast_ref::<outbox_persistence::Error>().is_some(),
+            "{source:?}"
+        );
+        assert!(e.is_retryable());
+    }
+
+    #[test]
+    fn message_only_failures_have_no_source() {
+        assert!(HandlerError::Retryable("busy".into()).source().is_none());
+        let permanent = HandlerError::Permanent("bad payload".into());
+        assert!(permanent.source().is_none());
+        assert!(!permanent.is_retryable());
+        assert_eq!(permanent.to_string(), "permanent: bad payload");
     }
 }

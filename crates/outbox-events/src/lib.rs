@@ -14,12 +14,12 @@
 mod attempt;
 mod config;
 mod consumer;
+mod dispatcher;
 mod gate;
 mod handler;
 mod heartbeat;
 mod legacy;
 mod metrics;
-mod pool;
 
 pub use attempt::{AttemptOutcome, ClaimRunner};
 pub use config::{
@@ -28,11 +28,11 @@ pub use config::{
     DEFAULT_STALE_AFTER, DEFAULT_WORKERS, DispatchMode, OUTBOX_PULL_WORKER, WorkerConfig,
 };
 pub use consumer::{Consumer, DeclaredEffect, EffectKind, ExternalKind, Safeguard, Verdict};
+pub use dispatcher::{Dispatcher, DispatcherHandle, ShutdownReport};
 pub use gate::{GateReport, ModeDecision, evaluate_gate};
-pub use handler::{AttemptContext, Handler, HandlerError, Handlers};
+pub use handler::{AttemptContext, BoxError, Handler, HandlerError, Handlers};
 pub use legacy::slot_for_event;
 pub use metrics::{Metrics, MetricsSnapshot};
-pub use pool::{Dispatcher, DispatcherHandle, ShutdownReport};
 
 // What the signatures above need, so that a service depends on this crate alone to write,
 // register and test a handler (see `docs/embedding.md` once written; `docs/state-machine.md`).
