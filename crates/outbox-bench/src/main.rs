@@ -9,6 +9,7 @@
 
 mod ceiling;
 mod claim;
+mod cost;
 mod report;
 mod scenarios;
 
@@ -232,7 +233,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
         scenarios::idle_pickup(db, &sizes, &mut report).await?;
     }
     if wanted("cost") {
-        scenarios::cost(db, &sizes, &mut report).await?;
+        cost::cost(db, &sizes, &mut report).await?;
     }
     if wanted("claim") {
         claim::select_and_claim(db, &sizes, &mut report).await?;

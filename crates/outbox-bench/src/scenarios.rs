@@ -14,7 +14,7 @@ use outbox_events::{
     OutboxEvent, WorkerConfig,
 };
 use outbox_persistence::sqlx::PgPool;
-use outbox_persistence::test_support::bench::{self, Figures, Keys, TableCounters};
+use outbox_persistence::test_support::bench::{self, Figures, Keys};
 use outbox_persistence::{Database, NewEvent, OutboxRepository};
 
 use super::report::{Report, Row};
@@ -46,7 +46,7 @@ impl Handler for BenchHandler {
         if let Some(d) = self.sleep {
             tokio::time::sleep(d).await;
         }
-        if self.lock_key.is_some() && event.record_key.as_deref() == self.lock_key {
+        if self.lock_key.is_some() && event.record_key.as_ref().map(|k| k.as_str()) == self.lock_key {
             outbox_persistence::with_tx!(ctx.tx(), |conn| {
                 sqlx::query("UPDATE bench_lock SET n = n + 1 WHERE id = 1")
                     .execute(conn)
@@ -59,7 +59,7 @@ impl Handler for BenchHandler {
     }
 }
 
-fn handlers(sleep: Option<Duration>, lock_key: Option<&'static str>) -> Handlers {
+pub(crate) fn handlers(sleep: Option<Duration>, lock_key: Option<&'static str>) -> Handlers {
     Handlers::new().register(EVENT_TYPE, BenchHandler { sleep, lock_key })
 }
 
@@ -71,7 +71,7 @@ fn payload(record: Option<&str>) -> String {
     }
 }
 
-fn keyed_events(n: usize, records: usize, keyed: bool) -> Vec<NewEvent> {
+pub(crate) fn keyed_events(n: usize, records: usize, keyed: bool) -> Vec<NewEvent> {
     (0..n)
         .map(|i| {
             let id = format!("r{}", i % records);
@@ -80,7 +80,7 @@ fn keyed_events(n: usize, records: usize, keyed: bool) -> Vec<NewEvent> {
         .collect()
 }
 
-fn pg(db: &Database) -> Result<&PgPool> {
+pub(crate) fn pg(db: &Database) -> Result<&PgPool> {
     match db {
         Database::Postgres(pool) => Ok(pool),
         Database::Sqlite(_) => bail!("the bench runs on PostgreSQL"),
@@ -88,7 +88,7 @@ fn pg(db: &Database) -> Result<&PgPool> {
 }
 
 /// Empties the outbox and the bench tables of the scenarios.
-async fn reset(db: &BenchDb) -> Result<()> {
+pub(crate) async fn reset(db: &BenchDb) -> Result<()> {
     let pool = db.connect(1).await?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS bench_lock (id int PRIMARY KEY, n bigint NOT NULL);
@@ -102,7 +102,7 @@ async fn reset(db: &BenchDb) -> Result<()> {
 }
 
 /// Enqueues `events` in transactions of `per_tx`.
-async fn enqueue(
+pub(crate) async fn enqueue(
     repo: &Arc<dyn OutboxRepository>,
     events: &[NewEvent],
     per_tx: usize,
@@ -115,7 +115,7 @@ async fn enqueue(
     Ok(())
 }
 
-fn config(mode: DispatchMode, workers: usize) -> WorkerConfig {
+pub(crate) fn config(mode: DispatchMode, workers: usize) -> WorkerConfig {
     WorkerConfig::default()
         .with_mode(mode)
         .dangerously_skip_rollout_gate("benchmark of the worker mechanics (no external effects)")
@@ -123,7 +123,7 @@ fn config(mode: DispatchMode, workers: usize) -> WorkerConfig {
         .with_lock_timeout(Duration::from_secs(60))
 }
 
-fn mode_name(mode: DispatchMode) -> &'static str {
+pub(crate) fn mode_name(mode: DispatchMode) -> &'static str {
     match mode {
         DispatchMode::Pull => "pull",
         DispatchMode::Legacy => "legacy",
@@ -132,14 +132,14 @@ fn mode_name(mode: DispatchMode) -> &'static str {
 
 /// A running dispatcher with its own pool (closed at the end, which also flushes the
 /// backends' table statistics).
-struct Running {
+pub(crate) struct Running {
     handle: DispatcherHandle,
     db: Database,
     started: DateTime<Utc>,
     started_at: Instant,
 }
 
-async fn start(db: &BenchDb, config: WorkerConfig, handlers: Handlers) -> Result<Running> {
+pub(crate) async fn start(db: &BenchDb, config: WorkerConfig, handlers: Handlers) -> Result<Running> {
     let pool = db.connect((config.workers * 2 + 4) as u32).await?;
     let started = Utc::now();
     let handle = Dispatcher::new(pool.repository(), handlers, config)
@@ -155,7 +155,7 @@ async fn start(db: &BenchDb, config: WorkerConfig, handlers: Handlers) -> Result
 
 impl Running {
     /// Waits until `n` attempts ended (processed or failed), polling the in-process counters.
-    async fn wait_for(&self, n: u64) -> Result<()> {
+    pub(crate) async fn wait_for(&self, n: u64) -> Result<()> {
         loop {
             let m = self.handle.metrics();
             if m.processed + m.failed >= n {
@@ -168,7 +168,7 @@ impl Running {
         }
     }
 
-    async fn stop(self) -> Result<()> {
+    pub(crate) async fn stop(self) -> Result<()> {
         let report = self.handle.shutdown().await;
         self.db.close().await;
         if report.metrics.failed > 0 {
@@ -267,6 +267,35 @@ pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> 
     Ok(())
 }
 
+/// Enqueues `sizes.block_events` events of the other records at a steady rate over
+/// `sizes.block`, in ticks of 10 ms.
+async fn feed_steadily(repo: &Arc<dyn OutboxRepository>, sizes: &Sizes) -> Result<()> {
+    let ticks = (sizes.block.as_millis() / 10).max(1) as usize;
+    let per_tick = sizes.block_events.div_ceil(ticks);
+    let began = Instant::now();
+    let mut sent = 0;
+    let mut i = 0;
+    while sent < sizes.block_events {
+        let n = per_tick.min(sizes.block_events - sent);
+        let batch: Vec<NewEvent> = (0..n)
+            .map(|_| {
+                i += 1;
+                NewEvent::new(
+                    EVENT_TYPE,
+                    payload(Some(&format!("r{}", i % sizes.records))),
+                )
+            })
+            .collect();
+        enqueue(repo, &batch, n).await?;
+        sent += n;
+        let next = Duration::from_millis(10) * (sent / per_tick) as u32;
+        if let Some(wait) = next.checked_sub(began.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+    Ok(())
+}
+
 pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("head-of-line");
     for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
@@ -285,29 +314,8 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
             .collect();
         enqueue(&repo, &blocked, 3).await?;
         // The other records' events flow at a steady rate during the block.
-        let ticks = (sizes.block.as_millis() / 10).max(1) as usize;
-        let per_tick = sizes.block_events.div_ceil(ticks);
         let began = Instant::now();
-        let mut sent = 0;
-        let mut i = 0;
-        while sent < sizes.block_events {
-            let n = per_tick.min(sizes.block_events - sent);
-            let batch: Vec<NewEvent> = (0..n)
-                .map(|_| {
-                    i += 1;
-                    NewEvent::new(
-                        EVENT_TYPE,
-                        payload(Some(&format!("r{}", i % sizes.records))),
-                    )
-                })
-                .collect();
-            enqueue(&repo, &batch, n).await?;
-            sent += n;
-            let next = Duration::from_millis(10) * (sent / per_tick) as u32;
-            if let Some(wait) = next.checked_sub(began.elapsed()) {
-                tokio::time::sleep(wait).await;
-            }
-        }
+        feed_steadily(&repo, sizes).await?;
         if let Some(wait) = sizes.block.checked_sub(began.elapsed()) {
             tokio::time::sleep(wait).await;
         }
@@ -536,92 +544,5 @@ pub(crate) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report
             );
         }
     }
-    Ok(())
-}
-
-async fn counters(pool: &PgPool) -> Result<TableCounters> {
-    // Backends flush their table statistics when they exit; the dispatcher's pool is closed
-    // before this is called, so give the flush a moment.
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    Ok(bench::table_counters(pool).await?)
-}
-
-pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
-    eprintln!("cost per event");
-    // No-op drains: WAL, dead tuples and updates per event.
-    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
-        reset(db).await?;
-        let pool = db.connect(2).await?;
-        let n = sizes.drain_events;
-        enqueue(
-            &pool.repository(),
-            &keyed_events(n, sizes.records, true),
-            1_000,
-        )
-        .await?;
-        let before = counters(pg(&pool)?).await?;
-        let run = start(db, config(mode, 8), handlers(None, None)).await?;
-        run.wait_for(n as u64).await?;
-        run.stop().await?;
-        let after = counters(pg(&pool)?).await?;
-        pool.close().await;
-        let per = |v: f64| v / n as f64;
-        report.push(Row {
-            scenario: format!("cost per no-op event ({n} drained)"),
-            dispatcher: mode_name(mode).into(),
-            workers: Some(8),
-            events: Some(n),
-            note: format!(
-                "WAL {:.0} B/event (server-wide); dead tuples left {:.2}/event; updates {:.2}/event, HOT {:.2}/event",
-                per(after.wal_bytes - before.wal_bytes),
-                per((after.dead - before.dead) as f64),
-                per((after.updates - before.updates) as f64),
-                per((after.hot_updates - before.hot_updates) as f64),
-            ),
-            ..Row::default()
-        });
-    }
-    // Heartbeats: handlers that outlive several heartbeat intervals.
-    reset(db).await?;
-    let pool = db.connect(2).await?;
-    let n = 256;
-    enqueue(
-        &pool.repository(),
-        &keyed_events(n, sizes.records, true),
-        1_000,
-    )
-    .await?;
-    let before = counters(pg(&pool)?).await?;
-    let config = config(DispatchMode::Pull, 32)
-        .with_heartbeat_interval(Duration::from_millis(50))
-        .with_stale_after(Duration::from_secs(5));
-    let run = start(db, config, handlers(Some(Duration::from_millis(300)), None)).await?;
-    run.wait_for(n as u64).await?;
-    run.stop().await?;
-    let after = counters(pg(&pool)?).await?;
-    pool.close().await;
-    // Claims and `processed` change Status (in the partial indexes' predicates), so they are
-    // never HOT; the rest of the updates are heartbeats.
-    let updates = after.updates - before.updates;
-    let heartbeats = updates - 2 * n as i64;
-    let hot = after.hot_updates - before.hot_updates;
-    let share = if heartbeats > 0 {
-        hot as f64 / heartbeats as f64
-    } else {
-        0.0
-    };
-    report.push(Row {
-        scenario: format!("heartbeats: {n} events x 300 ms, beat every 50 ms"),
-        dispatcher: "pull".into(),
-        workers: Some(32),
-        events: Some(n),
-        note: format!(
-            "{heartbeats} heartbeat updates, {:.0}% HOT; dead tuples left {:.2}/event; WAL {:.0} B/event (server-wide)",
-            share * 100.0,
-            (after.dead - before.dead) as f64 / n as f64,
-            (after.wal_bytes - before.wal_bytes) / n as f64
-        ),
-        ..Row::default()
-    });
     Ok(())
 }

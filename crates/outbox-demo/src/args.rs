@@ -3,8 +3,6 @@
 //! suite's way); the operator commands of [`outbox_cli::OperatorCommand`] are mounted too, with
 //! the demo's consumers.
 
-use std::time::Duration;
-
 use clap::{Args, Parser, Subcommand};
 use outbox_cli::OperatorCommand;
 use outbox_cli::args::{Mode, WorkerArgs};

@@ -1,24 +1,21 @@
 //! The demo and its steps (`seed`, `work`, `verify`) as commands: the whole repair on a CRM
 //! workload, with faults injected on purpose and every invariant read back from the database.
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use chrono::Utc;
-use indicatif::{ProgressBar, ProgressStyle};
-use outbox_events::{DispatchMode, Dispatcher, MetricsSnapshot, ModeDecision, WorkerConfig};
-use outbox_persistence::{ClaimPolicy, ConnectConfig, Database, OutboxRepository};
-use serde::Serialize;
+use outbox_events::{DispatchMode, Dispatcher, ModeDecision, WorkerConfig};
+use outbox_persistence::{ClaimPolicy, ConnectConfig, OutboxRepository};
 
 use outbox_cli::db;
 
-use crate::args::{Cli, Command, DemoArgs, SeedArgs, WorkArgs};
-use crate::handlers::{Actions, Faults, consumers, handlers};
+use crate::args::{Cli, Command, SeedArgs};
+use crate::handlers::{Actions, consumers};
 use crate::sink::MailSink;
-use crate::{faults, schema, verify, workload};
+use crate::{schema, verify, workload};
 
 /// Runs the command line.
 pub async fn run(cli: Cli) -> Result<ExitCode> {

@@ -66,18 +66,35 @@ impl From<MetricsSnapshot> for Observed {
     }
 }
 
+/// A new SQLite file's URL under the temporary directory.
+fn fresh_sqlite_url() -> String {
+    let path = std::env::temp_dir().join(format!(
+        "outbox-demo-{}.db",
+        Utc::now().format("%Y%m%d-%H%M%S-%3f")
+    ));
+    format!("sqlite://{}", path.display())
+}
+
+/// Every failed attempt is counted once: `sum(RetryCount)` equals the attempts the workers
+/// ended in a retry or failure plus the stale reclaims, each of which counts the attempt that
+/// died (the worker killed mid-attempt).
+fn failures_counted_once(v: &verify::Verification, m: &MetricsSnapshot) -> verify::Check {
+    let counted = m.retried + m.failed + m.stale_reclaims;
+    verify::Check {
+        name: "every failed attempt counted once in RetryCount",
+        ok: v.retries == counted as i64,
+        detail: format!(
+            "sum(RetryCount) = {}; attempts the workers ended in a retry or failure ({}) + stale reclaims that counted a dead attempt ({}) = {counted}",
+            v.retries,
+            m.retried + m.failed,
+            m.stale_reclaims,
+        ),
+    }
+}
+
 /// The demo.
 pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
-    let url = match url {
-        Some(url) => url.to_string(),
-        None => {
-            let path = std::env::temp_dir().join(format!(
-                "outbox-demo-{}.db",
-                Utc::now().format("%Y%m%d-%H%M%S-%3f")
-            ));
-            format!("sqlite://{}", path.display())
-        }
-    };
+    let url = url.map_or_else(fresh_sqlite_url, str::to_string);
     let mode: DispatchMode = args.mode.into();
     let config = args.workers.config(demo_worker_config(mode));
     config.validate().map_err(anyhow::Error::msg)?;
@@ -126,19 +143,9 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
     .await?;
     sink.run_completed(run, &outcome.metrics).await?;
     let mut verification = verify::verify(&db, &sink).await?;
-    // A stale reclaim counts the attempt that died (the worker killed mid-attempt).
-    let m = &outcome.metrics;
-    let counted = m.retried + m.failed + m.stale_reclaims;
-    verification.checks.push(verify::Check {
-        name: "every failed attempt counted once in RetryCount",
-        ok: verification.retries == counted as i64,
-        detail: format!(
-            "sum(RetryCount) = {}; attempts the workers ended in a retry or failure ({}) + stale reclaims that counted a dead attempt ({}) = {counted}",
-            verification.retries,
-            m.retried + m.failed,
-            m.stale_reclaims,
-        ),
-    });
+    verification
+        .checks
+        .push(failures_counted_once(&verification, &outcome.metrics));
     let report = Report {
         backend: db.backend_name(),
         database: outbox_persistence::redact_url(&url),

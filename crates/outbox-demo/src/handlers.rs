@@ -167,7 +167,7 @@ async fn log_effect(ctx: &mut AttemptContext<'_>, event: &OutboxEvent) -> Result
     with_tx!(ctx.tx(), |conn| {
         sqlx::query("INSERT INTO DemoEffectLog (EventId, RecordKey, EventType) VALUES ($1, $2, $3)")
             .bind(event.id.to_string())
-            .bind(&event.record_key)
+            .bind(event.record_key.as_ref().map(|k| k.as_str()))
             .bind(&event.event_type)
             .execute(conn)
             .await

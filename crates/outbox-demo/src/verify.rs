@@ -88,6 +88,9 @@ pub use outbox_persistence::test_support::inspect::StoredRow as EventRow;
 
 type Row = EventRow;
 
+/// `(Id, CapturedName, CapturedIndustry, CapturedRevision)` of a demo account.
+type AccountRow = (String, Option<String>, Option<String>, Option<i64>);
+
 async fn load_events(db: &Database) -> Result<Vec<Row>> {
     Ok(outbox_persistence::test_support::inspect::all_rows(db).await?)
 }
@@ -112,7 +115,49 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         format!("{processed} processed, {failed} failed, {non_terminal} pending or processing"),
     );
 
-    // The effect log: one row per processed event, in per-record order.
+    check_effect_log(db, &events, &by_id, &mut checks).await?;
+    let opportunities = check_creates(db, &events, &mut checks).await?;
+    check_captures(db, &events, &mut checks).await?;
+    let (emails, absorbed) = check_deliveries(db, sink, &events, &by_id, &mut checks).await?;
+
+    let retries = outbox_persistence::test_support::inspect::retry_count_sum(db).await?;
+    let failures_by_cause = check_retry_audit(db, &events, retries, &mut checks).await?;
+    let integrity = check_integrity(sink, &events, &mut checks).await?;
+    Ok(Verification {
+        checks,
+        processed,
+        failed,
+        non_terminal,
+        retries,
+        opportunities,
+        emails,
+        duplicate_sends_absorbed: absorbed,
+        reclaims: failures_by_cause
+            .get(WORKER_DIED_CAUSE)
+            .copied()
+            .unwrap_or(0),
+        failures_by_cause,
+        lost_claims: integrity.lost_claims,
+        work_runs: integrity.runs,
+        ran_twice: (integrity.journal.ran_twice + integrity.superseded_while_alive) as i64,
+        sent_twice_in_one_attempt: integrity.sent_twice_in_one_attempt,
+        sends_redelivered: integrity.sends_redelivered,
+        worker_deaths: integrity.worker_deaths,
+        poison: integrity.poison,
+        poison_failed: integrity.poison_failed,
+        poison_deaths: integrity.journal.poison_deaths,
+        journaled_runs: integrity.journal.runs,
+        superseded: integrity.journal.superseded,
+    })
+}
+
+/// The effect log: one row per processed event, in per-record order.
+async fn check_effect_log(
+    db: &Database,
+    events: &[Row],
+    by_id: &HashMap<String, &Row>,
+    checks: &mut Vec<Check>,
+) -> Result<()> {
     let log: Vec<(i64, String, Option<String>)> = with_pool!(db, |pool| {
         sqlx::query_as("SELECT Seq, EventId, RecordKey FROM DemoEffectLog ORDER BY Seq")
             .fetch_all(pool)
@@ -132,7 +177,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         .filter(|e| e.status == "processed" && !seen.contains_key(e.id.to_string().as_str()))
         .count();
     check(
-        &mut checks,
+        checks,
         "no event processed twice",
         twice == 0 && orphans == 0 && missing == 0,
         format!(
@@ -155,7 +200,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         last.insert(key.as_str(), position);
     }
     check(
-        &mut checks,
+        checks,
         "per-record order held",
         out_of_order == 0,
         format!(
@@ -163,8 +208,12 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
             last.len()
         ),
     );
+    Ok(())
+}
 
-    // The #3477 create: one opportunity per converted lead, numbered without gaps.
+/// The #3477 create: one opportunity per converted lead, numbered without gaps. Returns the
+/// number of opportunities.
+async fn check_creates(db: &Database, events: &[Row], checks: &mut Vec<Check>) -> Result<i64> {
     let opportunities: Vec<(String, String, i64)> = with_pool!(db, |pool| {
         sqlx::query_as("SELECT SourceLeadId, Relation, OpportunityNumber FROM DemoOpportunity")
             .fetch_all(pool)
@@ -180,7 +229,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         .filter(|e| e.event_type == LEAD_CONVERTED && e.status == "processed")
         .count();
     check(
-        &mut checks,
+        checks,
         "no duplicate natural-key create",
         duplicates == 0 && opportunities.len() == converted,
         format!(
@@ -200,7 +249,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
     })?;
     let expected_next = numbers.len() as i64 + 1;
     check(
-        &mut checks,
+        checks,
         "no autonumber gap",
         contiguous && next.unwrap_or(1) == expected_next,
         format!(
@@ -209,8 +258,11 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
             next.map_or("none".into(), |n| n.to_string())
         ),
     );
+    Ok(opportunities.len() as i64)
+}
 
-    // Field capture: each record's captured fields equal its newest processed snapshot.
+/// Field capture: each record's captured fields equal its newest processed snapshot.
+async fn check_captures(db: &Database, events: &[Row], checks: &mut Vec<Check>) -> Result<()> {
     let mut newest: HashMap<&str, (&Row, serde_json::Value)> = HashMap::new();
     for e in events.iter().filter(|e| e.status == "processed") {
         let captures = matches!(
@@ -273,7 +325,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         }
     }
     check(
-        &mut checks,
+        checks,
         "captured fields equal the newest processed snapshot",
         wrong.is_empty(),
         format!(
@@ -287,8 +339,18 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
             }
         ),
     );
+    Ok(())
+}
 
-    // External effect: one email per processed welcome event; duplicates absorbed are counted.
+/// The external effect: one email per processed welcome event. Returns the emails delivered
+/// and the duplicate sends the provider absorbed.
+async fn check_deliveries(
+    db: &Database,
+    sink: &MailSink,
+    events: &[Row],
+    by_id: &HashMap<String, &Row>,
+    checks: &mut Vec<Check>,
+) -> Result<(i64, i64)> {
     let deliveries = sink.deliveries().await?;
     let welcome: Vec<&Row> = events
         .iter()
@@ -318,7 +380,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
             .await
     })?;
     check(
-        &mut checks,
+        checks,
         "each external delivery sent once per processed event",
         not_sent == 0 && strangers == 0 && ledger == processed_welcome.len() as i64,
         format!(
@@ -327,36 +389,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
             processed_welcome.len()
         ),
     );
-
-    let retries = outbox_persistence::test_support::inspect::retry_count_sum(db).await?;
-    let failures_by_cause = check_retry_audit(db, &events, retries, &mut checks).await?;
-    let integrity = check_integrity(sink, &events, &mut checks).await?;
-    Ok(Verification {
-        checks,
-        processed,
-        failed,
-        non_terminal,
-        retries,
-        opportunities: opportunities.len() as i64,
-        emails: deliveries.len() as i64,
-        duplicate_sends_absorbed: absorbed,
-        reclaims: failures_by_cause
-            .get(WORKER_DIED_CAUSE)
-            .copied()
-            .unwrap_or(0),
-        failures_by_cause,
-        lost_claims: integrity.lost_claims,
-        work_runs: integrity.runs,
-        ran_twice: (integrity.journal.ran_twice + integrity.superseded_while_alive) as i64,
-        sent_twice_in_one_attempt: integrity.sent_twice_in_one_attempt,
-        sends_redelivered: integrity.sends_redelivered,
-        worker_deaths: integrity.worker_deaths,
-        poison: integrity.poison,
-        poison_failed: integrity.poison_failed,
-        poison_deaths: integrity.journal.poison_deaths,
-        journaled_runs: integrity.journal.runs,
-        superseded: integrity.journal.superseded,
-    })
+    Ok((deliveries.len() as i64, absorbed))
 }
 
 /// The cause of a counted dead attempt (a stale reclaim).

@@ -135,22 +135,45 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
         + injected
             .marked_errors
             .load(std::sync::atomic::Ordering::Relaxed);
-    if args.json {
+    print_outcome(
+        args.json,
+        start.elapsed(),
+        mode,
+        &report,
+        handler_errors,
+        faults.lock_holds,
+    );
+    sink.close().await;
+    db.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints a work process's end-of-run counters, as one JSON document or a sentence.
+fn print_outcome(
+    json: bool,
+    elapsed: Duration,
+    mode: DispatchMode,
+    report: &outbox_events::ShutdownReport,
+    handler_errors: u64,
+    lock_holds: u64,
+) {
+    let m = report.metrics;
+    if json {
         let doc = serde_json::json!({
             "pid": std::process::id(),
-            "seconds": start.elapsed().as_secs_f64(),
+            "seconds": elapsed.as_secs_f64(),
             "mode": mode_name(mode),
             "graceful": report.graceful,
             "metrics": Observed::from(m),
             "cancelled": m.cancelled,
             "handler_errors": handler_errors,
-            "lock_holds": faults.lock_holds,
+            "lock_holds": lock_holds,
         });
         println!("{doc}");
     } else {
         println!(
             "worked {:.1} s in {:?} mode: {} claimed, {} processed, {} retried, {} failed, {} lock timeouts, {} stale reclaims, {} lost claims; faults: {} handler errors, {} lock holds",
-            start.elapsed().as_secs_f64(),
+            elapsed.as_secs_f64(),
             mode,
             m.claimed,
             m.processed,
@@ -160,10 +183,7 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
             m.stale_reclaims,
             m.lost_claims,
             handler_errors,
-            faults.lock_holds,
+            lock_holds,
         );
     }
-    sink.close().await;
-    db.close().await;
-    Ok(ExitCode::SUCCESS)
 }

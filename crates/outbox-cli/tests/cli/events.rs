@@ -2,7 +2,7 @@
 //! that compare equal when the stored values are equal (the fault suite watches rows this way).
 
 use outbox_persistence::{ClaimPolicy, NewEvent, Scope};
-use outbox_tests::{Backend, TestDb, backend_tests};
+use outbox_tests::{TestDb, backend_tests};
 use serde_json::Value;
 use std::time::Duration;
 
