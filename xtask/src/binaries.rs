@@ -4,7 +4,7 @@
 //! directory as `cargo metadata` reports it, so `CARGO_TARGET_DIR` and cargo configuration are
 //! honoured.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use serde_json::Value;
@@ -57,7 +57,8 @@ fn target_directory(metadata: &Value) -> Result<PathBuf> {
 /// The release binaries of one `cargo build --release`.
 #[derive(Debug)]
 pub struct Release {
-    dir: PathBuf,
+    /// Cargo's target directory.
+    target: PathBuf,
 }
 
 impl Release {
@@ -69,13 +70,18 @@ impl Release {
         }
         Cmd::cargo(&args).run()?;
         Ok(Self {
-            dir: target_dir()?.join("release"),
+            target: target_dir()?,
         })
     }
 
     /// The path of `binary`'s executable.
     pub fn path(&self, binary: Binary) -> PathBuf {
-        self.dir.join(binary.name)
+        self.target.join("release").join(binary.name)
+    }
+
+    /// Cargo's target directory (where a run may keep its logs).
+    pub fn target(&self) -> &Path {
+        &self.target
     }
 }
 

@@ -1,4 +1,4 @@
-//! The fault suite's report: the invariants `outbox verify --json` read from the database, the
+//! The fault suite's report: the invariants `outbox-demo verify --json` read from the database, the
 //! suite's own checks on top of them (what only the suite knows: which processes it killed,
 //! which exited normally, which ran with its clock behind), the measures, and the markdown.
 
@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use super::chaos::Chaos;
+use super::profile::{Backend, HEARTBEAT_MS, MAX_RETRY_ATTEMPTS};
 use super::skew::{SKEW_SECONDS, Skew};
-use super::{Backend, Chaos, HEARTBEAT_MS, MAX_RETRY_ATTEMPTS, Suite, SuiteReport};
+use super::suite::{Suite, SuiteReport};
 use crate::cmd::format_duration;
 
 /// One invariant: its name, whether it held, what was measured.
@@ -21,11 +23,11 @@ fn sum<'a>(reports: impl Iterator<Item = &'a Value>, key: &str) -> u64 {
         .sum()
 }
 
-/// The invariants `outbox verify --json` checked.
+/// The invariants `outbox-demo verify --json` checked.
 fn verified(verification: &Value) -> Vec<Invariant> {
     let Some(list) = verification["checks"].as_array() else {
         return vec![(
-            "outbox verify --json".into(),
+            "outbox-demo verify --json".into(),
             false,
             verification.to_string(),
         )];
@@ -217,46 +219,54 @@ impl Suite<'_> {
         drain_time: Duration,
         total: Duration,
     ) -> Vec<(&'static str, String)> {
+        let mut rows = self.run_measures(chaos, v, drain_time, total);
+        rows.extend(self.fault_measures(chaos, v));
+        rows.extend(self.outcome_measures(chaos, v));
+        rows
+    }
+
+    /// What ran: the events, the processes, the time.
+    fn run_measures(
+        &self,
+        chaos: &Chaos,
+        v: &Value,
+        drain_time: Duration,
+        total: Duration,
+    ) -> Vec<(&'static str, String)> {
         let p = self.profile;
+        let events = format!(
+            "{} ({} processed, {} failed) over {} records, {} of them slow ({} ms), {} poison",
+            p.events + p.slow_events + 2 * p.poison_events,
+            v["processed"],
+            v["failed"],
+            p.records + p.poison_events,
+            p.slow_events,
+            p.slow_ms,
+            p.poison_events
+        );
+        let workers = format!(
+            "{} `outbox-demo work` processes of {} workers at a time{}; {} started in all",
+            p.processes,
+            p.workers,
+            match self.skew {
+                Skew::Ready(_) => format!(", one with its clock {SKEW_SECONDS} s behind"),
+                Skew::Unavailable(_) => String::new(),
+            },
+            chaos.spawned
+        );
+        let time = format!(
+            "{} of chaos, {} from the first worker to drained; {} in all",
+            format_duration(chaos.chaos_time),
+            format_duration(drain_time),
+            format_duration(total)
+        );
+        vec![("events", events), ("workers", workers), ("time", time)]
+    }
+
+    /// The faults injected: deaths, cuts, restarts, lock holds.
+    fn fault_measures(&self, chaos: &Chaos, v: &Value) -> Vec<(&'static str, String)> {
         let cause = |name: &str| v["failures_by_cause"][name].as_i64().unwrap_or(0);
-        let mut rows: Vec<(&'static str, String)> = Vec::new();
-        let mut add = |k: &'static str, v: String| rows.push((k, v));
-        add(
-            "events",
-            format!(
-                "{} ({} processed, {} failed) over {} records, {} of them slow ({} ms), {} poison",
-                p.events + p.slow_events + 2 * p.poison_events,
-                v["processed"],
-                v["failed"],
-                p.records + p.poison_events,
-                p.slow_events,
-                p.slow_ms,
-                p.poison_events
-            ),
-        );
-        add(
-            "workers",
-            format!(
-                "{} `outbox work` processes of {} workers at a time{}; {} started in all",
-                p.processes,
-                p.workers,
-                match self.skew {
-                    Skew::Ready(_) => format!(", one with its clock {SKEW_SECONDS} s behind"),
-                    Skew::Unavailable(_) => String::new(),
-                },
-                chaos.spawned
-            ),
-        );
-        add(
-            "time",
-            format!(
-                "{} of chaos, {} from the first worker to drained; {} in all",
-                format_duration(chaos.chaos_time),
-                format_duration(drain_time),
-                format_duration(total)
-            ),
-        );
-        add(
+        let mut rows: Vec<(&'static str, String)> = vec![(
             "worker deaths",
             format!(
                 "{} = {} SIGKILLs + {} poison aborts; {} dead attempts counted on reclaim",
@@ -265,13 +275,13 @@ impl Suite<'_> {
                 chaos.poison_deaths,
                 cause("worker_died")
             ),
-        );
+        )];
         if self.backend == Backend::Postgres {
-            add(
+            rows.push((
                 "connections cut (pg_terminate_backend)",
                 format!("{} in {} rounds", chaos.connections_cut, chaos.cut_rounds),
-            );
-            add(
+            ));
+            rows.push((
                 "PostgreSQL restarts",
                 chaos
                     .restarts
@@ -279,21 +289,29 @@ impl Suite<'_> {
                     .map(|d| format!("1 (back after {})", format_duration(*d)))
                     .collect::<Vec<_>>()
                     .join(", "),
-            );
-            add(
+            ));
+            rows.push((
                 "outside row-lock holds (psql)",
                 chaos.lock_holds.to_string(),
-            );
+            ));
         } else {
-            add(
+            rows.push((
                 "not applicable on SQLite",
                 "connection cuts, server restart, outside row locks (the work processes' own lock holder takes SQLite's write lock)".into(),
-            );
+            ));
         }
-        add(
+        rows.push((
             "lock timeouts hit (counted failures)",
             cause("lock_timeout").to_string(),
-        );
+        ));
+        rows
+    }
+
+    /// What the faults caused: retries, reclaims, what the processes saw, the external sends.
+    fn outcome_measures(&self, chaos: &Chaos, v: &Value) -> Vec<(&'static str, String)> {
+        let cause = |name: &str| v["failures_by_cause"][name].as_i64().unwrap_or(0);
+        let mut rows: Vec<(&'static str, String)> = Vec::new();
+        let mut add = |k: &'static str, v: String| rows.push((k, v));
         add(
             "retries (sum of RetryCount)",
             format!(

@@ -65,15 +65,15 @@ pub fn scan(source: &str) -> Scanned {
         if is_ident_start(c) {
             let word = take_ident(&code, &mut i);
             prefix.push_str(&word);
-            if word == "fn" || word == "mod" {
-                if let Some(name) = next_ident(&code, i) {
-                    pending = Some(if word == "fn" {
-                        Pending::Function { name, line }
-                    } else {
-                        Pending::Module { name }
-                    });
-                    nesting = 0;
-                }
+            if (word == "fn" || word == "mod")
+                && let Some(name) = next_ident(&code, i)
+            {
+                pending = Some(if word == "fn" {
+                    Pending::Function { name, line }
+                } else {
+                    Pending::Module { name }
+                });
+                nesting = 0;
             }
             continue;
         }

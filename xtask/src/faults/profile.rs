@@ -1,0 +1,125 @@
+//! The fault suite's sizes and paces ([`Profile`]: the full run and CI's quick one, each
+//! adjusted per backend) and the worker settings every work process runs with.
+
+use std::time::Duration;
+
+/// Which backends a run covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+impl Backend {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Backend::Postgres => "postgres",
+            Backend::Sqlite => "sqlite",
+        }
+    }
+}
+
+/// The size and pace of a run.
+#[derive(Debug, Clone)]
+pub(super) struct Profile {
+    pub(super) name: &'static str,
+    pub(super) events: usize,
+    pub(super) records: usize,
+    pub(super) processes: usize,
+    pub(super) workers: usize,
+    pub(super) slow_events: usize,
+    pub(super) slow_ms: u64,
+    /// Poison events: each aborts every process that runs it until it is counted `failed`.
+    pub(super) poison_events: usize,
+    /// Between two SIGKILLs.
+    pub(super) kill_every: Duration,
+    /// Between two rounds of `pg_terminate_backend`.
+    pub(super) cut_every: Duration,
+    /// Between two outside row-lock holds.
+    pub(super) lock_every: Duration,
+    /// When, after the workers start, PostgreSQL restarts.
+    pub(super) restart_at: Duration,
+    /// The chaos stops after this, or once no more than `calm_below` rows are unfinished;
+    /// the work processes are then stopped (SIGINT) and one process without faults drains the
+    /// rest, so that the last rows are not starved by lock holds aimed at them.
+    pub(super) chaos_limit: Duration,
+    pub(super) calm_below: i64,
+    /// The whole run must drain within this.
+    pub(super) deadline: Duration,
+}
+
+pub(super) const FULL: Profile = Profile {
+    name: "full",
+    events: 20_000,
+    records: 500,
+    processes: 3,
+    workers: 4,
+    slow_events: 20,
+    slow_ms: 5_000,
+    poison_events: 1,
+    kill_every: Duration::from_secs(3),
+    cut_every: Duration::from_secs(2),
+    lock_every: Duration::from_millis(1_500),
+    restart_at: Duration::from_secs(8),
+    chaos_limit: Duration::from_secs(150),
+    calm_below: 100,
+    deadline: Duration::from_secs(600),
+};
+
+pub(super) const QUICK: Profile = Profile {
+    name: "quick",
+    events: 12_000,
+    records: 300,
+    processes: 3,
+    workers: 4,
+    slow_events: 4,
+    slow_ms: 4_000,
+    poison_events: 1,
+    kill_every: Duration::from_millis(1_500),
+    cut_every: Duration::from_secs(1),
+    lock_every: Duration::from_secs(1),
+    restart_at: Duration::from_secs(3),
+    chaos_limit: Duration::from_secs(30),
+    calm_below: 40,
+    deadline: Duration::from_secs(80),
+};
+
+impl Profile {
+    /// The profile on `backend`. SQLite has one writer for all processes (about a tenth of
+    /// PostgreSQL's throughput under this chaos, and a slow handler holds that writer for its
+    /// whole sleep), so it runs a quarter of the events, fewer slow ones, and kills less often.
+    pub(super) fn on(&self, backend: Backend) -> Profile {
+        match backend {
+            Backend::Postgres => self.clone(),
+            Backend::Sqlite => Profile {
+                events: self.events / 8,
+                records: self.records / 2,
+                slow_events: self.slow_events / 4,
+                slow_ms: STALE_AFTER_MS + 500,
+                kill_every: self.kill_every * 2,
+                chaos_limit: self.chaos_limit / 2,
+                calm_below: self.calm_below / 2,
+                ..self.clone()
+            },
+        }
+    }
+}
+
+/// Worker settings of every `outbox-demo work` process: short heartbeats so that reclaims
+/// happen within the run.
+pub(super) const HEARTBEAT_MS: u64 = 500;
+pub(super) const STALE_AFTER_MS: u64 = 3_000;
+pub(super) const LOCK_TIMEOUT_MS: u64 = 300;
+/// A row frozen this long after a kill belongs to the killed process (live claims heartbeat
+/// every `HEARTBEAT_MS`).
+pub(super) const ORPHAN_AFTER: Duration = Duration::from_millis(2_000);
+/// MaxRetryAttempts of every work process: a poison event aborts this many processes, each
+/// followed by at least stale-after (on SQLite up to three times that, when its one writer is
+/// busy) before the next claim counts the death. Six keeps that chain inside the quick run's
+/// deadline, and still lets an ordinary event fail only when six attempts in a row fail.
+pub(super) const MAX_RETRY_ATTEMPTS: i32 = 6;
+/// The event type of the slow handler (`report.slow` in the demo workload).
+pub(super) const SLOW_EVENT_TYPE: &str = "report.slow";
+/// What a work process writes to stderr before a poison event aborts it: a copy of the demo's
+/// `POISON_LOG` (in `crates/outbox-demo`; a unit test keeps the two equal).
+pub(super) const POISON_LOG: &str = "poison event: aborting the process";
