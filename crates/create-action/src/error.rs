@@ -2,9 +2,6 @@
 
 use crate::registry::ColumnType;
 
-/// A boxed error from a handler under test, as the redelivery kit keeps it.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
-
 /// Everything that can go wrong while defining or running an action.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -123,15 +120,6 @@ pub enum Error {
     /// times in a row (it was deleted as fast as it was created): retry later.
     #[error("the natural-key insert into {0} conflicted but no row could be read back")]
     ConflictWithoutRow(String),
-    /// The redelivery kit was asked to capture a table that does not exist.
-    #[error("table {0} does not exist")]
-    UnknownTable(String),
-    /// The redelivery kit got a database URL it does not understand.
-    #[error("invalid database url: {0}")]
-    InvalidUrl(String),
-    /// The handler under test failed on the first delivery, so there is nothing to compare.
-    #[error("the handler failed on the first delivery")]
-    Handler(#[source] BoxError),
     /// A row could not be decoded.
     #[error("could not decode column {column}: {reason}")]
     Decode {

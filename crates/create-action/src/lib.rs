@@ -1,5 +1,5 @@
 //! Idempotent record effects for outbox handlers: natural-key find-or-create, classified field
-//! sets, and a redelivery test kit.
+//! sets, and (feature `test-kit`, for tests only) a redelivery test kit.
 //!
 //! The #3477 duplicate was a conversion-time related-record create that ran twice when its event
 //! was delivered again. This crate makes such effects safe to redeliver, and says which ones are
@@ -10,7 +10,8 @@
 //!   drawn value back (see `docs/create-action.md`).
 //! - [`FieldSet`] updates a target row's fields; each assignment's right-hand side ([`Rhs`])
 //!   decides whether the set is deterministic, and [`Effect::effect_class`] reports it.
-//! - [`redelivery`] delivers an event again, and concurrently, and reports every difference.
+//! - `redelivery` (feature `test-kit`, off by default: a test kit, not production code) delivers
+//!   an event again, and concurrently, and reports every difference.
 //!
 //! Every table and column name comes from registered metadata ([`Registry`], [`ObjectDef`]) and
 //! is validated ([`Ident`]); values from events are always bound, never spliced into SQL.
@@ -29,6 +30,7 @@ mod ident;
 #[cfg(feature = "outbox")]
 mod outbox;
 mod postgres;
+#[cfg(feature = "test-kit")]
 pub mod redelivery;
 mod registry;
 mod sqlite;
@@ -37,7 +39,7 @@ mod value;
 pub use class::{Effect, EffectClass, NonDeterminism, Reason};
 pub use conn::{ActionConn, AnyConn, Backend};
 pub use create::{CreateOutcome, FindOrCreate, FindOrCreateBuilder, MAX_RACE_ROUNDS};
-pub use error::{BoxError, Error};
+pub use error::Error;
 pub use field_set::{FieldSet, FieldSetBuilder, Rhs};
 pub use ident::{Ident, MAX_IDENT_LEN, RESERVED_TABLE_PREFIXES};
 pub use record_key::EventEnvelope;

@@ -8,12 +8,14 @@ use crate::{EffectClass, Error};
 
 impl From<Error> for HandlerError {
     /// A database error keeps its classification (a lock timeout or a lost connection is
-    /// retried); another transient error is retryable; the rest is permanent.
+    /// retried); another transient error is retryable; the rest is permanent. The action's
+    /// error is kept as the handler error's source (the database error, through the
+    /// repository's error, for [`Error::Database`]).
     fn from(e: Error) -> Self {
         match e {
             Error::Database(e) => HandlerError::Database(e.into()),
-            e if e.is_transient() => HandlerError::Retryable(e.to_string()),
-            e => HandlerError::Permanent(e.to_string()),
+            e if e.is_transient() => HandlerError::retryable_from("", e),
+            e => HandlerError::permanent_from("", e),
         }
     }
 }
@@ -58,7 +60,45 @@ mod tests {
         let permanent: HandlerError = Error::MissingRecordId.into();
         assert!(!permanent.is_retryable());
         let race: HandlerError = Error::ConflictWithoutRow("Opportunity".into()).into();
-        assert!(matches!(race, HandlerError::Retryable(_)));
+        assert!(matches!(race, HandlerError::RetryableFrom { .. }));
+        assert!(race.is_retryable());
+    }
+
+    #[test]
+    fn handler_errors_keep_the_action_error_as_their_source() {
+        use std::error::Error as _;
+        let race: HandlerError = Error::ConflictWithoutRow("Opportunity".into()).into();
+        assert_eq!(
+            race.to_string(),
+            "retryable: the natural-key insert into Opportunity conflicted but no row could be read back",
+            "the recorded message is unchanged"
+        );
+        let source = race.source().expect("the action error is kept");
+        assert!(matches!(
+            source.downcast_ref::<Error>(),
+            Some(Error::ConflictWithoutRow(_))
+        ));
+
+        let payload = record_key::record_key_from_payload("{oops").unwrap_err();
+        let permanent: HandlerError = Error::InvalidPayload(payload).into();
+        assert!(!permanent.is_retryable());
+        let action = permanent.source().expect("the action error is kept");
+        assert!(matches!(
+            action.downcast_ref::<Error>(),
+            Some(Error::InvalidPayload(_))
+        ));
+        let parser = action.source().and_then(|e| e.source());
+        assert!(
+            parser.is_some_and(|e| e.downcast_ref::<serde_json::Error>().is_some()),
+            "the chain reaches the JSON parser's error"
+        );
+
+        let lock: HandlerError = Error::Database(sqlx::Error::PoolTimedOut).into();
+        let db = lock.source().expect("the database error is kept");
+        assert!(
+            db.downcast_ref::<outbox_events::persistence::Error>()
+                .is_some()
+        );
     }
 
     #[test]
