@@ -144,7 +144,10 @@ async fn enqueue_on_the_applications_own_transaction(db: TestDb) {
         "the rolled-back enqueue left nothing"
     );
     let row = db.repository().get_event(ids[0]).await.unwrap().unwrap();
-    assert_eq!(row.record_key.as_deref(), Some("lead:own"));
+    assert_eq!(
+        row.record_key.as_ref().map(|k| k.as_str()),
+        Some("lead:own")
+    );
 }
 
 backend_tests!(

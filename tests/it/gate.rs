@@ -129,10 +129,10 @@ impl Handler for Count {
         _: &mut AttemptContext<'_>,
     ) -> Result<(), HandlerError> {
         self.0.fetch_add(1, Ordering::SeqCst);
-        self.1
-            .lock()
-            .unwrap()
-            .push((event.record_key.clone(), event.id));
+        self.1.lock().unwrap().push((
+            event.record_key.as_ref().map(|k| k.as_str().to_owned()),
+            event.id,
+        ));
         // Hold the key a moment, so a younger event of it would overtake were that possible.
         tokio::time::sleep(Duration::from_millis(3)).await;
         Ok(())

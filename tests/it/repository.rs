@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox_persistence::{
-    ClaimPolicy, Database, EventStatus, FailureBookkeeping, FenceOutcome, NewEvent,
-    OutboxRepository, RetryFilter, Scope, Terminal, Tx,
+    ClaimPolicy, Database, EventFilter, EventRow, EventStatus, FailureBookkeeping, FenceOutcome,
+    NewEvent, OutboxRepository, RetryFilter, Scope, Terminal, Tx,
 };
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
@@ -231,7 +231,7 @@ async fn enqueue_orders_and_validates(db: TestDb) {
     );
     let stored = repo.get_event(ids[3]).await.unwrap().unwrap();
     assert_eq!(
-        stored.record_key.as_deref(),
+        stored.record_key.as_ref().map(|k| k.as_str()),
         Some("lead:L3"),
         "the object name's case is folded"
     );
@@ -766,7 +766,11 @@ async fn hot_key_backlog_does_not_hide_other_heads(db: TestDb) {
     }
     let mut claimed = Vec::new();
     while let Some(claim) = repo.claim_next(policy(), &Scope::All).await.unwrap() {
-        assert_ne!(claim.event.record_key.as_deref(), Some("Lead:hot"));
+        assert_ne!(
+            claim.event.record_key.as_ref().map(|k| k.as_str()),
+            Some("lead:hot"),
+            "stored with the object's case folded (the schema's trigger)"
+        );
         claimed.push(claim.event.id);
     }
     assert_eq!(
@@ -811,6 +815,203 @@ async fn error_text_with_nul_is_recorded(db: TestDb) {
     );
 }
 
+/// A `RecordKey` that other code wrote and that `RecordKey::new` would refuse (a record id with
+/// surrounding white space, no object, an object name that is no identifier) is read back
+/// exactly as stored, and orders its rows like any key: no read or claim fails on it. (The
+/// schema's trigger folds the object part's case of a foreign key as it is written, so the
+/// stored text is what counts.)
+async fn foreign_record_keys_are_read_and_ordered(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    let foreign = ["lead: padded ", "  spaced key ", "9obj:1"];
+    let mut heads = Vec::new();
+    let mut seconds = Vec::new();
+    for (i, key) in foreign.iter().enumerate() {
+        let first = RawRow::pending(Some(key), at(now, -20 + 2 * i as i64));
+        let second = RawRow::pending(Some(key), at(now, -19 + 2 * i as i64));
+        db.insert_raw(&first).await;
+        db.insert_raw(&second).await;
+        heads.push(first.id);
+        seconds.push(second.id);
+    }
+    let stored = repo.get_event(heads[0]).await.unwrap().unwrap();
+    assert_eq!(
+        stored.record_key.as_ref().map(|k| k.as_str()),
+        Some("lead: padded ")
+    );
+    let listed = repo
+        .list_events(EventFilter::new().record_key("  spaced key "))
+        .await
+        .unwrap();
+    assert_eq!(
+        listed.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![heads[1], seconds[1]]
+    );
+    assert_eq!(
+        listed[0].record_key.as_ref().map(|k| k.as_str()),
+        Some("  spaced key ")
+    );
+    let eligible: Vec<_> = repo
+        .get_pending_events(policy(), &Scope::All, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(eligible, heads, "only each foreign key's head is eligible");
+    let mut claims = Vec::new();
+    while let Some(claim) = repo.claim_next(policy(), &Scope::All).await.unwrap() {
+        let key = claim
+            .event
+            .record_key
+            .as_ref()
+            .map(|k| k.as_str().to_owned());
+        claims.push((claim, key));
+    }
+    assert_eq!(
+        claims.iter().map(|(c, _)| c.event.id).collect::<Vec<_>>(),
+        heads,
+        "a running head blocks its foreign key"
+    );
+    for ((claim, key), expected) in claims.iter().zip(foreign) {
+        assert_eq!(key.as_deref(), Some(expected));
+        repo.update_status(claim.fence, Terminal::Processed, None)
+            .await
+            .unwrap();
+    }
+    let claim = repo
+        .claim_event(seconds[0], policy())
+        .await
+        .unwrap()
+        .expect("the next row of a foreign key once its head is done");
+    assert_eq!(
+        claim.event.record_key.as_ref().map(|k| k.as_str()),
+        Some("lead: padded ")
+    );
+}
+
+/// `list_events` filters by status, type, id and key, keeps `CreatedDate, Id` order, limits,
+/// and never carries a payload.
+async fn list_events_filters_and_orders(db: TestDb) {
+    let repo = db.repository();
+    let now = base();
+    let row = |key: Option<&str>, event_type: &str, status: &'static str, secs: i64| RawRow {
+        event_type: event_type.into(),
+        status,
+        payload: r#"{"secret":"do-not-list"}"#.into(),
+        ..RawRow::pending(key, at(now, secs))
+    };
+    let a = row(Some("lead:1"), "lead.updated", "pending", -5);
+    let b = row(Some("lead:1"), "lead.updated", "failed", -4);
+    let c = row(None, "mail.send", "processed", -3);
+    let mut d = row(Some("lead:2"), "mail.send", "pending", -2);
+    let mut e = row(Some("lead:2"), "lead.updated", "pending", -2);
+    if d.id > e.id {
+        std::mem::swap(&mut d.id, &mut e.id);
+    }
+    for r in [&e, &c, &a, &d, &b] {
+        db.insert_raw(r).await;
+    }
+    let ids = |rows: Vec<EventRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    let list = |f: EventFilter| {
+        let repo = repo.clone();
+        async move { ids(repo.list_events(f).await.unwrap()) }
+    };
+    assert_eq!(
+        list(EventFilter::new()).await,
+        vec![a.id, b.id, c.id, d.id, e.id],
+        "CreatedDate, then Id"
+    );
+    assert_eq!(list(EventFilter::new().limit(2)).await, vec![a.id, b.id]);
+    assert_eq!(
+        list(EventFilter::new().statuses([EventStatus::Failed, EventStatus::Processed])).await,
+        vec![b.id, c.id]
+    );
+    assert_eq!(
+        list(EventFilter::new().event_type("mail.send")).await,
+        vec![c.id, d.id]
+    );
+    assert_eq!(
+        list(EventFilter::new().ids([e.id, a.id, uuid::Uuid::now_v7()])).await,
+        vec![a.id, e.id]
+    );
+    assert_eq!(
+        list(EventFilter::new().record_key("lead:2")).await,
+        vec![d.id, e.id]
+    );
+    assert_eq!(
+        list(
+            EventFilter::new()
+                .record_key("lead:1")
+                .statuses([EventStatus::Pending])
+                .event_type("lead.updated")
+        )
+        .await,
+        vec![a.id]
+    );
+    assert!(
+        list(EventFilter::new().event_type("nothing"))
+            .await
+            .is_empty()
+    );
+    let rows = repo
+        .list_events(EventFilter::new().ids([b.id]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (rows[0].status, rows[0].retry_count, rows[0].created_date),
+        (EventStatus::Failed, 0, b.created)
+    );
+    let json = serde_json::to_string(&rows).unwrap();
+    assert!(!json.contains("do-not-list"), "{json}");
+}
+
+/// `list_events` reports `LastModifiedDate` exactly as stored: the fence a claim holds, the
+/// same JSON text on every poll of an unchanged row, a different one after a heartbeat, and
+/// text that parses back to the same value.
+async fn listed_timestamps_round_trip_exactly(db: TestDb) {
+    let repo = db.repository();
+    let ids = enqueue(&repo, &[NewEvent::new("t", lead("rt"))]).await;
+    let claim = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
+    let poll = || {
+        let repo = repo.clone();
+        let ids = ids.clone();
+        async move {
+            let rows = repo.list_events(EventFilter::new().ids(ids)).await.unwrap();
+            assert_eq!(rows.len(), 1);
+            rows.into_iter().next().unwrap()
+        }
+    };
+    let first = poll().await;
+    assert_eq!(first.last_modified_date, claim.fence.last_written);
+    assert_eq!(first.status, EventStatus::Processing);
+    let text = serde_json::to_value(&first).unwrap();
+    let again = serde_json::to_value(poll().await).unwrap();
+    assert_eq!(text, again, "an unchanged row prints the same text");
+    let back: EventRow = serde_json::from_value(text.clone()).unwrap();
+    assert_eq!(back, first, "the JSON parses back to the same row");
+    let event = repo.get_event(first.id).await.unwrap().unwrap();
+    assert_eq!(
+        EventRow::from(event),
+        first,
+        "list_events and get_event agree"
+    );
+
+    db.clock.advance(secs(1));
+    let fence = repo.heartbeat(claim.fence).await.unwrap().expect("ours");
+    let beaten = poll().await;
+    assert_eq!(beaten.last_modified_date, fence.last_written);
+    assert_ne!(
+        serde_json::to_value(&beaten).unwrap()["last_modified_date"],
+        text["last_modified_date"],
+        "a heartbeat shows in the listing"
+    );
+}
+
 /// Migrating twice is a no-op, and the schema check passes on a migrated database.
 async fn migrations_are_idempotent(db: TestDb) {
     db.db.migrate().await.unwrap();
@@ -831,4 +1032,7 @@ backend_tests!(
     scope_narrows_types_but_not_order,
     error_text_with_nul_is_recorded,
     hot_key_backlog_does_not_hide_other_heads,
+    foreign_record_keys_are_read_and_ordered,
+    list_events_filters_and_orders,
+    listed_timestamps_round_trip_exactly,
 );

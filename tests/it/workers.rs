@@ -111,7 +111,11 @@ impl Handler for OrderedEffect {
             .get("seq")
             .and_then(|v| v.as_i64())
             .ok_or_else(|| HandlerError::Permanent("no seq".into()))?;
-        let key = event.record_key.clone().unwrap_or_default();
+        let key = event
+            .record_key
+            .clone()
+            .map(outbox_persistence::RecordKey::into_string)
+            .unwrap_or_default();
         let _in_flight = InFlight::enter(&self.in_flight, &key, &self.overlaps);
         // Long enough for another worker to take the key meanwhile, were it eligible.
         tokio::time::sleep(Duration::from_millis(2)).await;

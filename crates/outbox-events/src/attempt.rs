@@ -143,7 +143,7 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
         "outbox.attempt",
         event_id = %claim.event.id,
         event_type = %claim.event.event_type,
-        record_key = claim.event.record_key.as_deref().unwrap_or(""),
+        record_key = claim.event.record_key.as_ref().map_or("", |k| k.as_str()),
         attempt = claim.event.retry_count + 1,
         reclaimed = claim.reclaimed,
         outcome = field::Empty,

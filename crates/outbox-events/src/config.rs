@@ -21,8 +21,8 @@ pub const DEFAULT_RETRY_DELAY: Duration = Duration::from_secs(1);
 pub const DEFAULT_MAX_RETRY_DELAY: Duration = Duration::from_secs(300);
 /// Default `MaxRetryAttempts`: failed attempts after which a row is `failed`.
 pub const DEFAULT_MAX_RETRY_ATTEMPTS: i32 = 5;
-/// Default lock timeout of an attempt's transaction.
-pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default lock timeout of an attempt's transaction: the persistence crate's one default.
+pub use outbox_persistence::DEFAULT_LOCK_TIMEOUT;
 /// Default time in-flight attempts get to finish at shutdown before they are cancelled.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -16,7 +16,7 @@ use crate::dispatcher::{back_off, idle, policy};
 /// a record's events of one batch run in order in one slot.
 pub fn slot_for_event(event: &OutboxEvent, slots: usize) -> usize {
     let key = match &event.record_key {
-        Some(key) => key.clone(),
+        Some(key) => key.as_str().to_owned(),
         None => event.id.to_string(),
     };
     // FNV-1a: stable across processes and releases, unlike std's randomised hasher.
@@ -92,7 +92,7 @@ mod tests {
             payload: "{}".into(),
             status: EventStatus::Pending,
             retry_count: 0,
-            record_key: key.map(str::to_string),
+            record_key: key.map(outbox_persistence::RecordKey::from_stored),
             created_date: Utc::now(),
             last_modified_date: Utc::now(),
             last_error: None,

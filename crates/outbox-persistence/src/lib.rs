@@ -2,8 +2,11 @@
 //!
 //! [`OutboxRepository`] holds the operations the design names (`enqueue`, `get_pending_events`,
 //! `claim_event`, `heartbeat`, `increment_retry`, `update_status`) plus what operators and the
-//! rollout need (`backfill_record_keys`, `stats`, `retry_failed`). Each backend implements it in
-//! its own module with its own SQL: [`postgres`] (production) and [`sqlite`] (embedded default).
+//! rollout need (`backfill_record_keys`, `stats`, `retry_failed`, `list_events`). Each backend
+//! implements it in its own module with its own SQL: [`postgres`] (production) and [`sqlite`]
+//! (embedded default). What does not depend on the dialect lives here once: the attempt's
+//! life cycle and fenced writes (`attempt`), the status counts of `stats`, the operators' row
+//! listing types ([`EventFilter`], [`EventRow`]).
 //!
 //! A handler's effects commit atomically with `processed` because they run inside an
 //! [`Attempt`]: a transaction opened after the claim committed, with a savepoint right after it.
@@ -16,11 +19,16 @@
 
 #![warn(missing_docs)]
 
+mod attempt;
 mod database;
 mod error;
+mod listing;
 mod model;
 pub mod postgres;
 pub mod sqlite;
+mod stats;
+#[cfg(feature = "test-support")]
+pub mod test_support;
 
 use std::time::Duration;
 
@@ -34,7 +42,10 @@ pub use database::{
     redact as redact_url,
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
+pub use listing::{EventFilter, EventRow};
 pub use model::*;
+/// The `RecordKey` type of [`OutboxEvent::record_key`] and [`EventRow::record_key`].
+pub use record_key::RecordKey;
 
 /// The result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -86,6 +97,28 @@ impl Tx {
             Tx::Sqlite(tx) => tx.rollback().await?,
         }
         Ok(())
+    }
+
+    /// The PostgreSQL connection, or [`Error::BackendMismatch`].
+    pub(crate) fn postgres(&mut self) -> Result<&mut sqlx::PgConnection> {
+        match self {
+            Tx::Postgres(tx) => Ok(&mut **tx),
+            other => Err(Error::BackendMismatch {
+                expected: "postgres",
+                given: other.backend_name(),
+            }),
+        }
+    }
+
+    /// The SQLite connection, or [`Error::BackendMismatch`].
+    pub(crate) fn sqlite(&mut self) -> Result<&mut sqlx::SqliteConnection> {
+        match self {
+            Tx::Sqlite(tx) => Ok(&mut **tx),
+            other => Err(Error::BackendMismatch {
+                expected: "sqlite",
+                given: other.backend_name(),
+            }),
+        }
     }
 }
 
@@ -200,6 +233,13 @@ pub trait OutboxRepository: Send + Sync + 'static {
 
     /// Reads one row.
     async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>>;
+
+    /// Lists the rows `filter` selects, without their payloads, oldest first (`CreatedDate`,
+    /// then `Id`): for operators (`outbox events`) and for tools that watch rows change
+    /// between polls ([`EventRow`]'s timestamps are the stored values exactly). Reads only,
+    /// takes no lock. On SQLite a row that other code wrote and this code cannot read is left
+    /// out, with a warning, as `get_pending_events` does (the claim that meets it fails it).
+    async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>>;
 
     /// Waits until an enqueue may have happened (PostgreSQL `LISTEN/NOTIFY`) or `timeout`
     /// passed. Backends without notifications just wait `timeout`.

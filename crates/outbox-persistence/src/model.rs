@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use record_key::RecordKey;
+use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 /// An outbox row's `Id`: a UUIDv7, so that it orders like creation time. Ids made by one process
@@ -21,7 +22,7 @@ pub fn new_event_id() -> EventId {
 }
 
 /// The `Status` of an outbox row (see `docs/state-machine.md`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EventStatus {
     /// Waiting to be claimed (first delivery, or a retry once its delay has passed).
@@ -71,8 +72,9 @@ impl FromStr for EventStatus {
     }
 }
 
-/// An event to enqueue. Its `RecordKey` is derived from the payload at enqueue.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// An event to enqueue. Its `RecordKey` is derived from the payload at enqueue. `Debug` shows
+/// the payload's length, never its content.
+#[derive(Clone, PartialEq, Eq)]
 pub struct NewEvent {
     /// The `EventType`, which selects the handler.
     pub event_type: String,
@@ -90,8 +92,9 @@ impl NewEvent {
     }
 }
 
-/// One outbox row.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One outbox row. Neither `Debug` nor `Serialize` shows the payload (customer data): `Debug`
+/// prints its length instead, `Serialize` skips it.
+#[derive(Clone, PartialEq, Eq, Serialize)]
 pub struct OutboxEvent {
     /// `Id`.
     pub id: EventId,
@@ -104,8 +107,10 @@ pub struct OutboxEvent {
     pub status: EventStatus,
     /// `RetryCount`: the number of failed attempts so far.
     pub retry_count: i32,
-    /// `RecordKey`, or `None` for an unordered event.
-    pub record_key: Option<String>,
+    /// `RecordKey`, or `None` for an unordered event. A key read back from the table is the
+    /// stored text exactly, also when other code wrote one that [`RecordKey::new`] would
+    /// refuse: ordering compares the stored text, so such a row is still read and claimed.
+    pub record_key: Option<RecordKey>,
     /// `CreatedDate`.
     pub created_date: DateTime<Utc>,
     /// `LastModifiedDate`: the heartbeat of a `processing` row, the retry clock of a retried one.
@@ -124,10 +129,7 @@ impl OutboxEvent {
         Self {
             id: new_event_id(),
             event_type: event_type.into(),
-            record_key: record_key::record_key_from_payload(&payload)
-                .ok()
-                .flatten()
-                .map(record_key::RecordKey::into_string),
+            record_key: record_key::record_key_from_payload(&payload).ok().flatten(),
             payload,
             status: EventStatus::Pending,
             retry_count: 0,
@@ -204,8 +206,9 @@ impl ClockShift {
     }
 }
 
-/// What a worker holds after winning `claim_event`: the row and its fence.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a worker holds after winning `claim_event`: the row and its fence. Its `Debug` shows
+/// the event's (the payload's length, never its content).
+#[derive(Clone, PartialEq, Eq)]
 pub struct Claim {
     /// The row as claimed (`Status` is `processing`).
     pub event: OutboxEvent,
@@ -353,5 +356,131 @@ impl Scope {
             Scope::Except(types) => Some(types),
             _ => None,
         }
+    }
+}
+
+/// What `Debug` prints in place of a payload: its length, never its content.
+struct Elided(usize);
+
+impl fmt::Debug for Elided {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "<{} bytes>", self.0)
+    }
+}
+
+impl fmt::Debug for NewEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            event_type,
+            payload,
+        } = self;
+        f.debug_struct("NewEvent")
+            .field("event_type", event_type)
+            .field("payload", &Elided(payload.len()))
+            .finish()
+    }
+}
+
+impl fmt::Debug for OutboxEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Destructured, so that a field added later must be placed here deliberately.
+        let Self {
+            id,
+            event_type,
+            payload,
+            status,
+            retry_count,
+            record_key,
+            created_date,
+            last_modified_date,
+            last_error,
+        } = self;
+        f.debug_struct("OutboxEvent")
+            .field("id", id)
+            .field("event_type", event_type)
+            .field("payload", &Elided(payload.len()))
+            .field("status", status)
+            .field("retry_count", retry_count)
+            .field("record_key", record_key)
+            .field("created_date", created_date)
+            .field("last_modified_date", last_modified_date)
+            .field("last_error", last_error)
+            .finish()
+    }
+}
+
+impl fmt::Debug for Claim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            event,
+            fence,
+            reclaimed,
+        } = self;
+        f.debug_struct("Claim")
+            .field("event", event)
+            .field("fence", fence)
+            .field("reclaimed", reclaimed)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &str = "4111-1111-1111-1111";
+
+    fn payload() -> String {
+        format!(r#"{{"object":"Lead","record_id":"L1","snapshot":{{"Card":"{SECRET}"}}}}"#)
+    }
+
+    #[test]
+    fn debug_of_a_new_event_elides_the_payload() {
+        let event = NewEvent::new("lead.updated", payload());
+        let shown = format!("{event:?} {event:#?}");
+        assert!(!shown.contains(SECRET), "{shown}");
+        assert!(shown.contains("lead.updated"), "{shown}");
+        assert!(
+            shown.contains(&format!("<{} bytes>", payload().len())),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn debug_of_an_event_and_a_claim_elides_the_payload() {
+        let event = OutboxEvent::for_test("lead.updated", payload());
+        let claim = Claim {
+            fence: Fence {
+                id: event.id,
+                last_written: event.last_modified_date,
+            },
+            reclaimed: false,
+            event: event.clone(),
+        };
+        for shown in [
+            format!("{event:?}"),
+            format!("{event:#?}"),
+            format!("{claim:?}"),
+            format!("{claim:#?}"),
+            format!("{:?}", Some(&claim)),
+        ] {
+            assert!(!shown.contains(SECRET), "{shown}");
+            // Every other field is still there.
+            for field in [
+                "id",
+                "event_type",
+                "status",
+                "retry_count",
+                "record_key",
+                "created_date",
+                "last_modified_date",
+                "last_error",
+            ] {
+                assert!(shown.contains(field), "{field} missing in {shown}");
+            }
+            assert!(shown.contains("lead:L1"), "{shown}");
+            assert!(shown.contains("bytes>"), "{shown}");
+        }
+        assert!(!serde_json::to_string(&event).unwrap().contains(SECRET));
     }
 }

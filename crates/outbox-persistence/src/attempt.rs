@@ -1,0 +1,165 @@
+//! The backend-independent half of an attempt and of the fenced writes.
+//!
+//! An attempt is an open transaction that ends once (commit or rollback) and has a post-claim
+//! savepoint; its bookkeeping is a fenced write. [`OpenAttempt`] holds that life cycle once for
+//! both backends and maps the [`Attempt`] operations onto [`FencedWrite`]s; a backend supplies
+//! only how a fenced write is written ([`AttemptWrites`]). The repositories' detached
+//! bookkeeping (`increment_retry`, `update_status`) goes through the same [`FencedWrite`].
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::{
+    Attempt, Error, FailureBookkeeping, Fence, FenceOutcome, Result, Terminal, Tx, with_tx,
+};
+
+/// Sets the post-claim savepoint, right after an attempt's `BEGIN`.
+pub(crate) const SET_SAVEPOINT: &str = "SAVEPOINT outbox_claimed";
+/// Undoes a handler's effects, keeping the attempt's transaction open for its bookkeeping.
+const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT outbox_claimed";
+
+/// One fenced write of a claimed row: it applies only while the row is `processing` and still
+/// carries the fence's `LastModifiedDate`, and moves that value strictly forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FencedWrite<'a> {
+    /// `processed`, `LastError` cleared.
+    Processed,
+    /// Back to `pending` with `RetryCount + 1`, eligible once `extra_delay` beyond the base
+    /// retry delay has passed.
+    Retry {
+        /// Backoff beyond the base retry delay.
+        extra_delay: Duration,
+        /// The error, clipped before it is stored.
+        error: &'a str,
+    },
+    /// `failed` with `RetryCount + 1`.
+    Failed {
+        /// The error, clipped before it is stored.
+        error: &'a str,
+    },
+}
+
+impl<'a> FencedWrite<'a> {
+    /// The write that records a failed attempt.
+    pub(crate) fn failure(bookkeeping: FailureBookkeeping, error: &'a str) -> Self {
+        match bookkeeping {
+            FailureBookkeeping::Retry { extra_delay } => FencedWrite::Retry { extra_delay, error },
+            FailureBookkeeping::Fail => FencedWrite::Failed { error },
+        }
+    }
+
+    /// The write of a terminal status (`failed` without an error text says `failed`).
+    pub(crate) fn terminal(status: Terminal, error: Option<&'a str>) -> Self {
+        match status {
+            Terminal::Processed => FencedWrite::Processed,
+            Terminal::Failed => FencedWrite::Failed {
+                error: error.unwrap_or("failed"),
+            },
+        }
+    }
+}
+
+/// A fenced write's outcome from the number of rows it changed.
+pub(crate) fn fence_outcome(rows: u64) -> FenceOutcome {
+    if rows == 1 {
+        FenceOutcome::Written
+    } else {
+        FenceOutcome::Lost
+    }
+}
+
+/// A `std` duration as a `chrono` one, saturating instead of failing.
+pub(crate) fn chrono_span(d: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
+}
+
+/// What a backend adds to an attempt: how it writes a fenced write in the attempt's
+/// transaction, and what it does as the attempt ends.
+#[async_trait]
+pub(crate) trait AttemptWrites: Send + Sync + 'static {
+    /// Applies `write` in `tx`, fenced on `fence`.
+    async fn write(
+        &self,
+        tx: &mut Tx,
+        fence: Fence,
+        write: FencedWrite<'_>,
+    ) -> Result<FenceOutcome>;
+
+    /// Called once, just before the transaction commits or rolls back.
+    fn ending(&self) {}
+}
+
+/// The attempt transaction of one claimed row, on either backend: open until [`Attempt::commit`]
+/// or [`Attempt::rollback`], then every operation fails with [`Error::AttemptFinished`].
+pub(crate) struct OpenAttempt<W> {
+    tx: Option<Tx>,
+    writes: W,
+}
+
+impl<W: AttemptWrites> OpenAttempt<W> {
+    /// An attempt over `tx`, which has begun and set the savepoint ([`SET_SAVEPOINT`]).
+    pub(crate) fn new(tx: Tx, writes: W) -> Self {
+        Self {
+            tx: Some(tx),
+            writes,
+        }
+    }
+
+    /// The open transaction and the backend's writes.
+    fn open(&mut self) -> Result<(&mut Tx, &W)> {
+        match self.tx.as_mut() {
+            Some(tx) => Ok((tx, &self.writes)),
+            None => Err(Error::AttemptFinished),
+        }
+    }
+
+    /// Takes the transaction to end it.
+    fn ending(&mut self) -> Result<Tx> {
+        let tx = self.tx.take().ok_or(Error::AttemptFinished)?;
+        self.writes.ending();
+        Ok(tx)
+    }
+}
+
+#[async_trait]
+impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
+    fn tx(&mut self) -> &mut Tx {
+        self.tx
+            .as_mut()
+            .expect("the attempt transaction is open until commit or rollback")
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<()> {
+        let (tx, _) = self.open()?;
+        with_tx!(tx, |conn| sqlx::query(ROLLBACK_TO_SAVEPOINT)
+            .execute(conn)
+            .await
+            .map(|_| ()))?;
+        Ok(())
+    }
+
+    async fn mark_processed(&mut self, fence: Fence) -> Result<FenceOutcome> {
+        let (tx, writes) = self.open()?;
+        writes.write(tx, fence, FencedWrite::Processed).await
+    }
+
+    async fn record_failure(
+        &mut self,
+        fence: Fence,
+        bookkeeping: FailureBookkeeping,
+        error: &str,
+    ) -> Result<FenceOutcome> {
+        let (tx, writes) = self.open()?;
+        let write = FencedWrite::failure(bookkeeping, error);
+        writes.write(tx, fence, write).await
+    }
+
+    async fn commit(&mut self) -> Result<()> {
+        self.ending()?.commit().await
+    }
+
+    async fn rollback(&mut self) -> Result<()> {
+        self.ending()?.rollback().await
+    }
+}

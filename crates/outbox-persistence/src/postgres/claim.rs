@@ -1,0 +1,138 @@
+//! Reading eligible rows and claiming them on PostgreSQL: each is one statement (see
+//! [`super::sql`]), so concurrent workers skip each other's rows instead of queueing behind
+//! them; and decoding the rows those statements return.
+
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use super::sql::{CLAIM_EVENT, CLAIM_NEXT, CLAIM_NEXT_ALL, ELIGIBLE_GUARDED};
+use super::{PgOutbox, span};
+use crate::{
+    Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
+    Result, Scope,
+};
+
+/// How many exhausted stale rows one `claim_next` call fails before it reports nothing to
+/// claim (the worker calls again at once after an empty answer only when woken).
+const MAX_EXHAUSTED_PER_CLAIM: usize = 16;
+
+/// Decodes the columns every read selects but the payload (by name: PostgreSQL folds the
+/// unquoted identifiers to lower case). The `RecordKey` is kept exactly as stored.
+pub(super) fn row_from(row: &PgRow) -> Result<EventRow> {
+    let status: String = row.try_get("status")?;
+    let record_key: Option<String> = row.try_get("recordkey")?;
+    Ok(EventRow {
+        id: row.try_get("id")?,
+        event_type: row.try_get("eventtype")?,
+        status: status
+            .parse()
+            .map_err(|e: String| Error::Database(sqlx::Error::Decode(e.into())))?,
+        record_key: record_key.map(RecordKey::from_stored),
+        created_date: row.try_get("createddate")?,
+        last_modified_date: row.try_get("lastmodifieddate")?,
+        retry_count: row.try_get("retrycount")?,
+        last_error: row.try_get("lasterror")?,
+    })
+}
+
+/// Decodes a full row, payload included.
+pub(super) fn event_from_row(row: &PgRow) -> Result<OutboxEvent> {
+    Ok(row_from(row)?.with_payload(row.try_get("payload")?))
+}
+
+fn claim_from_row(row: &PgRow) -> Result<Claim> {
+    let event = event_from_row(row)?;
+    let old_status: String = row.try_get("old_status")?;
+    Ok(Claim {
+        fence: Fence {
+            id: event.id,
+            last_written: event.last_modified_date,
+        },
+        reclaimed: old_status == "processing",
+        event,
+    })
+}
+
+/// Whether a returned claim row is a real claim: a stale row whose dead attempt used up
+/// `MaxRetryAttempts` comes back `failed` instead.
+fn claimed_or_exhausted(row: &PgRow) -> Result<Option<Claim>> {
+    let claim = claim_from_row(row)?;
+    if claim.event.status == EventStatus::Failed {
+        tracing::warn!(
+            event_id = %claim.event.id,
+            event_type = %claim.event.event_type,
+            retry_count = claim.event.retry_count,
+            "a stale claim used up MaxRetryAttempts (its worker died on every attempt): the event is failed"
+        );
+        return Ok(None);
+    }
+    Ok(Some(claim))
+}
+
+impl PgOutbox {
+    pub(super) async fn eligible(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        limit: u32,
+    ) -> Result<Vec<OutboxEvent>> {
+        let rows = sqlx::query(ELIGIBLE_GUARDED)
+            .bind(self.shift())
+            .bind(span(policy.stale_after))
+            .bind(span(policy.retry_delay))
+            .bind(i64::from(limit))
+            .bind(scope.only())
+            .bind(scope.except())
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    pub(super) async fn claim_by_id(
+        &self,
+        id: EventId,
+        policy: ClaimPolicy,
+    ) -> Result<Option<Claim>> {
+        let row = sqlx::query(CLAIM_EVENT)
+            .bind(self.shift())
+            .bind(span(policy.stale_after))
+            .bind(span(policy.retry_delay))
+            .bind(policy.max_retry_attempts)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        match row {
+            Some(row) => claimed_or_exhausted(&row),
+            None => Ok(None),
+        }
+    }
+
+    pub(super) async fn claim_oldest(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+    ) -> Result<Option<Claim>> {
+        for _ in 0..MAX_EXHAUSTED_PER_CLAIM {
+            let query = match scope {
+                Scope::All => sqlx::query(CLAIM_NEXT_ALL),
+                _ => sqlx::query(CLAIM_NEXT),
+            };
+            let query = query
+                .bind(self.shift())
+                .bind(span(policy.stale_after))
+                .bind(span(policy.retry_delay))
+                .bind(policy.max_retry_attempts);
+            let query = match scope {
+                Scope::All => query,
+                _ => query.bind(scope.only()).bind(scope.except()),
+            };
+            let Some(row) = query.fetch_optional(&self.pool).await? else {
+                return Ok(None);
+            };
+            if let Some(claim) = claimed_or_exhausted(&row)? {
+                return Ok(Some(claim));
+            }
+        }
+        Ok(None)
+    }
+}

@@ -1,0 +1,223 @@
+//! The PostgreSQL repository: the production backend.
+//!
+//! Claims use one statement: the design's eligible-row selection with `FOR UPDATE SKIP LOCKED`
+//! feeding the `pending`/stale `processing` -> `processing` update, so concurrent workers skip
+//! each other's rows instead of queueing behind them. Idle workers wake on `LISTEN outbox_event`
+//! (a statement-level trigger notifies on enqueue).
+//!
+//! The pieces: `sql` (the claim-path statements, composed from fragments), `claim` (reads and
+//! claims), `enqueue`, `fenced` (heartbeat, attempt, bookkeeping), `ops` (stats, operator
+//! retries, backfill, listing, plans) and `listen` (the wake-up listener). The attempt's life
+//! cycle is the crate's, shared with SQLite.
+
+mod claim;
+mod enqueue;
+mod fenced;
+mod listen;
+mod ops;
+mod sql;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::PgPool;
+use sqlx::postgres::types::PgInterval;
+
+pub use enqueue::enqueue;
+pub use ops::{explain, explain_analyze};
+
+use crate::attempt::FencedWrite;
+use crate::{
+    Attempt, BackfillPage, Claim, ClaimPolicy, ClockShift, EventFilter, EventId, EventRow, Fence,
+    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Scope,
+    Terminal, Tx,
+};
+
+/// The notification channel the enqueue trigger signals.
+pub const NOTIFY_CHANNEL: &str = "outbox_event";
+
+/// How many of the oldest non-terminal rows `claim_next` inspects before it falls back to
+/// generating candidates per key. More than the workers that can hold a claim at once, so that
+/// in a flowing queue the oldest eligible row is almost always inside this prefix. The claim
+/// statement spells it as `LIMIT 64` (a unit test checks that they agree).
+pub const CLAIM_PREFIX_ROWS: u32 = 64;
+
+/// The advisory-lock namespace of enqueue's per-record lock (the first key of the two-key form
+/// `pg_advisory_xact_lock(int, int)`, whose lock space never overlaps the one-key form an
+/// application may use). The second key is a stable hash of the `RecordKey`.
+pub const ENQUEUE_LOCK_NAMESPACE: i32 = 3477;
+
+/// The advisory-lock namespace of the lock buckets enqueue takes (one of 64 per record key).
+pub const ENQUEUE_BUCKET_NAMESPACE: i32 = 3478;
+
+/// How long a row returned to `pending` by `retry_failed` waits before it may be claimed: its
+/// `LastModifiedDate` is set this far ahead, and a pending row is never claimed before its
+/// `LastModifiedDate`. A claim statement that read the row as still `failed` and is claiming a
+/// younger row of its record has committed long before (claims never wait on locks), so the
+/// retried row then sees that row running and waits for it (the in-flight guard).
+pub const RETRY_NOT_BEFORE: Duration = Duration::from_secs(2);
+
+/// The SQLSTATE `_System_OutboxCheckFence` raises when an attempt's claim was taken over
+/// before the attempt began.
+pub const CLAIM_LOST_SQLSTATE: &str = "OB001";
+
+/// The PostgreSQL outbox repository.
+#[derive(Debug, Clone)]
+pub struct PgOutbox {
+    pool: PgPool,
+    wake: Arc<listen::Wake>,
+    shift: ClockShift,
+    lock_timeout: Duration,
+}
+
+impl PgOutbox {
+    /// A repository over `pool`.
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            pool,
+            wake: Arc::default(),
+            shift: ClockShift::default(),
+            lock_timeout: crate::DEFAULT_LOCK_TIMEOUT,
+        }
+    }
+
+    /// Bounds the lock waits of the outbox's own writes outside attempts (heartbeats, detached
+    /// bookkeeping, operator retries) by `lock_timeout` (default [`crate::DEFAULT_LOCK_TIMEOUT`]).
+    /// It is set per statement or transaction, never on a session, so the application's own
+    /// transactions on the same pool keep their settings.
+    pub fn with_lock_timeout(mut self, lock_timeout: Duration) -> Self {
+        self.lock_timeout = lock_timeout;
+        self
+    }
+
+    /// Shares `shift` as this repository's clock shift (tests move it instead of sleeping).
+    pub fn with_clock_shift(mut self, shift: ClockShift) -> Self {
+        self.shift = shift;
+        self
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The lock timeout as the statements restate it (`5000ms`).
+    fn lock_timeout(&self) -> String {
+        format!("{}ms", self.lock_timeout.as_millis().max(1))
+    }
+
+    /// The clock shift as an interval (`$1` of every statement that reads the clock).
+    fn shift(&self) -> PgInterval {
+        interval(self.shift.micros())
+    }
+}
+
+/// An interval of `micros` microseconds.
+fn interval(micros: i64) -> PgInterval {
+    PgInterval {
+        months: 0,
+        days: 0,
+        microseconds: micros,
+    }
+}
+
+/// A duration as an interval (saturating at about 292,000 years).
+fn span(d: Duration) -> PgInterval {
+    interval(i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+#[async_trait]
+impl OutboxRepository for PgOutbox {
+    fn backend_name(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn begin(&self) -> Result<Tx> {
+        Ok(Tx::Postgres(self.pool.begin().await?))
+    }
+
+    async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>> {
+        enqueue::enqueue_shifted(tx.postgres()?, events, &self.shift).await
+    }
+
+    async fn get_pending_events(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        limit: u32,
+    ) -> Result<Vec<OutboxEvent>> {
+        self.eligible(policy, scope, limit).await
+    }
+
+    async fn claim_event(&self, id: EventId, policy: ClaimPolicy) -> Result<Option<Claim>> {
+        self.claim_by_id(id, policy).await
+    }
+
+    async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>> {
+        self.claim_oldest(policy, scope).await
+    }
+
+    async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {
+        self.beat(fence).await
+    }
+
+    async fn begin_attempt(
+        &self,
+        lock_timeout: Duration,
+        fence: Fence,
+    ) -> Result<Option<Box<dyn Attempt>>> {
+        self.open_attempt(lock_timeout, fence).await
+    }
+
+    async fn increment_retry(
+        &self,
+        fence: Fence,
+        extra_delay: Duration,
+        error: &str,
+    ) -> Result<FenceOutcome> {
+        let write = FencedWrite::Retry { extra_delay, error };
+        self.write_detached(fence, write).await
+    }
+
+    async fn update_status(
+        &self,
+        fence: Fence,
+        status: Terminal,
+        error: Option<String>,
+    ) -> Result<FenceOutcome> {
+        let write = FencedWrite::terminal(status, error.as_deref());
+        self.write_detached(fence, write).await
+    }
+
+    async fn backfill_record_keys(
+        &self,
+        after: Option<EventId>,
+        batch: u32,
+        dry_run: bool,
+    ) -> Result<BackfillPage> {
+        self.backfill(after, batch, dry_run).await
+    }
+
+    async fn stats(&self, policy: ClaimPolicy) -> Result<OutboxStats> {
+        self.read_stats(policy).await
+    }
+
+    async fn retry_failed(&self, filter: RetryFilter) -> Result<u64> {
+        self.retry(filter).await
+    }
+
+    async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>> {
+        self.read_event(id).await
+    }
+
+    async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
+        self.list(filter).await
+    }
+
+    async fn wait_for_work(&self, timeout: Duration) -> Result<()> {
+        self.start_listener().await;
+        let _ = tokio::time::timeout(timeout, self.wake.notify.notified()).await;
+        Ok(())
+    }
+}

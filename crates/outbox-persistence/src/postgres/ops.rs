@@ -1,0 +1,249 @@
+//! The operators' side on PostgreSQL: `stats`, `retry_failed`, the `RecordKey` backfill, the
+//! reads (`get_event`, `list_events`) and the plans `outbox explain` prints.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+
+use super::claim::{event_from_row, row_from};
+use super::sql::{CLAIM_NEXT, ELIGIBLE_QUERY, db_now};
+use super::{PgOutbox, RETRY_NOT_BEFORE, interval, span};
+use crate::stats::{STATUS_COUNTS, blocked_heads, count_blocked, count_statuses};
+use crate::{
+    BackfillPage, ClaimPolicy, EventFilter, EventId, EventRow, OutboxEvent, OutboxStats, Result,
+    RetryFilter,
+};
+
+/// Age of the oldest pending row, stale claims and retrying rows. `$1` the clock shift, `$2`
+/// stale-after.
+const QUEUE_AGES: &str = concat!(
+    "WITH clock AS (SELECT ",
+    db_now!(),
+    " AS now)
+     SELECT
+       (SELECT EXTRACT(EPOCH FROM ((SELECT now FROM clock) - min(CreatedDate)))::float8
+          FROM _System_OutboxEvent WHERE Status = 'pending'),
+       (SELECT count(*) FROM _System_OutboxEvent
+          WHERE Status = 'processing'
+            AND LastModifiedDate < (SELECT now FROM clock) - $2::interval),
+       (SELECT count(*) FROM _System_OutboxEvent
+          WHERE Status = 'pending' AND RetryCount > 0)"
+);
+
+/// Blocked keys by the state of their head. `$1` the clock shift, `$2` stale-after, `$3` the
+/// retry delay.
+const BLOCKED_KEYS: &str = concat!(
+    "WITH clock AS (SELECT ",
+    db_now!(),
+    " AS now)
+     SELECT
+       count(*) FILTER (WHERE h.Status = 'processing'
+                          AND h.LastModifiedDate >= (SELECT now FROM clock) - $2::interval),
+       count(*) FILTER (WHERE h.Status = 'processing'
+                          AND h.LastModifiedDate < (SELECT now FROM clock) - $2::interval),
+       count(*) FILTER (WHERE h.Status = 'pending' AND h.RetryCount > 0
+                          AND h.LastModifiedDate >= (SELECT now FROM clock) - $3::interval)",
+    blocked_heads!()
+);
+
+/// Locks every non-terminal row of the keys an operator retry affects (see `retry_failed`).
+const LOCK_RETRIED_KEYS: &str = "SELECT 1 FROM _System_OutboxEvent k
+     WHERE k.Status NOT IN ('processed', 'failed')
+       AND k.RecordKey IN (
+         SELECT f.RecordKey FROM _System_OutboxEvent f
+         WHERE f.Status = 'failed' AND f.RecordKey IS NOT NULL
+           AND (($2 AND ($3::text IS NULL OR f.EventType = $3)) OR f.Id = $1))
+     ORDER BY k.Id
+     FOR UPDATE OF k";
+
+/// `failed` rows back to `pending`, not claimable before `$5` from now.
+const RETRY_FAILED: &str = concat!(
+    "UPDATE _System_OutboxEvent SET Status = 'pending', RetryCount = 0,
+       LastModifiedDate = GREATEST(",
+    db_now!(),
+    " + $5::interval, LastModifiedDate + interval '1 microsecond')
+     WHERE Status = 'failed'
+       AND (($3 AND ($4::text IS NULL OR EventType = $4)) OR Id = $2)"
+);
+
+const SELECT_BY_ID: &str = "SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, \
+     CreatedDate, LastModifiedDate, LastError FROM _System_OutboxEvent WHERE Id = $1";
+
+/// The rows an [`EventFilter`] selects, without payloads. `LIMIT NULL` is no limit.
+const LIST_EVENTS: &str = "\
+SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent
+WHERE ($1::text[] IS NULL OR Status = ANY($1))
+  AND ($2::text IS NULL OR EventType = $2)
+  AND ($3::uuid[] IS NULL OR Id = ANY($3))
+  AND ($4::text IS NULL OR RecordKey = $4)
+ORDER BY CreatedDate, Id
+LIMIT $5";
+
+const BACKFILL_SCAN: &str = "SELECT Id, Payload, RecordKey FROM _System_OutboxEvent
+     WHERE Status NOT IN ('processed', 'failed') AND ($1::uuid IS NULL OR Id > $1)
+     ORDER BY Id LIMIT $2";
+
+const BACKFILL_SET: &str = "UPDATE _System_OutboxEvent t SET RecordKey = u.key
+     FROM UNNEST($1::uuid[], $2::text[]) AS u(id, key)
+     WHERE t.Id = u.id AND t.RecordKey IS NULL";
+
+impl PgOutbox {
+    pub(super) async fn read_stats(&self, policy: ClaimPolicy) -> Result<OutboxStats> {
+        let mut stats = OutboxStats::default();
+        let counts = sqlx::query_as(STATUS_COUNTS).fetch_all(&self.pool).await?;
+        count_statuses(&mut stats, counts);
+        let (oldest, stale, retrying): (Option<f64>, i64, i64) = sqlx::query_as(QUEUE_AGES)
+            .bind(self.shift())
+            .bind(span(policy.stale_after))
+            .fetch_one(&self.pool)
+            .await?;
+        stats.oldest_pending_age_seconds = oldest;
+        stats.stale_claims = stale as u64;
+        stats.retrying = retrying as u64;
+        let blocked = sqlx::query_as(BLOCKED_KEYS)
+            .bind(self.shift())
+            .bind(span(policy.stale_after))
+            .bind(span(policy.retry_delay))
+            .fetch_one(&self.pool)
+            .await?;
+        count_blocked(&mut stats, blocked);
+        Ok(stats)
+    }
+
+    pub(super) async fn retry(&self, filter: RetryFilter) -> Result<u64> {
+        let (id, all, event_type) = match filter {
+            RetryFilter::Id(id) => (Some(id), false, None),
+            RetryFilter::Failed { event_type } => (None, true, event_type),
+        };
+        let mut tx = self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(format!(
+                "BEGIN; SET LOCAL lock_timeout = '{}'",
+                self.lock_timeout()
+            )))
+            .await?;
+        // Wait for every claim that holds a row of the affected keys: it commits first, so the
+        // retried row is then seen beside that `processing` row and waits for it (the in-flight
+        // guard). A claim that read the row as still `failed` but locks a younger row of its key
+        // only after this commits is covered by RETRY_NOT_BEFORE.
+        sqlx::query(LOCK_RETRIED_KEYS)
+            .bind(id)
+            .bind(all)
+            .bind(event_type.as_deref())
+            .execute(&mut *tx)
+            .await?;
+        let rows = sqlx::query(RETRY_FAILED)
+            .bind(self.shift())
+            .bind(id)
+            .bind(all)
+            .bind(event_type.as_deref())
+            .bind(span(RETRY_NOT_BEFORE))
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        tx.commit().await?;
+        Ok(rows)
+    }
+
+    pub(super) async fn backfill(
+        &self,
+        after: Option<EventId>,
+        batch: u32,
+        dry_run: bool,
+    ) -> Result<BackfillPage> {
+        let scanned: Vec<(EventId, String, Option<String>)> = sqlx::query_as(BACKFILL_SCAN)
+            .bind(after)
+            .bind(i64::from(batch))
+            .fetch_all(&self.pool)
+            .await?;
+        let (mut page, updates) = crate::classify_backfill(&scanned, batch);
+        if !dry_run && !updates.is_empty() {
+            let ids: Vec<EventId> = updates.iter().map(|(id, _)| *id).collect();
+            let keys: Vec<&str> = updates.iter().map(|(_, k)| k.as_str()).collect();
+            page.updated = sqlx::query(BACKFILL_SET)
+                .bind(&ids)
+                .bind(&keys)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+        }
+        Ok(page)
+    }
+
+    pub(super) async fn read_event(&self, id: EventId) -> Result<Option<OutboxEvent>> {
+        let row = sqlx::query(SELECT_BY_ID)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(event_from_row).transpose()
+    }
+
+    pub(super) async fn list(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
+        let rows = sqlx::query(LIST_EVENTS)
+            .bind(filter.status_texts())
+            .bind(filter.event_type.as_deref())
+            .bind(filter.id_list())
+            .bind(filter.record_key.as_deref())
+            .bind(filter.limit.map(i64::from))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(row_from).collect()
+    }
+}
+
+/// The plans (`EXPLAIN`, nothing run) of the design's eligible query as written and of the
+/// claim statement, named, for `outbox explain`.
+pub async fn explain(
+    pool: &PgPool,
+    policy: ClaimPolicy,
+) -> Result<Vec<(&'static str, Vec<String>)>> {
+    plans(pool, policy, "EXPLAIN").await
+}
+
+/// The same plans run: `EXPLAIN (ANALYZE, BUFFERS, COSTS OFF)`, each inside a transaction that
+/// is rolled back, so the claim changes no row (for `outbox bench --explain`). The claim is
+/// planned as `claim_next` runs it with a scope (its `Scope::All` statement differs only by
+/// the scope predicates).
+pub async fn explain_analyze(
+    pool: &PgPool,
+    policy: ClaimPolicy,
+) -> Result<Vec<(&'static str, Vec<String>)>> {
+    plans(pool, policy, "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF)").await
+}
+
+async fn plans(
+    pool: &PgPool,
+    policy: ClaimPolicy,
+    explain: &str,
+) -> Result<Vec<(&'static str, Vec<String>)>> {
+    let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(pool)
+        .await?;
+    let cutoff = |d: Duration| now - chrono::Duration::from_std(d).unwrap_or_default();
+    let mut tx = pool.begin().await?;
+    let design: Vec<String> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{explain} {ELIGIBLE_QUERY}")))
+            .bind(cutoff(policy.stale_after))
+            .bind(cutoff(policy.retry_delay))
+            .bind(1_i64)
+            .fetch_all(&mut *tx)
+            .await?;
+    let no_types: Option<Vec<String>> = None;
+    let claim: Vec<String> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{explain} {CLAIM_NEXT}")))
+            .bind(interval(0))
+            .bind(span(policy.stale_after))
+            .bind(span(policy.retry_delay))
+            .bind(policy.max_retry_attempts)
+            .bind(&no_types)
+            .bind(&no_types)
+            .fetch_all(&mut *tx)
+            .await?;
+    tx.rollback().await?;
+    Ok(vec![
+        ("eligible-event query (the design's, as written)", design),
+        ("select-and-claim (claim_next)", claim),
+    ])
+}

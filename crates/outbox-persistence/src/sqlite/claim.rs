@@ -1,0 +1,314 @@
+//! Reading eligible rows and claiming them on SQLite. A claim holds the write lock
+//! (`BEGIN IMMEDIATE`) from the liveness look to its commit: it reads the eligible candidates
+//! oldest first and claims the first whose state still allows, failing on the way the rows it
+//! cannot read and the stale rows whose dead attempts used up `MaxRetryAttempts`.
+
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, SqliteConnection};
+
+use super::sql::{CLAIM_ROW, ELIGIBLE, ELIGIBLE_BY_ID};
+use super::time::{format_ts, next_written, parse_id, parse_ts};
+use super::{SqliteOutbox, json_list};
+use crate::attempt::chrono_span;
+use crate::{
+    Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
+    Result, Scope, clip_error,
+};
+
+/// How many candidates one claim looks at before it reports nothing: each one it passes was
+/// failed as undecodable, failed as exhausted by dead workers, or lost a race.
+const MAX_CANDIDATES_PER_CLAIM: u32 = 16;
+
+/// Decodes the columns every read selects but the payload, by name. The `RecordKey` is kept
+/// exactly as stored.
+pub(super) fn row_from(row: &SqliteRow) -> Result<EventRow> {
+    let status: String = row.try_get("Status")?;
+    let record_key: Option<String> = row.try_get("RecordKey")?;
+    Ok(EventRow {
+        id: parse_id(&row.try_get::<String, _>("Id")?)?,
+        event_type: row.try_get("EventType")?,
+        status: status
+            .parse()
+            .map_err(|e: String| Error::Database(sqlx::Error::Decode(e.into())))?,
+        record_key: record_key.map(RecordKey::from_stored),
+        created_date: parse_ts(&row.try_get::<String, _>("CreatedDate")?)?,
+        last_modified_date: parse_ts(&row.try_get::<String, _>("LastModifiedDate")?)?,
+        retry_count: row.try_get("RetryCount")?,
+        last_error: row.try_get("LastError")?,
+    })
+}
+
+/// Decodes a full row, payload included.
+pub(super) fn event_from_row(row: &SqliteRow) -> Result<OutboxEvent> {
+    Ok(row_from(row)?.with_payload(row.try_get("Payload")?))
+}
+
+/// Fails a row other code wrote that this code cannot read, with the reason, by `rowid`.
+async fn fail_unreadable(
+    conn: &mut SqliteConnection,
+    rowid: i64,
+    reason: &str,
+) -> Result<Candidate> {
+    tracing::warn!(rowid, error = %reason, "failing an outbox row that cannot be read");
+    sqlx::query(
+        "UPDATE _System_OutboxEvent SET Status = 'failed', LastError = ?2
+         WHERE rowid = ?1 AND Status NOT IN ('processed', 'failed')",
+    )
+    .bind(rowid)
+    .bind(clip_error(reason))
+    .execute(&mut *conn)
+    .await?;
+    Ok(Candidate::Failed)
+}
+
+/// What became of one candidate.
+enum Candidate {
+    /// Claimed.
+    Claimed(Claim),
+    /// Failed here (unreadable, or its dead attempts used up `MaxRetryAttempts`): the rows
+    /// behind it may be eligible now.
+    Failed,
+    /// Changed since it was read: look at the next one.
+    Passed,
+}
+
+/// The state a claim writes to its candidate.
+struct Claimed {
+    status: EventStatus,
+    retry_count: i32,
+    last_error: Option<String>,
+    written: DateTime<Utc>,
+    /// A stale `processing` row taken over.
+    reclaimed: bool,
+    /// Its dead attempts used up `MaxRetryAttempts`: it ends `failed` instead.
+    exhausted: bool,
+}
+
+impl Claimed {
+    /// A stale `processing` row's dead attempt is counted as failed, and ends the row `failed`
+    /// when that reaches `MaxRetryAttempts`; a `pending` row just moves to `processing`.
+    fn of(
+        event: &OutboxEvent,
+        raw_last_modified: &str,
+        now: DateTime<Utc>,
+        policy: ClaimPolicy,
+    ) -> Self {
+        let written = next_written(now, event.last_modified_date);
+        if event.status != EventStatus::Processing {
+            return Self {
+                status: EventStatus::Processing,
+                retry_count: event.retry_count,
+                last_error: event.last_error.clone(),
+                written,
+                reclaimed: false,
+                exhausted: false,
+            };
+        }
+        let exhausted = event.retry_count.saturating_add(1) >= policy.max_retry_attempts;
+        let error = format!(
+            "{} attempt {} stopped heartbeating (last beat {}) and wrote no outcome; counted as a failed attempt",
+            crate::WORKER_DIED,
+            event.retry_count + 1,
+            raw_last_modified
+        );
+        Self {
+            status: if exhausted {
+                EventStatus::Failed
+            } else {
+                EventStatus::Processing
+            },
+            retry_count: event.retry_count + 1,
+            last_error: Some(error),
+            written,
+            reclaimed: true,
+            exhausted,
+        }
+    }
+
+    /// The claim a worker holds afterwards.
+    fn into_claim(self, event: OutboxEvent) -> Claim {
+        Claim {
+            fence: Fence {
+                id: event.id,
+                last_written: self.written,
+            },
+            reclaimed: self.reclaimed,
+            event: OutboxEvent {
+                status: EventStatus::Processing,
+                last_modified_date: self.written,
+                retry_count: self.retry_count,
+                last_error: self.last_error,
+                ..event
+            },
+        }
+    }
+}
+
+/// Stores the canonical spelling of an id that other code wrote in another one (upper case,
+/// braces, no hyphens): every fenced write compares the canonical text. Fails the row when it
+/// cannot be stored so.
+async fn canonicalize_id(
+    conn: &mut SqliteConnection,
+    row: &SqliteRow,
+    rowid: i64,
+    id: EventId,
+) -> Result<Option<Candidate>> {
+    let raw_id: String = row.try_get("Id")?;
+    if raw_id == id.to_string() {
+        return Ok(None);
+    }
+    let canonical = sqlx::query("UPDATE _System_OutboxEvent SET Id = ?2 WHERE rowid = ?1")
+        .bind(rowid)
+        .bind(id.to_string())
+        .execute(&mut *conn)
+        .await;
+    match canonical {
+        Ok(_) => Ok(None),
+        Err(e) => {
+            let reason = format!(
+                "outbox row id {raw_id:?} written by other code cannot be stored as {id}: {e}"
+            );
+            fail_unreadable(conn, rowid, &reason).await.map(Some)
+        }
+    }
+}
+
+/// Claims the candidate `row` (read inside the write transaction on `conn`) when its state
+/// allows (see [`Claimed::of`]); a row that cannot be decoded is failed with the reason.
+async fn claim_on(
+    conn: &mut SqliteConnection,
+    row: &SqliteRow,
+    now: DateTime<Utc>,
+    policy: ClaimPolicy,
+) -> Result<Candidate> {
+    let rowid: i64 = row.try_get("rowid")?;
+    let event = match event_from_row(row) {
+        Ok(event) => event,
+        Err(e) => {
+            let reason = format!("unreadable outbox row written by other code: {}", e.chain());
+            return fail_unreadable(conn, rowid, &reason).await;
+        }
+    };
+    if let Some(failed) = canonicalize_id(conn, row, rowid, event.id).await? {
+        return Ok(failed);
+    }
+    let raw_last_modified: String = row.try_get("LastModifiedDate")?;
+    let next = Claimed::of(&event, &raw_last_modified, now, policy);
+    let rows = sqlx::query(CLAIM_ROW)
+        .bind(rowid)
+        .bind(next.status.as_str())
+        .bind(format_ts(next.written))
+        .bind(next.retry_count)
+        .bind(next.last_error.as_deref().map(clip_error))
+        .bind(event.status.as_str())
+        .bind(&raw_last_modified)
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+    if rows != 1 {
+        return Ok(Candidate::Passed);
+    }
+    if next.exhausted {
+        tracing::warn!(
+            event_id = %event.id,
+            event_type = %event.event_type,
+            retry_count = next.retry_count,
+            "a stale claim used up MaxRetryAttempts (its worker died on every attempt): the event is failed"
+        );
+        return Ok(Candidate::Failed);
+    }
+    Ok(Candidate::Claimed(next.into_claim(event)))
+}
+
+impl SqliteOutbox {
+    pub(super) async fn eligible(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        limit: u32,
+    ) -> Result<Vec<OutboxEvent>> {
+        let mut conn = self.pool.acquire().await?;
+        let stale = self.stale_ids(&mut conn, policy.stale_after, None).await?;
+        let retry_cutoff = format_ts(self.now() - chrono_span(policy.retry_delay));
+        let rows = sqlx::query(ELIGIBLE)
+            .bind(&stale)
+            .bind(&retry_cutoff)
+            .bind(i64::from(limit))
+            .bind(json_list(scope.only()))
+            .bind(json_list(scope.except()))
+            .fetch_all(&mut *conn)
+            .await?;
+        // A row that cannot be read is failed by the claim that meets it; listing it here
+        // would only hand the caller an id it cannot parse.
+        Ok(super::readable(&rows, event_from_row))
+    }
+
+    /// One claim transaction: the eligible rows (a few candidates, or the one `id`) are tried
+    /// oldest first until one is claimed.
+    pub(super) async fn claim_in_tx(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        id: Option<EventId>,
+    ) -> Result<Option<Claim>> {
+        let (mut tx, waited) = self.begin_write().await?;
+        let stale = self
+            .stale_ids(&mut tx, policy.stale_after, Some(waited))
+            .await?;
+        let now = self.now();
+        let mut claim = None;
+        // A candidate failed here may release the rows behind it: look again (bounded).
+        for _ in 0..MAX_CANDIDATES_PER_CLAIM {
+            let (found, failed_some) = self
+                .claim_round(&mut tx, &stale, now, policy, scope, id)
+                .await?;
+            claim = found;
+            if claim.is_some() || !failed_some {
+                break;
+            }
+        }
+        tx.commit().await?;
+        if let Some(claim) = &claim {
+            self.liveness()
+                .note(claim.fence.id, claim.fence.last_written, &self.shift);
+        }
+        Ok(claim)
+    }
+
+    /// One pass over the eligible candidates: the claim, if any, and whether a candidate was
+    /// failed on the way.
+    async fn claim_round(
+        &self,
+        tx: &mut SqliteConnection,
+        stale: &str,
+        now: DateTime<Utc>,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        id: Option<EventId>,
+    ) -> Result<(Option<Claim>, bool)> {
+        let retry_cutoff = format_ts(now - chrono_span(policy.retry_delay));
+        let query = match id {
+            None => sqlx::query(ELIGIBLE)
+                .bind(stale)
+                .bind(&retry_cutoff)
+                .bind(i64::from(MAX_CANDIDATES_PER_CLAIM))
+                .bind(json_list(scope.only()))
+                .bind(json_list(scope.except())),
+            Some(id) => sqlx::query(ELIGIBLE_BY_ID)
+                .bind(stale)
+                .bind(&retry_cutoff)
+                .bind(id.to_string()),
+        };
+        let rows = query.fetch_all(&mut *tx).await?;
+        let mut failed_some = false;
+        for row in &rows {
+            match claim_on(&mut *tx, row, now, policy).await? {
+                Candidate::Claimed(claim) => return Ok((Some(claim), failed_some)),
+                Candidate::Failed => failed_some = true,
+                Candidate::Passed => {}
+            }
+        }
+        Ok((None, failed_some))
+    }
+}

@@ -1,0 +1,160 @@
+//! Fenced writes on SQLite: the heartbeat, the attempt's begin (write lock, fence check,
+//! savepoint) and its bookkeeping, and the same bookkeeping detached. Every write applies only
+//! while the row still carries the fence and moves `LastModifiedDate` strictly forward; the
+//! liveness observations learn of every claim this process holds.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::SqliteExecutor;
+
+use super::SqliteOutbox;
+use super::liveness::Liveness;
+use super::time::{format_ts, host_now, next_written};
+use crate::attempt::{
+    AttemptWrites, FencedWrite, OpenAttempt, SET_SAVEPOINT, chrono_span, fence_outcome,
+};
+use crate::{Attempt, ClockShift, Fence, FenceOutcome, Result, Tx, clip_error};
+
+const FENCED_PROCESSED: &str = "\
+UPDATE _System_OutboxEvent SET Status = 'processed', LastModifiedDate = ?2, LastError = ?4
+WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
+
+const FENCED_FAILED: &str = "\
+UPDATE _System_OutboxEvent
+SET Status = 'failed', RetryCount = RetryCount + 1, LastModifiedDate = ?2, LastError = ?4
+WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
+
+const FENCED_RETRY: &str = "\
+UPDATE _System_OutboxEvent
+SET Status = 'pending', RetryCount = RetryCount + 1, LastModifiedDate = ?2, LastError = ?4
+WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
+
+const HEARTBEAT: &str = "\
+UPDATE _System_OutboxEvent SET LastModifiedDate = ?2
+WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
+
+const HOLDS_FENCE: &str = "\
+SELECT 1 FROM _System_OutboxEvent
+WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?2";
+
+/// `write`, fenced on `fence`, on `conn` (the attempt's transaction or the pool), at `now`
+/// (the host's time plus the clock shift).
+async fn write_fenced<'c>(
+    conn: impl SqliteExecutor<'c>,
+    now: DateTime<Utc>,
+    fence: Fence,
+    write: FencedWrite<'_>,
+) -> Result<FenceOutcome> {
+    let (sql, written, error) = match write {
+        FencedWrite::Processed => (FENCED_PROCESSED, now, None),
+        FencedWrite::Failed { error } => (FENCED_FAILED, now, Some(error)),
+        FencedWrite::Retry { extra_delay, error } => {
+            (FENCED_RETRY, now + chrono_span(extra_delay), Some(error))
+        }
+    };
+    let rows = sqlx::query(sql)
+        .bind(fence.id.to_string())
+        .bind(format_ts(next_written(written, fence.last_written)))
+        .bind(format_ts(fence.last_written))
+        .bind(error.map(clip_error))
+        .execute(conn)
+        .await?
+        .rows_affected();
+    Ok(fence_outcome(rows))
+}
+
+/// What the SQLite attempt adds to [`OpenAttempt`]: its clock, and the note that keeps its
+/// claim alive in this process's observations.
+struct SqliteAttemptWrites {
+    shift: ClockShift,
+    /// The repository's observations: the attempt notes its claim alive before it releases
+    /// the write lock, so that its own process does not take the claim for stale at once (a
+    /// claim whose attempt fails is kept by its detached bookkeeping's heartbeat from then on).
+    liveness: Arc<Mutex<Liveness>>,
+    /// The fence the attempt began with (no heartbeat moves it while the attempt holds the
+    /// write lock).
+    fence: Fence,
+}
+
+#[async_trait]
+impl AttemptWrites for SqliteAttemptWrites {
+    async fn write(
+        &self,
+        tx: &mut Tx,
+        fence: Fence,
+        write: FencedWrite<'_>,
+    ) -> Result<FenceOutcome> {
+        write_fenced(tx.sqlite()?, host_now(&self.shift), fence, write).await
+    }
+
+    fn ending(&self) {
+        self.liveness
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .note(self.fence.id, self.fence.last_written, &self.shift);
+    }
+}
+
+impl SqliteOutbox {
+    /// The detached bookkeeping: `write` on a connection of its own.
+    pub(super) async fn write_detached(
+        &self,
+        fence: Fence,
+        write: FencedWrite<'_>,
+    ) -> Result<FenceOutcome> {
+        write_fenced(&self.pool, self.now(), fence, write).await
+    }
+
+    pub(super) async fn beat(&self, fence: Fence) -> Result<Option<Fence>> {
+        // This process holds the claim and is alive: say so to its own observers at once,
+        // before the write waits for the lock (another attempt may hold it for a while).
+        self.liveness()
+            .note(fence.id, fence.last_written, &self.shift);
+        let written = next_written(self.now(), fence.last_written);
+        let rows = sqlx::query(HEARTBEAT)
+            .bind(fence.id.to_string())
+            .bind(format_ts(written))
+            .bind(format_ts(fence.last_written))
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        if rows != 1 {
+            return Ok(None);
+        }
+        self.liveness().note(fence.id, written, &self.shift);
+        Ok(Some(Fence {
+            id: fence.id,
+            last_written: written,
+        }))
+    }
+
+    pub(super) async fn open_attempt(
+        &self,
+        _lock_timeout: Duration,
+        fence: Fence,
+    ) -> Result<Option<Box<dyn Attempt>>> {
+        // The busy timeout of the pool's connections bounds lock waits on SQLite. The write
+        // lock is held from here to commit, so once the fence is checked nobody can reclaim
+        // the row during the attempt.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let held: Option<i64> = sqlx::query_scalar(HOLDS_FENCE)
+            .bind(fence.id.to_string())
+            .bind(format_ts(fence.last_written))
+            .fetch_optional(&mut *tx)
+            .await?;
+        if held.is_none() {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        sqlx::query(SET_SAVEPOINT).execute(&mut *tx).await?;
+        let writes = SqliteAttemptWrites {
+            shift: self.shift.clone(),
+            liveness: self.liveness.clone(),
+            fence,
+        };
+        Ok(Some(Box::new(OpenAttempt::new(Tx::Sqlite(tx), writes))))
+    }
+}

@@ -1,0 +1,240 @@
+//! The SQLite repository: the embedded default.
+//!
+//! SQLite has one writer at a time. Claims and attempts take the write lock up front
+//! (`BEGIN IMMEDIATE`), so a read-then-write transaction never fails on a stale snapshot; waits
+//! are bounded by the busy timeout, which surfaces as [`crate::Error::LockTimeout`]. Timestamps are
+//! fixed-width UTC text, so the design's comparisons work on them as written; a trigger rewrites
+//! any other shape that other code writes (see migration 0003).
+//!
+//! Time: SQLite lives on one host, so its timestamps come from that host's clock (plus the
+//! repository's [`ClockShift`]). Staleness does not: a `processing` row is stale when this
+//! repository has *observed* its `LastModifiedDate` unchanged for `stale_after` of monotonic
+//! time (`liveness`), so a step of the wall clock never makes a live claim look stale.
+//!
+//! The pieces: `sql` (the claim-path statements, composed from fragments), `claim` (reads and
+//! claims), `enqueue`, `fenced` (heartbeat, attempt, bookkeeping), `ops` (stats, operator
+//! retries, backfill, listing), `liveness` and `time`. The attempt's life cycle is the
+//! crate's, shared with PostgreSQL.
+
+mod claim;
+mod enqueue;
+mod fenced;
+mod liveness;
+mod ops;
+mod sql;
+mod time;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::SqliteRow;
+use sqlx::{SqliteConnection, SqlitePool};
+use tokio::sync::Notify;
+
+pub use enqueue::enqueue;
+pub use time::{format_ts, parse_ts};
+
+use crate::attempt::FencedWrite;
+use crate::{
+    Attempt, BackfillPage, Claim, ClaimPolicy, ClockShift, EventFilter, EventId, EventRow, Fence,
+    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Scope,
+    Terminal, Tx,
+};
+use liveness::Liveness;
+
+/// The SQLite outbox repository.
+#[derive(Debug, Clone)]
+pub struct SqliteOutbox {
+    pool: SqlitePool,
+    enqueued: Arc<Notify>,
+    shift: ClockShift,
+    liveness: Arc<Mutex<Liveness>>,
+}
+
+impl SqliteOutbox {
+    /// A repository over `pool`.
+    pub fn new(pool: SqlitePool) -> Self {
+        Self {
+            pool,
+            enqueued: Arc::default(),
+            shift: ClockShift::default(),
+            liveness: Arc::new(Mutex::new(Liveness::new())),
+        }
+    }
+
+    /// Shares `shift` as this repository's clock shift (tests move it instead of sleeping).
+    pub fn with_clock_shift(mut self, shift: ClockShift) -> Self {
+        self.shift = shift;
+        self
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The host's time plus the clock shift.
+    fn now(&self) -> DateTime<Utc> {
+        time::host_now(&self.shift)
+    }
+
+    fn liveness(&self) -> MutexGuard<'_, Liveness> {
+        self.liveness.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Opens a write transaction, timing the wait for the lock (a long wait restarts the
+    /// liveness observations; a failed one too).
+    async fn begin_write(&self) -> Result<(sqlx::Transaction<'static, sqlx::Sqlite>, Duration)> {
+        let started = Instant::now();
+        match self.pool.begin_with("BEGIN IMMEDIATE").await {
+            Ok(tx) => Ok((tx, started.elapsed())),
+            Err(e) => {
+                self.liveness().lock_wait_failed();
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Looks at the `processing` rows and returns the JSON array of the stale ones' ids.
+    async fn stale_ids(
+        &self,
+        conn: &mut SqliteConnection,
+        stale_after: Duration,
+        lock_wait: Option<Duration>,
+    ) -> Result<String> {
+        let processing: Vec<(String, String)> = sqlx::query_as(sql::PROCESSING)
+            .fetch_all(&mut *conn)
+            .await?;
+        let stale = self
+            .liveness()
+            .look(processing, stale_after, lock_wait, &self.shift);
+        Ok(serde_json::to_string(&stale).expect("a list of strings serializes"))
+    }
+}
+
+/// A list of event types (or ids) as the JSON array the statements read with `json_each`.
+fn json_list(items: Option<&[String]>) -> Option<String> {
+    items.map(|t| serde_json::to_string(t).expect("a list of strings serializes"))
+}
+
+/// The rows `decode` can read; each other row is left out with a warning (other code wrote
+/// it; the claim that meets it fails it with the reason).
+fn readable<T>(rows: &[SqliteRow], decode: fn(&SqliteRow) -> Result<T>) -> Vec<T> {
+    rows.iter()
+        .filter_map(|row| match decode(row) {
+            Ok(value) => Some(value),
+            Err(e) => {
+                tracing::warn!(error = %e.chain(), "skipping an unreadable outbox row");
+                None
+            }
+        })
+        .collect()
+}
+
+#[async_trait]
+impl OutboxRepository for SqliteOutbox {
+    fn backend_name(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn begin(&self) -> Result<Tx> {
+        Ok(Tx::Sqlite(self.pool.begin_with("BEGIN IMMEDIATE").await?))
+    }
+
+    async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>> {
+        let ids = enqueue::enqueue_shifted(tx.sqlite()?, events, &self.shift).await?;
+        self.enqueued.notify_waiters();
+        Ok(ids)
+    }
+
+    async fn get_pending_events(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        limit: u32,
+    ) -> Result<Vec<OutboxEvent>> {
+        self.eligible(policy, scope, limit).await
+    }
+
+    async fn claim_event(&self, id: EventId, policy: ClaimPolicy) -> Result<Option<Claim>> {
+        self.claim_in_tx(policy, &Scope::All, Some(id)).await
+    }
+
+    async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>> {
+        self.claim_in_tx(policy, scope, None).await
+    }
+
+    async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {
+        self.beat(fence).await
+    }
+
+    fn note_alive(&self, fence: Fence) {
+        self.liveness()
+            .note(fence.id, fence.last_written, &self.shift);
+    }
+
+    fn serializes_writers(&self) -> bool {
+        true
+    }
+
+    async fn begin_attempt(
+        &self,
+        lock_timeout: Duration,
+        fence: Fence,
+    ) -> Result<Option<Box<dyn Attempt>>> {
+        self.open_attempt(lock_timeout, fence).await
+    }
+
+    async fn increment_retry(
+        &self,
+        fence: Fence,
+        extra_delay: Duration,
+        error: &str,
+    ) -> Result<FenceOutcome> {
+        let write = FencedWrite::Retry { extra_delay, error };
+        self.write_detached(fence, write).await
+    }
+
+    async fn update_status(
+        &self,
+        fence: Fence,
+        status: Terminal,
+        error: Option<String>,
+    ) -> Result<FenceOutcome> {
+        let write = FencedWrite::terminal(status, error.as_deref());
+        self.write_detached(fence, write).await
+    }
+
+    async fn backfill_record_keys(
+        &self,
+        after: Option<EventId>,
+        batch: u32,
+        dry_run: bool,
+    ) -> Result<BackfillPage> {
+        self.backfill(after, batch, dry_run).await
+    }
+
+    async fn stats(&self, policy: ClaimPolicy) -> Result<OutboxStats> {
+        self.read_stats(policy).await
+    }
+
+    async fn retry_failed(&self, filter: RetryFilter) -> Result<u64> {
+        self.retry(filter).await
+    }
+
+    async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>> {
+        self.read_event(id).await
+    }
+
+    async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
+        self.list(filter).await
+    }
+
+    async fn wait_for_work(&self, timeout: Duration) -> Result<()> {
+        // In-process enqueues wake the workers; other processes are seen at the next poll.
+        let _ = tokio::time::timeout(timeout, self.enqueued.notified()).await;
+        Ok(())
+    }
+}

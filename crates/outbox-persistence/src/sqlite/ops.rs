@@ -1,0 +1,187 @@
+//! The operators' side on SQLite: `stats`, `retry_failed`, the `RecordKey` backfill and the
+//! reads (`get_event`, `list_events`).
+
+use sqlx::Row;
+
+use super::claim::{event_from_row, row_from};
+use super::time::{format_ts, next_written, parse_id, parse_ts};
+use super::{SqliteOutbox, json_list, readable};
+use crate::attempt::chrono_span;
+use crate::stats::{STATUS_COUNTS, blocked_heads, count_blocked, count_statuses};
+use crate::{
+    BackfillPage, ClaimPolicy, EventFilter, EventId, EventRow, OutboxEvent, OutboxStats, Result,
+    RetryFilter,
+};
+
+/// The oldest pending row's `CreatedDate`, stale claims (`?1`: the observed stale ids) and
+/// retrying rows.
+const QUEUE_AGES: &str = "SELECT
+       (SELECT min(CreatedDate) FROM _System_OutboxEvent WHERE Status = 'pending'),
+       (SELECT count(*) FROM _System_OutboxEvent
+          WHERE Status = 'processing' AND Id IN (SELECT value FROM json_each(?1))),
+       (SELECT count(*) FROM _System_OutboxEvent
+          WHERE Status = 'pending' AND RetryCount > 0)";
+
+/// Blocked keys by the state of their head: `?1` the observed stale ids, `?2` the retry cutoff.
+const BLOCKED_KEYS: &str = concat!(
+    "SELECT
+       coalesce(sum(h.Status = 'processing' AND h.Id NOT IN (SELECT value FROM json_each(?1))), 0),
+       coalesce(sum(h.Status = 'processing' AND h.Id IN (SELECT value FROM json_each(?1))), 0),
+       coalesce(sum(h.Status = 'pending' AND h.RetryCount > 0 AND h.LastModifiedDate >= ?2), 0)",
+    blocked_heads!()
+);
+
+const SELECT_BY_ID: &str = "\
+SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError,
+       rowid
+FROM _System_OutboxEvent WHERE Id = ?1";
+
+/// The rows an [`EventFilter`] selects, without payloads: `?1` statuses, `?3` ids (JSON arrays
+/// or NULL), `?2` event type, `?4` record key, `?5` limit (NULL: no limit).
+const LIST_EVENTS: &str = "\
+SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent
+WHERE (?1 IS NULL OR Status IN (SELECT value FROM json_each(?1)))
+  AND (?2 IS NULL OR EventType = ?2)
+  AND (?3 IS NULL OR Id IN (SELECT value FROM json_each(?3)))
+  AND (?4 IS NULL OR RecordKey = ?4)
+ORDER BY CreatedDate, Id
+LIMIT coalesce(?5, -1)";
+
+const BACKFILL_SCAN: &str = "SELECT Id, Payload, RecordKey FROM _System_OutboxEvent
+     WHERE Status NOT IN ('processed', 'failed') AND (?1 IS NULL OR Id > ?1)
+     ORDER BY Id LIMIT ?2";
+
+impl SqliteOutbox {
+    pub(super) async fn read_stats(&self, policy: ClaimPolicy) -> Result<OutboxStats> {
+        let mut stats = OutboxStats::default();
+        let mut conn = self.pool.acquire().await?;
+        let counts = sqlx::query_as(STATUS_COUNTS).fetch_all(&mut *conn).await?;
+        count_statuses(&mut stats, counts);
+        let stale = self.stale_ids(&mut conn, policy.stale_after, None).await?;
+        let now = self.now();
+        let (oldest, stale_claims, retrying): (Option<String>, i64, i64) =
+            sqlx::query_as(QUEUE_AGES)
+                .bind(&stale)
+                .fetch_one(&mut *conn)
+                .await?;
+        if let Some(oldest) = oldest {
+            let age = now - parse_ts(&oldest)?;
+            stats.oldest_pending_age_seconds =
+                Some(age.num_microseconds().unwrap_or(0) as f64 / 1e6);
+        }
+        stats.stale_claims = stale_claims as u64;
+        stats.retrying = retrying as u64;
+        let blocked = sqlx::query_as(BLOCKED_KEYS)
+            .bind(&stale)
+            .bind(format_ts(now - chrono_span(policy.retry_delay)))
+            .fetch_one(&mut *conn)
+            .await?;
+        count_blocked(&mut stats, blocked);
+        Ok(stats)
+    }
+
+    pub(super) async fn retry(&self, filter: RetryFilter) -> Result<u64> {
+        // One writer: no claim runs while this transaction holds the write lock, and the
+        // in-flight guard keeps the retried row waiting while its key has a live claim.
+        let (mut tx, _) = self.begin_write().await?;
+        let now = self.now();
+        let (id, all, event_type) = match filter {
+            RetryFilter::Id(id) => (Some(id.to_string()), false, None),
+            RetryFilter::Failed { event_type } => (None, true, event_type),
+        };
+        let failed: Vec<(String, String)> = sqlx::query_as(
+            "SELECT Id, LastModifiedDate FROM _System_OutboxEvent
+             WHERE Status = 'failed' AND ((?2 AND (?3 IS NULL OR EventType = ?3)) OR Id = ?1)",
+        )
+        .bind(&id)
+        .bind(all)
+        .bind(&event_type)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut rows = 0;
+        for (id, last_modified) in failed {
+            let written = next_written(now, parse_ts(&last_modified).unwrap_or(now));
+            rows += sqlx::query(
+                "UPDATE _System_OutboxEvent SET Status = 'pending', RetryCount = 0,
+                   LastModifiedDate = ?2
+                 WHERE Id = ?1 AND Status = 'failed'",
+            )
+            .bind(id)
+            .bind(format_ts(written))
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        tx.commit().await?;
+        Ok(rows)
+    }
+
+    pub(super) async fn backfill(
+        &self,
+        after: Option<EventId>,
+        batch: u32,
+        dry_run: bool,
+    ) -> Result<BackfillPage> {
+        let rows = sqlx::query(BACKFILL_SCAN)
+            .bind(after.map(|id| id.to_string()))
+            .bind(i64::from(batch))
+            .fetch_all(&self.pool)
+            .await?;
+        let scanned: Vec<(EventId, String, Option<String>)> = rows
+            .iter()
+            .map(|r| {
+                Ok((
+                    parse_id(&r.try_get::<String, _>(0)?)?,
+                    r.try_get(1)?,
+                    r.try_get(2)?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let (mut page, updates) = crate::classify_backfill(&scanned, batch);
+        if !dry_run && !updates.is_empty() {
+            let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+            let mut done = 0;
+            for (id, key) in &updates {
+                done += sqlx::query(
+                    "UPDATE _System_OutboxEvent SET RecordKey = ?2 WHERE Id = ?1 AND RecordKey IS NULL",
+                )
+                .bind(id.to_string())
+                .bind(key)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            }
+            tx.commit().await?;
+            page.updated = done;
+        }
+        Ok(page)
+    }
+
+    pub(super) async fn read_event(&self, id: EventId) -> Result<Option<OutboxEvent>> {
+        let row = sqlx::query(SELECT_BY_ID)
+            .bind(id.to_string())
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(event_from_row).transpose()
+    }
+
+    pub(super) async fn list(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
+        let statuses = filter
+            .status_texts()
+            .map(|s| serde_json::to_string(&s).expect("a list of strings serializes"));
+        let ids: Option<Vec<String>> = filter
+            .id_list()
+            .map(|ids| ids.iter().map(EventId::to_string).collect());
+        let rows = sqlx::query(LIST_EVENTS)
+            .bind(statuses)
+            .bind(filter.event_type.as_deref())
+            .bind(json_list(ids.as_deref()))
+            .bind(filter.record_key.as_deref())
+            .bind(filter.limit.map(i64::from))
+            .fetch_all(&self.pool)
+            .await?;
+        // As `get_pending_events`: a row that cannot be read is left out, with a warning.
+        Ok(readable(&rows, row_from))
+    }
+}

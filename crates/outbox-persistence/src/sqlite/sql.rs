@@ -1,0 +1,123 @@
+//! The SQLite claim-path statements, composed from fragments: the candidate columns, the
+//! design's state rule (staleness observed, see `liveness`), its key-order rule with the
+//! in-flight guard, the scope filter and the order are each written once and spliced into the
+//! scoped read and the read of one id.
+
+/// The candidate's columns, and its `rowid` so that a row that cannot be decoded can still be
+/// failed.
+macro_rules! select_candidates {
+    () => {
+        "\
+SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError,
+       e.rowid
+FROM _System_OutboxEvent e
+WHERE
+"
+    };
+}
+
+/// The design's state rule for the candidate `e`, with a `processing` row stale exactly when
+/// its id is in `?1` (a JSON array of the ids this repository observed silent for
+/// `stale_after`), and the retry cutoff `?2`.
+macro_rules! observed_state {
+    () => {
+        "  (e.Status = 'pending'
+   OR (e.Status = 'processing' AND e.Id IN (SELECT value FROM json_each(?1))))
+  AND (e.Status <> 'pending'
+       OR e.RetryCount = 0
+       OR e.LastModifiedDate < ?2)
+"
+    };
+}
+
+/// The design's ordering rule for the candidate `e` (no older non-terminal row of its key)
+/// and the in-flight guard: never while another row of its key is `processing` and not stale
+/// (`?1`).
+macro_rules! key_order {
+    () => {
+        "  AND (
+    e.RecordKey IS NULL
+    OR (NOT EXISTS (
+      SELECT 1
+      FROM _System_OutboxEvent older
+      WHERE older.RecordKey = e.RecordKey
+        AND (
+          older.CreatedDate < e.CreatedDate
+          OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id)
+        )
+        AND older.Status NOT IN ('processed', 'failed')
+    )
+    AND NOT EXISTS (
+      SELECT 1
+      FROM _System_OutboxEvent f
+      WHERE f.RecordKey = e.RecordKey
+        AND f.Status = 'processing'
+        AND f.Id <> e.Id
+        AND f.Id NOT IN (SELECT value FROM json_each(?1))
+    ))
+  )
+"
+    };
+}
+
+/// The scope's event types: `?4` only, `?5` except (JSON arrays, or NULL for none).
+macro_rules! scope_filter {
+    () => {
+        "  AND (?4 IS NULL OR e.EventType IN (SELECT value FROM json_each(?4)))
+  AND (?5 IS NULL OR e.EventType NOT IN (SELECT value FROM json_each(?5)))
+"
+    };
+}
+
+/// Oldest first.
+macro_rules! oldest_first {
+    () => {
+        "ORDER BY e.CreatedDate ASC, e.Id ASC
+"
+    };
+}
+
+/// The eligible query the repository runs (`get_pending_events`, `claim_next`): the design's
+/// rule with observed staleness (`?1`), the retry cutoff `?2`, the limit `?3`, the scope's
+/// event types `?4`/`?5`, and the in-flight guard.
+pub(super) const ELIGIBLE: &str = concat!(
+    select_candidates!(),
+    observed_state!(),
+    key_order!(),
+    scope_filter!(),
+    oldest_first!(),
+    "LIMIT ?3"
+);
+
+/// [`ELIGIBLE`] for one row (`claim_event`): `?1` and `?2` as there, `?3` the id; no scope.
+pub(super) const ELIGIBLE_BY_ID: &str = concat!(
+    select_candidates!(),
+    "  e.Id = ?3 AND\n",
+    observed_state!(),
+    key_order!(),
+    "LIMIT 1"
+);
+
+/// Claims one candidate by `rowid` (`?1`) while it still has the status (`?6`) and the
+/// `LastModifiedDate` (`?7`) it was read with.
+pub(super) const CLAIM_ROW: &str = "\
+UPDATE _System_OutboxEvent
+SET Status = ?2, LastModifiedDate = ?3, RetryCount = ?4, LastError = ?5
+WHERE rowid = ?1 AND Status = ?6 AND LastModifiedDate = ?7";
+
+/// The `processing` rows, for the liveness observations.
+pub(super) const PROCESSING: &str =
+    "SELECT Id, LastModifiedDate FROM _System_OutboxEvent WHERE Status = 'processing'";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_read_of_one_id_has_the_rules_but_not_the_scope() {
+        let rules = concat!(observed_state!(), key_order!());
+        assert!(ELIGIBLE.contains(rules) && ELIGIBLE_BY_ID.contains(rules));
+        assert!(ELIGIBLE.contains(scope_filter!()));
+        assert!(!ELIGIBLE_BY_ID.contains("?4") && !ELIGIBLE_BY_ID.contains("?5"));
+    }
+}
