@@ -219,7 +219,7 @@ impl Difference {
     }
 }
 
-/// What [`Redelivery::check`] found.
+/// What [`Redelivery::check`](super::Redelivery::check) found.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Report {
     /// What the first delivery changed.
