@@ -170,6 +170,7 @@ mod tests {
     fn unknown_commands_and_stray_arguments_are_refused() {
         assert!(run(strings(&["frobnicate"])).is_err());
         assert!(run(strings(&["deps", "--fix"])).is_err());
+        assert!(run(strings(&["tidy", "--fix"])).is_err());
         assert!(run(Vec::new()).is_err());
     }
 }
