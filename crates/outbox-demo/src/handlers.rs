@@ -159,7 +159,7 @@ fn field_set_effect(action: &FieldSet, consumer: Consumer, description: &str) ->
 
 fn envelope(event: &OutboxEvent) -> Result<EventEnvelope, HandlerError> {
     EventEnvelope::parse(&event.payload)
-        .map_err(|e| HandlerError::Permanent(format!("unreadable payload: {e}")))
+        .map_err(|e| HandlerError::permanent_from("unreadable payload", e))
 }
 
 /// Appends to the effect log, in the attempt transaction: the audit trail of processing order.
@@ -278,7 +278,7 @@ impl Handler for WelcomeMail {
             self.sink
                 .send(&event_id, event.retry_count, &recipient, &subject)
                 .await
-                .map_err(|e| HandlerError::Retryable(format!("mail provider: {e}")))?;
+                .map_err(|e| HandlerError::retryable_from("mail provider", e))?;
         } else {
             tracing::info!(event_id = %event.id, "welcome email already delivered by a committed attempt; not sending again");
         }

@@ -62,7 +62,7 @@ impl Handler for CreateContact {
         ctx: &mut AttemptContext<'_>,
     ) -> Result<(), HandlerError> {
         let envelope = create_action::EventEnvelope::parse(&event.payload)
-            .map_err(|e| HandlerError::Permanent(format!("unreadable payload: {e}")))?;
+            .map_err(|e| HandlerError::permanent_from("unreadable payload", e))?;
         let action = &self.action;
         with_tx!(ctx.tx(), |conn| action
             .run(conn, &envelope)
