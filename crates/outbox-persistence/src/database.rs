@@ -12,8 +12,11 @@ use sqlx::{PgPool, SqlitePool};
 
 use crate::{Error, OutboxRepository, Result};
 
-/// The lock timeout used when none is configured: PostgreSQL `lock_timeout` in attempts, and
-/// the SQLite busy timeout.
+/// The lock timeout used when none is configured, the workspace's one default: an attempt's
+/// `lock_timeout` on PostgreSQL (`outbox_events::WorkerConfig`, which re-exports this), the
+/// outbox's own writes outside attempts on PostgreSQL
+/// ([`PgOutbox::with_lock_timeout`](crate::postgres::PgOutbox::with_lock_timeout)), and SQLite's
+/// busy timeout ([`ConnectConfig::lock_timeout`]).
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// The pool size used when none is configured.
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
@@ -146,93 +149,9 @@ impl Database {
             .map(|m| (m.version, m.checksum.to_vec()))
             .collect();
         match self {
-            Database::Postgres(pool) => {
-                let legacy: bool =
-                    sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-                        .fetch_one(pool)
-                        .await?;
-                if !legacy {
-                    return Ok(());
-                }
-                let (versions, checksums): (Vec<i64>, Vec<Vec<u8>>) =
-                    migrations.into_iter().unzip();
-                let mut tx = pool.begin().await?;
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
-                       version BIGINT PRIMARY KEY,
-                       description TEXT NOT NULL,
-                       installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
-                       success BOOLEAN NOT NULL,
-                       checksum BYTEA NOT NULL,
-                       execution_time BIGINT NOT NULL)"
-                )))
-                .execute(&mut *tx)
-                .await?;
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "WITH ours AS (
-                       DELETE FROM _sqlx_migrations l
-                       USING UNNEST($1::bigint[], $2::bytea[]) AS o(version, checksum)
-                       WHERE l.version = o.version AND l.checksum = o.checksum AND l.success
-                       RETURNING l.*)
-                     INSERT INTO {MIGRATIONS_TABLE}
-                       (version, description, installed_on, success, checksum, execution_time)
-                     SELECT version, description, installed_on, success, checksum, execution_time
-                     FROM ours
-                     ON CONFLICT (version) DO NOTHING"
-                )))
-                .bind(&versions)
-                .bind(&checksums)
-                .execute(&mut *tx)
-                .await?;
-                tx.commit().await?;
-            }
-            Database::Sqlite(pool) => {
-                let legacy: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
-                )
-                .fetch_one(pool)
-                .await?;
-                if !legacy {
-                    return Ok(());
-                }
-                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
-                       version BIGINT PRIMARY KEY,
-                       description TEXT NOT NULL,
-                       installed_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP,
-                       success BOOLEAN NOT NULL,
-                       checksum BLOB NOT NULL,
-                       execution_time BIGINT NOT NULL)"
-                )))
-                .execute(&mut *tx)
-                .await?;
-                for (version, checksum) in &migrations {
-                    let moved = sqlx::query(sqlx::AssertSqlSafe(format!(
-                        "INSERT OR IGNORE INTO {MIGRATIONS_TABLE}
-                           (version, description, installed_on, success, checksum, execution_time)
-                         SELECT version, description, installed_on, success, checksum, execution_time
-                         FROM _sqlx_migrations WHERE version = ?1 AND checksum = ?2 AND success"
-                    )))
-                    .bind(version)
-                    .bind(checksum)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-                    if moved > 0 {
-                        sqlx::query(
-                            "DELETE FROM _sqlx_migrations WHERE version = ?1 AND checksum = ?2",
-                        )
-                        .bind(version)
-                        .bind(checksum)
-                        .execute(&mut *tx)
-                        .await?;
-                    }
-                }
-                tx.commit().await?;
-            }
+            Database::Postgres(pool) => adopt_legacy_postgres(pool, migrations).await,
+            Database::Sqlite(pool) => adopt_legacy_sqlite(pool, &migrations).await,
         }
-        Ok(())
     }
 
     /// Checks that the database has exactly the migrations this binary knows: fails with
@@ -316,6 +235,93 @@ impl Database {
             Database::Sqlite(pool) => pool.close().await,
         }
     }
+}
+
+/// [`Database::adopt_legacy_records`] on PostgreSQL: one statement moves the outbox's rows.
+async fn adopt_legacy_postgres(pool: &PgPool, migrations: Vec<(i64, Vec<u8>)>) -> Result<()> {
+    let legacy: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(pool)
+        .await?;
+    if !legacy {
+        return Ok(());
+    }
+    let (versions, checksums): (Vec<i64>, Vec<Vec<u8>>) = migrations.into_iter().unzip();
+    let mut tx = pool.begin().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
+               version BIGINT PRIMARY KEY,
+               description TEXT NOT NULL,
+               installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
+               success BOOLEAN NOT NULL,
+               checksum BYTEA NOT NULL,
+               execution_time BIGINT NOT NULL)"
+    )))
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "WITH ours AS (
+               DELETE FROM _sqlx_migrations l
+               USING UNNEST($1::bigint[], $2::bytea[]) AS o(version, checksum)
+               WHERE l.version = o.version AND l.checksum = o.checksum AND l.success
+               RETURNING l.*)
+             INSERT INTO {MIGRATIONS_TABLE}
+               (version, description, installed_on, success, checksum, execution_time)
+             SELECT version, description, installed_on, success, checksum, execution_time
+             FROM ours
+             ON CONFLICT (version) DO NOTHING"
+    )))
+    .bind(&versions)
+    .bind(&checksums)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// [`Database::adopt_legacy_records`] on SQLite: row by row, under the write lock.
+async fn adopt_legacy_sqlite(pool: &SqlitePool, migrations: &[(i64, Vec<u8>)]) -> Result<()> {
+    let legacy: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
+        )
+        .fetch_one(pool)
+        .await?;
+    if !legacy {
+        return Ok(());
+    }
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
+               version BIGINT PRIMARY KEY,
+               description TEXT NOT NULL,
+               installed_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP,
+               success BOOLEAN NOT NULL,
+               checksum BLOB NOT NULL,
+               execution_time BIGINT NOT NULL)"
+    )))
+    .execute(&mut *tx)
+    .await?;
+    for (version, checksum) in migrations {
+        let moved = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT OR IGNORE INTO {MIGRATIONS_TABLE}
+                   (version, description, installed_on, success, checksum, execution_time)
+                 SELECT version, description, installed_on, success, checksum, execution_time
+                 FROM _sqlx_migrations WHERE version = ?1 AND checksum = ?2 AND success"
+        )))
+        .bind(version)
+        .bind(checksum)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if moved > 0 {
+            sqlx::query("DELETE FROM _sqlx_migrations WHERE version = ?1 AND checksum = ?2")
+                .bind(version)
+                .bind(checksum)
+                .execute(&mut *tx)
+                .await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(())
 }
 
 /// A URL with its password replaced, for messages.
