@@ -125,7 +125,7 @@ impl TestDb {
             .await
             .expect("create a fresh PostgreSQL database");
         conn.close().await.ok();
-        let url = with_database(&admin_url, &name);
+        let url = outbox_persistence::test_support::with_database(&admin_url, &name);
         let db = Database::connect(&url, Default::default())
             .await
             .expect("connect to the fresh PostgreSQL database");
@@ -175,24 +175,6 @@ fn unreachable_postgres(url: &str, why: &str) -> Option<TestDb> {
     }
     eprintln!("skipping the PostgreSQL variant: {url} is unreachable ({why})");
     None
-}
-
-/// Replaces the database name in a PostgreSQL URL.
-pub fn with_database(url: &str, name: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let scheme_end = base.find("://").map_or(0, |i| i + 3);
-    let path_start = base[scheme_end..]
-        .find('/')
-        .map_or(base.len(), |i| scheme_end + i);
-    let mut out = format!("{}/{}", &base[..path_start], name);
-    if let Some(q) = query {
-        out.push('?');
-        out.push_str(q);
-    }
-    out
 }
 
 impl Drop for TestDb {

@@ -191,7 +191,7 @@ pub(crate) async fn select_and_claim(
     Ok(())
 }
 
-/// `outbox bench --explain`: the plans, with run times, of the design's query and of
+/// `outbox-bench --explain`: the plans, with run times, of the design's query and of
 /// `claim_next` on every shape (each inside a transaction that is rolled back).
 pub(crate) async fn explain(db: &BenchDb, sizes: &Sizes) -> Result<()> {
     let database = db.connect(2).await?;

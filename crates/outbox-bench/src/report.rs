@@ -148,7 +148,7 @@ impl Report {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "outbox bench ({}): {}",
+            "outbox-bench ({}): {}",
             if self.quick { "quick" } else { "full" },
             self.machine
                 .iter()

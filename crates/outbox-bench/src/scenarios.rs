@@ -46,7 +46,8 @@ impl Handler for BenchHandler {
         if let Some(d) = self.sleep {
             tokio::time::sleep(d).await;
         }
-        if self.lock_key.is_some() && event.record_key.as_ref().map(|k| k.as_str()) == self.lock_key {
+        if self.lock_key.is_some() && event.record_key.as_ref().map(|k| k.as_str()) == self.lock_key
+        {
             outbox_persistence::with_tx!(ctx.tx(), |conn| {
                 sqlx::query("UPDATE bench_lock SET n = n + 1 WHERE id = 1")
                     .execute(conn)
@@ -139,7 +140,11 @@ pub(crate) struct Running {
     started_at: Instant,
 }
 
-pub(crate) async fn start(db: &BenchDb, config: WorkerConfig, handlers: Handlers) -> Result<Running> {
+pub(crate) async fn start(
+    db: &BenchDb,
+    config: WorkerConfig,
+    handlers: Handlers,
+) -> Result<Running> {
     let pool = db.connect((config.workers * 2 + 4) as u32).await?;
     let started = Utc::now();
     let handle = Dispatcher::new(pool.repository(), handlers, config)
@@ -328,8 +333,7 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
         let f = bench::latency(pg(&pool)?, Keys::Except(BLOCKED_KEY), block_start).await?;
         let during =
             bench::processed_until(pg(&pool)?, Keys::Except(BLOCKED_KEY), block_end).await?;
-        let blocked_f =
-            bench::latency(pg(&pool)?, Keys::Only(BLOCKED_KEY), block_start).await?;
+        let blocked_f = bench::latency(pg(&pool)?, Keys::Only(BLOCKED_KEY), block_start).await?;
         pool.close().await;
         let block_s = (block_end - block_start).as_seconds_f64();
         let rate = during as f64 / block_s;

@@ -118,7 +118,6 @@ pub struct BackfillArgs {
     pub dry_run: bool,
 }
 
-
 /// `events`: which rows to list.
 #[derive(Debug, Args)]
 pub struct EventsArgs {

@@ -4,10 +4,10 @@
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
+use chrono::SecondsFormat;
 use outbox_events::{
     Consumer, DEFAULT_RETRY_DELAY, DEFAULT_STALE_AFTER, Safeguard, Verdict, evaluate_gate,
 };
-use chrono::SecondsFormat;
 use outbox_persistence::{
     ClaimPolicy, ConnectConfig, Database, EventFilter, EventStatus, RetryFilter,
 };

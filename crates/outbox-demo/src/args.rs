@@ -9,7 +9,12 @@ use outbox_cli::args::{Mode, WorkerArgs};
 
 /// The whole repair on a CRM workload, verified from the database.
 #[derive(Debug, Parser)]
-#[command(name = "outbox-demo", version, about, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "outbox-demo",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
 pub struct Cli {
     /// The database: postgres://… or sqlite://PATH (a fresh SQLite file when omitted).
     #[arg(long, global = true, env = "DATABASE_URL")]
@@ -99,4 +104,3 @@ pub struct WorkArgs {
     #[arg(long)]
     pub json: bool,
 }
-

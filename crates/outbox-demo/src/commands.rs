@@ -32,7 +32,6 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
-
 /// Worker settings that make faults visible within a demo's run time: a claim whose heartbeat
 /// stopped is reclaimed after 3 s instead of 30 s.
 pub(crate) fn demo_worker_config(mode: DispatchMode) -> WorkerConfig {
@@ -56,7 +55,9 @@ pub(crate) fn connect_config(config: &WorkerConfig) -> ConnectConfig {
     }
 }
 
-pub(crate) async fn stats(repo: &Arc<dyn OutboxRepository>) -> Result<outbox_persistence::OutboxStats> {
+pub(crate) async fn stats(
+    repo: &Arc<dyn OutboxRepository>,
+) -> Result<outbox_persistence::OutboxStats> {
     Ok(repo
         .stats(ClaimPolicy::new(
             Duration::from_secs(30),

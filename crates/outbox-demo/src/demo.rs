@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use chrono::Utc;
 use indicatif::{ProgressBar, ProgressStyle};
+use outbox_cli::db;
 use outbox_events::{DispatchMode, Dispatcher, MetricsSnapshot, WorkerConfig};
 use outbox_persistence::{Database, OutboxRepository};
-use outbox_cli::db;
 use serde::Serialize;
 
 use crate::args::DemoArgs;

@@ -6,7 +6,7 @@
 //!   the attempt) or `died` (a poison event is about to abort the process) when they end; the
 //!   fault suite writes `killed` after it SIGKILLed a process. Rows are ordered by the store's
 //!   own sequence, never by a host clock, so a worker whose clock runs behind cannot blur them.
-//! - `DemoWorkRun`: one row per `outbox work` process (and per `outbox demo`), written before
+//! - `DemoWorkRun`: one row per `outbox-demo work` process (and per demo run), written before
 //!   its workers start, updated with its counters every few seconds and completed when it exits.
 //!   A run never completed is a process that died; its counters are those it last recorded.
 //!
@@ -79,7 +79,7 @@ pub struct Entry {
     pub pid: i64,
 }
 
-/// One `outbox work` (or `outbox demo`) process.
+/// One `outbox-demo work` process (or demo run).
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkRun {
     /// The process.

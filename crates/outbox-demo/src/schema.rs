@@ -1,6 +1,6 @@
 //! The demo application's tables: a small CRM whose record-triggered automation runs through
 //! the outbox. They belong to the demo, not to the outbox schema, so `outbox migrate` never
-//! creates them; the demo and `outbox seed` create them when missing.
+//! creates them; the demo and `outbox-demo seed` create them when missing.
 
 use anyhow::Result;
 use outbox_persistence::{Database, with_pool};

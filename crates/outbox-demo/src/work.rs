@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
+use outbox_cli::db;
 use outbox_events::{DispatchMode, Dispatcher, WorkerConfig};
 use outbox_persistence::OutboxRepository;
-use outbox_cli::db;
 
 use crate::args::WorkArgs;
 use crate::commands::{connect_config, decide, mode_name, stats};

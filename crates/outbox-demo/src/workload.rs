@@ -114,7 +114,7 @@ fn record_id(record: usize) -> (bool, String) {
 }
 
 /// Builds `events` events over `records` records. `fault_rate` marks that share of events to
-/// fail their first attempt (a fault any `outbox work` process will inject).
+/// fail their first attempt (a fault any `outbox-demo work` process will inject).
 fn generate(events: usize, records: usize, fault_rate: f64, seed: u64) -> Vec<Write> {
     let records = records.max(1);
     let mut rng = Rng::new(seed);
@@ -135,68 +135,92 @@ fn generate(events: usize, records: usize, fault_rate: f64, seed: u64) -> Vec<Wr
             }
             payload.to_string()
         };
-        if is_account {
-            let name = format!("Account {r} rev {revision}");
-            let industry = INDUSTRIES[rng.below(INDUSTRIES.len())].to_string();
-            let welcome = !welcomed[r] && r.is_multiple_of(4);
-            let event = if welcome {
-                welcomed[r] = true;
-                NewEvent::new(
-                    WELCOME_EMAIL,
-                    envelope(
-                        json!({"Email": format!("owner{r}@example.test"), "Name": name, "Revision": revision}),
-                    ),
-                )
-            } else {
-                NewEvent::new(
-                    ACCOUNT_UPDATED,
-                    envelope(json!({"Name": name, "Industry": industry, "Revision": revision})),
-                )
-            };
-            out.push(Write {
-                record: RecordWrite::Account {
-                    id: id.clone(),
-                    name,
-                    industry,
-                    revision,
-                },
-                event,
-            });
+        out.push(if is_account {
+            account_write(&mut rng, r, &id, revision, &mut welcomed[r], &envelope)
         } else {
-            let company = format!("Prospect {r}");
-            let status = LEAD_STATUSES[rng.below(LEAD_STATUSES.len())].to_string();
-            let convert = !converted[r] && revision >= 3 && r % 4 == 1;
-            let event = if convert {
-                converted[r] = true;
-                NewEvent::new(
-                    LEAD_CONVERTED,
-                    envelope(
-                        json!({"Company": company, "Status": "Converted", "Revision": revision}),
-                    ),
-                )
-            } else {
-                NewEvent::new(
-                    LEAD_UPDATED,
-                    envelope(json!({"Company": company, "Status": status, "Revision": revision})),
-                )
-            };
-            let status = if convert {
-                "Converted".to_string()
-            } else {
-                status
-            };
-            out.push(Write {
-                record: RecordWrite::Lead {
-                    id: id.clone(),
-                    company,
-                    status,
-                    revision,
-                },
-                event,
-            });
-        }
+            lead_write(&mut rng, r, &id, revision, &mut converted[r], &envelope)
+        });
     }
     out
+}
+
+/// The next write of account `r`: its first event is a welcome email for every fourth
+/// account, the others capture its fields.
+fn account_write(
+    rng: &mut Rng,
+    r: usize,
+    id: &str,
+    revision: i64,
+    welcomed: &mut bool,
+    envelope: &dyn Fn(serde_json::Value) -> String,
+) -> Write {
+    let name = format!("Account {r} rev {revision}");
+    let industry = INDUSTRIES[rng.below(INDUSTRIES.len())].to_string();
+    let welcome = !*welcomed && r.is_multiple_of(4);
+    let event = if welcome {
+        *welcomed = true;
+        NewEvent::new(
+            WELCOME_EMAIL,
+            envelope(
+                json!({"Email": format!("owner{r}@example.test"), "Name": name, "Revision": revision}),
+            ),
+        )
+    } else {
+        NewEvent::new(
+            ACCOUNT_UPDATED,
+            envelope(json!({"Name": name, "Industry": industry, "Revision": revision})),
+        )
+    };
+    Write {
+        record: RecordWrite::Account {
+            id: id.to_string(),
+            name,
+            industry,
+            revision,
+        },
+        event,
+    }
+}
+
+/// The next write of lead `r`: every fourth lead is converted once it reached revision 3 (the
+/// #3477 create), the other events capture its status.
+fn lead_write(
+    rng: &mut Rng,
+    r: usize,
+    id: &str,
+    revision: i64,
+    converted: &mut bool,
+    envelope: &dyn Fn(serde_json::Value) -> String,
+) -> Write {
+    let company = format!("Prospect {r}");
+    let status = LEAD_STATUSES[rng.below(LEAD_STATUSES.len())].to_string();
+    let convert = !*converted && revision >= 3 && r % 4 == 1;
+    let event = if convert {
+        *converted = true;
+        NewEvent::new(
+            LEAD_CONVERTED,
+            envelope(json!({"Company": company, "Status": "Converted", "Revision": revision})),
+        )
+    } else {
+        NewEvent::new(
+            LEAD_UPDATED,
+            envelope(json!({"Company": company, "Status": status, "Revision": revision})),
+        )
+    };
+    let status = if convert {
+        "Converted".to_string()
+    } else {
+        status
+    };
+    Write {
+        record: RecordWrite::Lead {
+            id: id.to_string(),
+            company,
+            status,
+            revision,
+        },
+        event,
+    }
 }
 
 /// The `n`th poison record, `Account:P…`: its older event is a poison `account.updated`

@@ -55,7 +55,10 @@ async fn events_lists_filters_and_hides_payloads(db: TestDb) {
     );
     assert_eq!(rows(&db.url, &["--event-type", "lead.converted"]).len(), 1);
     assert_eq!(rows(&db.url, &["--key", "lead:a"]).len(), 2);
-    assert_eq!(rows(&db.url, &["--status", "pending", "--limit", "1"]).len(), 1);
+    assert_eq!(
+        rows(&db.url, &["--status", "pending", "--limit", "1"]).len(),
+        1
+    );
     let text = stdout(&outbox(&db.url, &["events"]));
     assert_eq!(text.lines().count(), 3, "{text}");
 

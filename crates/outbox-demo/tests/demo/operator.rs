@@ -246,7 +246,7 @@ async fn consumer_map(db: TestDb) {
     assert!(text.starts_with("| event type | consumer |"), "{text}");
 }
 
-/// A poison event aborts every `outbox work` process that runs it. Each stale reclaim counts
+/// A poison event aborts every `outbox-demo work` process that runs it. Each stale reclaim counts
 /// the dead attempt, so after `MaxRetryAttempts` (3) deaths the next claim writes it `failed`
 /// ("worker died: …"), its record's younger event runs, and `verify` passes.
 async fn poison_event_ends_failed(db: TestDb) {

@@ -203,7 +203,7 @@ pub async fn explain(
 }
 
 /// The same plans run: `EXPLAIN (ANALYZE, BUFFERS, COSTS OFF)`, each inside a transaction that
-/// is rolled back, so the claim changes no row (for `outbox bench --explain`). The claim is
+/// is rolled back, so the claim changes no row (for `outbox-bench --explain`). The claim is
 /// planned as `claim_next` runs it with a scope (its `Scope::All` statement differs only by
 /// the scope predicates).
 pub async fn explain_analyze(

@@ -50,7 +50,16 @@ const ALL_ROWS: &str = "SELECT Id, EventType, Status, RecordKey, CreatedDate, Pa
      FROM _System_OutboxEvent ORDER BY CreatedDate, Id";
 
 /// `(Id, EventType, Status, RecordKey, CreatedDate, Payload, RetryCount, LastError)`.
-type Columns<I, T> = (I, String, String, Option<String>, T, String, i32, Option<String>);
+type Columns<I, T> = (
+    I,
+    String,
+    String,
+    Option<String>,
+    T,
+    String,
+    i32,
+    Option<String>,
+);
 
 /// Every row of the outbox table, oldest first.
 pub async fn all_rows(db: &Database) -> Result<Vec<StoredRow>> {
@@ -77,13 +86,10 @@ pub async fn all_rows(db: &Database) -> Result<Vec<StoredRow>> {
                 sqlx::query_as(ALL_ROWS).fetch_all(pool).await?;
             rows.into_iter()
                 .map(|r| {
-                    let id = Uuid::parse_str(&r.0).map_err(|e| {
-                        decode(format!("row id {:?} is not a UUID: {e}", r.0))
-                    })?;
+                    let id = Uuid::parse_str(&r.0)
+                        .map_err(|e| decode(format!("row id {:?} is not a UUID: {e}", r.0)))?;
                     let created = DateTime::parse_from_rfc3339(&r.4)
-                        .map_err(|e| {
-                            decode(format!("CreatedDate {:?} of {id}: {e}", r.4))
-                        })?
+                        .map_err(|e| decode(format!("CreatedDate {:?} of {id}: {e}", r.4)))?
                         .with_timezone(&Utc);
                     Ok(row((id, r.1, r.2, r.3, created, r.5, r.6, r.7)))
                 })
@@ -98,7 +104,8 @@ fn decode(message: String) -> crate::Error {
 
 /// `sum(RetryCount)` over the whole table.
 pub async fn retry_count_sum(db: &Database) -> Result<i64> {
-    const SQL: &str = "SELECT CAST(coalesce(sum(RetryCount), 0) AS BIGINT) FROM _System_OutboxEvent";
+    const SQL: &str =
+        "SELECT CAST(coalesce(sum(RetryCount), 0) AS BIGINT) FROM _System_OutboxEvent";
     Ok(match db {
         Database::Postgres(pool) => sqlx::query_scalar(SQL).fetch_one(pool).await?,
         Database::Sqlite(pool) => sqlx::query_scalar(SQL).fetch_one(pool).await?,
