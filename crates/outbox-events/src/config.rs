@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use outbox_persistence::Scope;
+
 /// The environment variable that selects the pull workers (`true`) over the legacy
 /// dispatcher. The rollout gate decides whether it may take effect.
 pub const OUTBOX_PULL_WORKER: &str = "OUTBOX_PULL_WORKER";
@@ -82,6 +84,11 @@ pub struct WorkerConfig {
     /// Pull mode without the rollout gate, and why: see
     /// [`WorkerConfig::dangerously_skip_rollout_gate`]. `None` (the default) keeps the gate.
     pub rollout_gate_skipped: Option<String>,
+    /// The event types this dispatcher claims at all, on every path (pull workers and legacy
+    /// loop): [`Scope::All`] by default. A dispatcher that owns some event types (a relay) runs
+    /// on `Scope::Only(its types)`, and the service beside it on `Scope::Except(those types)`,
+    /// so that neither claims, and fails for want of a handler, the other's events.
+    pub scope: Scope,
 }
 
 impl Default for WorkerConfig {
@@ -103,6 +110,7 @@ impl Default for WorkerConfig {
             legacy_batch_size: 100,
             excluded_event_types: Vec::new(),
             rollout_gate_skipped: None,
+            scope: Scope::All,
         }
     }
 }
@@ -181,6 +189,11 @@ impl WorkerConfig {
     /// [`WorkerConfig::excluded_event_types`]).
     pub fn with_excluded_event_types(mut self, types: Vec<String>) -> Self {
         self.excluded_event_types = types;
+        self
+    }
+    /// Claims only the event types `scope` names (see [`WorkerConfig::scope`]).
+    pub fn with_scope(mut self, scope: Scope) -> Self {
+        self.scope = scope;
         self
     }
     /// Sets the legacy batch size.

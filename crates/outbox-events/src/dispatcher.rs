@@ -98,7 +98,7 @@ impl Dispatcher {
             DispatchMode::Pull => {
                 let excluded = self.config.excluded_event_types.clone();
                 let scope = if excluded.is_empty() {
-                    Scope::All
+                    self.config.scope.clone()
                 } else {
                     tracing::info!(
                         ?excluded,
@@ -107,9 +107,9 @@ impl Dispatcher {
                     tracker.spawn(legacy::run(
                         env.clone(),
                         stop.clone(),
-                        Scope::Only(excluded.clone()),
+                        narrow(&self.config.scope, Scope::Only(excluded.clone())),
                     ));
-                    Scope::Except(excluded)
+                    narrow(&self.config.scope, Scope::Except(excluded))
                 };
                 for worker in 0..self.config.workers {
                     tracker.spawn(pull_worker(
@@ -121,7 +121,11 @@ impl Dispatcher {
                 }
             }
             DispatchMode::Legacy => {
-                tracker.spawn(legacy::run(env.clone(), stop.clone(), Scope::All));
+                tracker.spawn(legacy::run(
+                    env.clone(),
+                    stop.clone(),
+                    self.config.scope.clone(),
+                ));
             }
         }
         DispatcherHandle {
@@ -133,6 +137,25 @@ impl Dispatcher {
             repo: env.repo.clone(),
             policy: self.config.claim_policy(),
             decision: ModeDecision::placeholder(),
+        }
+    }
+}
+
+/// The event types both `scope` and `within` name.
+fn narrow(scope: &Scope, within: Scope) -> Scope {
+    let keep = |types: &[String], pred: &dyn Fn(&String) -> bool| -> Vec<String> {
+        types.iter().filter(|t| pred(t)).cloned().collect()
+    };
+    match (scope, within) {
+        (Scope::All, within) => within,
+        (Scope::Only(a), Scope::All) => Scope::Only(a.clone()),
+        (Scope::Only(a), Scope::Only(b)) => Scope::Only(keep(a, &|t| b.contains(t))),
+        (Scope::Only(a), Scope::Except(b)) => Scope::Only(keep(a, &|t| !b.contains(t))),
+        (Scope::Except(a), Scope::All) => Scope::Except(a.clone()),
+        (Scope::Except(a), Scope::Only(b)) => Scope::Only(keep(&b, &|t| !a.contains(t))),
+        (Scope::Except(a), Scope::Except(b)) => {
+            let extra = keep(a, &|t| !b.contains(t));
+            Scope::Except(b.into_iter().chain(extra).collect())
         }
     }
 }
@@ -241,7 +264,8 @@ impl DispatcherHandle {
     /// Waits until the queue holds no `pending` or `processing` row (read from the database
     /// every `poll`), or until claiming stops. `Ok(true)` when drained, `Ok(false)` when
     /// stopped first; a failed read of the queue is returned (the caller decides to retry).
-    /// Rows this dispatcher's scope excludes, or that wait for a retry delay, count too.
+    /// Rows this dispatcher's scope excludes (also those outside [`WorkerConfig::scope`]), or
+    /// that wait for a retry delay, count too.
     pub async fn drained(&self, poll: Duration) -> Result<bool, outbox_persistence::Error> {
         loop {
             let stats = self.repo.stats(self.policy).await?;
@@ -272,5 +296,41 @@ impl DispatcherHandle {
             graceful,
             metrics: self.metrics.snapshot(),
         }
+    }
+}
+
+#[cfg(test)]
+mod scope_tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn narrowing_keeps_the_types_both_scopes_name() {
+        let only = Scope::Only(names(&["a", "b"]));
+        assert_eq!(
+            narrow(&Scope::All, Scope::Except(names(&["a"]))),
+            Scope::Except(names(&["a"]))
+        );
+        assert_eq!(narrow(&only, Scope::All), only);
+        assert_eq!(
+            narrow(&only, Scope::Only(names(&["b", "c"]))),
+            Scope::Only(names(&["b"]))
+        );
+        assert_eq!(
+            narrow(&only, Scope::Except(names(&["a"]))),
+            Scope::Only(names(&["b"]))
+        );
+        let except = Scope::Except(names(&["a"]));
+        assert_eq!(
+            narrow(&except, Scope::Only(names(&["a", "c"]))),
+            Scope::Only(names(&["c"]))
+        );
+        assert_eq!(
+            narrow(&except, Scope::Except(names(&["b"]))),
+            Scope::Except(names(&["b", "a"]))
+        );
     }
 }
