@@ -4,6 +4,7 @@
 mod adopter;
 mod create_action;
 mod embedding;
+mod equivalence;
 mod gate;
 mod hostile;
 mod migrations;

@@ -228,6 +228,43 @@ impl Database {
         }
     }
 
+    /// The record keys whose row in the heads table (`_System_OutboxHead`, the derived list of
+    /// each key's oldest non-terminal row that the claim reads its candidates from) differs from
+    /// what the outbox rows say: missing, out of date, or left over. Empty when consistent.
+    /// Reads one snapshot; takes no lock (at most 1,000 keys are listed).
+    pub async fn check_heads(&self) -> Result<Vec<String>> {
+        match self {
+            Database::Postgres(pool) => {
+                crate::postgres::PgOutbox::new(pool.clone())
+                    .check_heads()
+                    .await
+            }
+            Database::Sqlite(pool) => {
+                crate::sqlite::SqliteOutbox::new(pool.clone())
+                    .check_heads()
+                    .await
+            }
+        }
+    }
+
+    /// Rebuilds the heads table from the outbox rows (it is derived state: nothing is lost);
+    /// returns the number of heads. Blocks writers of the outbox table while it runs (on
+    /// PostgreSQL a `SHARE` lock on the table, which also waits for open writers).
+    pub async fn rebuild_heads(&self) -> Result<u64> {
+        match self {
+            Database::Postgres(pool) => {
+                crate::postgres::PgOutbox::new(pool.clone())
+                    .rebuild_heads()
+                    .await
+            }
+            Database::Sqlite(pool) => {
+                crate::sqlite::SqliteOutbox::new(pool.clone())
+                    .rebuild_heads()
+                    .await
+            }
+        }
+    }
+
     /// Closes the pool.
     pub async fn close(&self) {
         match self {

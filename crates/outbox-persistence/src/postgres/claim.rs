@@ -12,6 +12,31 @@ use crate::{
     Result, Scope,
 };
 
+/// The keys where `_System_OutboxHead` differs from the oldest non-terminal row of each key.
+const HEADS_DIFF: &str = "\
+WITH truth AS (
+  SELECT DISTINCT ON (RecordKey) RecordKey, CreatedDate, Id
+  FROM _System_OutboxEvent
+  WHERE RecordKey IS NOT NULL AND Status NOT IN ('processed', 'failed')
+  ORDER BY RecordKey, CreatedDate, Id
+)
+SELECT coalesce(t.RecordKey, h.RecordKey)
+FROM truth t FULL JOIN _System_OutboxHead h ON h.RecordKey = t.RecordKey
+WHERE t.Id IS DISTINCT FROM h.Id OR t.CreatedDate IS DISTINCT FROM h.CreatedDate
+ORDER BY 1
+LIMIT 1000";
+
+/// Rebuilds `_System_OutboxHead` (the statement migration 0004 seeds it with), with the outbox's
+/// writers held off.
+const HEADS_REBUILD: &str = "\
+LOCK TABLE _System_OutboxEvent IN SHARE MODE;
+DELETE FROM _System_OutboxHead;
+INSERT INTO _System_OutboxHead (RecordKey, CreatedDate, Id)
+SELECT DISTINCT ON (RecordKey) RecordKey, CreatedDate, Id
+FROM _System_OutboxEvent
+WHERE RecordKey IS NOT NULL AND Status NOT IN ('processed', 'failed')
+ORDER BY RecordKey, CreatedDate, Id;";
+
 /// How many exhausted stale rows one `claim_next` call fails before it reports nothing to
 /// claim (the worker calls again at once after an empty answer only when woken).
 const MAX_EXHAUSTED_PER_CLAIM: usize = 16;
@@ -70,6 +95,24 @@ fn claimed_or_exhausted(row: &PgRow) -> Result<Option<Claim>> {
 }
 
 impl PgOutbox {
+    /// The record keys whose head in `_System_OutboxHead` differs from the outbox rows (see
+    /// [`crate::Database::check_heads`]).
+    pub async fn check_heads(&self) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar(HEADS_DIFF).fetch_all(&self.pool).await?)
+    }
+
+    /// Rebuilds `_System_OutboxHead` from the outbox rows (see
+    /// [`crate::Database::rebuild_heads`]); returns the number of heads.
+    pub async fn rebuild_heads(&self) -> Result<u64> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::raw_sql(HEADS_REBUILD).execute(&mut *tx).await?;
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM _System_OutboxHead")
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(n as u64)
+    }
+
     pub(super) async fn eligible(
         &self,
         policy: ClaimPolicy,

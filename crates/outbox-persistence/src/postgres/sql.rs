@@ -92,102 +92,50 @@ macro_rules! scope_filter {
 }
 
 /// The candidate selection of `claim_next`: the design's eligible set and order, computed so
-/// that its cost does not grow with the backlog or with one hot key (see `docs/queries.md`).
+/// that its cost follows neither the backlog's size nor its shape (see `docs/queries.md`).
 ///
-/// 1. `in_prefix`: the design's query over the oldest [`super::CLAIM_PREFIX_ROWS`]
-///    non-terminal rows. Every row older than the oldest eligible one is non-terminal and
-///    inside that prefix, so a hit here is the oldest eligible row overall. The same-key probe
-///    is the design's `NOT EXISTS`, with the `(CreatedDate, Id)` comparison written as a row
-///    comparison so that the index bounds it: a key's head costs one index descent, not a walk
-///    of its backlog.
-/// 2. `by_head` (only when the prefix holds nothing claimable, for example a hot key's backlog
-///    fills it): a keyed row is eligible only as the first non-terminal row of its key, so the
-///    candidates are each key's head (a skip scan over `outbox_record_key_idx`, one descent per
-///    key with non-terminal rows) and the unkeyed rows, sorted first (`OFFSET 0` keeps the
-///    planner from sorting after the join) and then checked oldest first until one is
-///    claimable. A blocked key's backlog is never walked; the cost is one descent per key.
-///
-/// Both add the in-flight guard to the design's rule: a keyed row is never claimed while
-/// another row of its key is `processing` with a live heartbeat, whichever path made it
-/// eligible (an operator retry of an older row, an older row written late by other code).
-/// `outbox_in_flight_idx` answers it with one probe.
+/// A keyed row can be eligible only as the oldest non-terminal row of its key, so the
+/// candidates are each key's head, read oldest first from `_System_OutboxHead` (derived state,
+/// maintained by triggers in the same transactions as the rows: migration 0004), merged in
+/// `(CreatedDate, Id)` order with the unkeyed non-terminal rows (`outbox_unkeyed_idx`). A hot or
+/// blocked key is one candidate however deep its backlog; a claim reads the candidates ahead of
+/// the answer (heads in flight or waiting for their retry delay) and nothing else. The heads only
+/// enumerate candidates: each candidate, locked with `FOR UPDATE OF e SKIP LOCKED`, must pass the
+/// design's whole rule on the outbox row itself (state, the `NOT EXISTS` key-order probe, written
+/// as a row comparison so that the index bounds it, and the in-flight guard: a keyed row is
+/// never claimed while another row of its key is `processing` with a live heartbeat), so a head
+/// that is out of date can make a claim miss a row but never claim one the design would not.
 ///
 /// Time is the database's (`clock` below, read once per statement). Parameters: `$1` the clock
 /// shift, `$2` stale-after, `$3` retry delay (intervals), `$4` `MaxRetryAttempts`; `$scope` is
-/// spliced in twice, empty for `Scope::All` (so that the statement has no parameter that
-/// changes its plan) or `scope_filter!()`.
+/// spliced in, empty for `Scope::All` (so that the statement has no parameter that changes its
+/// plan) or `scope_filter!()`.
 macro_rules! claim_candidate {
     ($($scope:tt)*) => {
         concat!(
             "\
-WITH RECURSIVE
-clock AS (SELECT ", db_now!(), " AS now),
-heads AS (
-  (SELECT h.RecordKey, h.CreatedDate, h.Id
-   FROM _System_OutboxEvent h
-   WHERE h.RecordKey IS NOT NULL AND h.Status NOT IN ('processed', 'failed')
-   ORDER BY h.RecordKey, h.CreatedDate, h.Id
-   LIMIT 1)
-  UNION ALL
-  SELECT n.RecordKey, n.CreatedDate, n.Id
-  FROM heads p
-  CROSS JOIN LATERAL (
-    SELECT x.RecordKey, x.CreatedDate, x.Id
-    FROM _System_OutboxEvent x
-    WHERE x.RecordKey > p.RecordKey AND x.Status NOT IN ('processed', 'failed')
-    ORDER BY x.RecordKey, x.CreatedDate, x.Id
-    LIMIT 1
-  ) n
-),
-in_prefix AS (
+WITH clock AS (SELECT ", db_now!(), " AS now),
+candidate AS (
   SELECT e.Id, e.Status AS old_status
   FROM (
-    SELECT w.Id, w.CreatedDate
-    FROM _System_OutboxEvent w
-    WHERE w.Status NOT IN ('processed', 'failed')
-    ORDER BY w.CreatedDate, w.Id
-    LIMIT 64
-  ) w
-  JOIN _System_OutboxEvent e ON e.Id = w.Id
-  WHERE
-",
-            claimable_state!(),
-            key_order!(),
-            $($scope)*,
-            "  ORDER BY w.CreatedDate, w.Id
-  LIMIT 1
-  FOR UPDATE OF e SKIP LOCKED
-),
-by_head AS (
-  SELECT e.Id, e.Status AS old_status
-  FROM (
-    SELECT heads.Id, heads.CreatedDate FROM heads
+    (SELECT h.Id, h.CreatedDate
+     FROM _System_OutboxHead h
+     ORDER BY h.CreatedDate, h.Id)
     UNION ALL
-    SELECT u.Id, u.CreatedDate
-    FROM _System_OutboxEvent u
-    WHERE u.RecordKey IS NULL AND u.Status NOT IN ('processed', 'failed')
-    ORDER BY 2, 1
-    OFFSET 0
+    (SELECT u.Id, u.CreatedDate
+     FROM _System_OutboxEvent u
+     WHERE u.RecordKey IS NULL AND u.Status NOT IN ('processed', 'failed')
+     ORDER BY u.CreatedDate, u.Id)
   ) c
   JOIN _System_OutboxEvent e ON e.Id = c.Id
   WHERE
 ",
             claimable_state!(),
-            "    AND (e.RecordKey IS NULL OR (TRUE
-",
-            in_flight_guard!(),
-            "    ))
-",
+            key_order!(),
             $($scope)*,
             "  ORDER BY c.CreatedDate, c.Id
   LIMIT 1
   FOR UPDATE OF e SKIP LOCKED
-),
-candidate AS (
-  SELECT Id, old_status FROM in_prefix
-  UNION ALL
-  SELECT Id, old_status FROM by_head
-  LIMIT 1
 )"
         )
     };
@@ -298,14 +246,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_prefix_the_claim_inspects_is_claim_prefix_rows() {
-        let limit = format!("LIMIT {}\n", super::super::CLAIM_PREFIX_ROWS);
-        assert!(CLAIM_NEXT.contains(&limit) && CLAIM_NEXT_ALL.contains(&limit));
+    fn the_claim_reads_candidates_from_the_heads_and_the_unkeyed_rows() {
+        for sql in [CLAIM_NEXT, CLAIM_NEXT_ALL] {
+            assert!(sql.contains("FROM _System_OutboxHead h"));
+            assert!(sql.contains("u.RecordKey IS NULL"));
+            assert!(!sql.contains("WITH RECURSIVE"));
+        }
     }
 
     #[test]
     fn only_the_scoped_statements_carry_the_scope() {
-        assert_eq!(CLAIM_NEXT.matches("$5::text[] IS NULL").count(), 2);
+        assert_eq!(CLAIM_NEXT.matches("$5::text[] IS NULL").count(), 1);
         assert!(!CLAIM_NEXT_ALL.contains("$5"));
         assert_eq!(ELIGIBLE_GUARDED.matches("$6::text[] IS NULL").count(), 1);
     }

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
-use super::sql::{CLAIM_ROW, ELIGIBLE, ELIGIBLE_BY_ID};
+use super::sql::{CLAIM_CANDIDATES, CLAIM_ROW, ELIGIBLE, ELIGIBLE_BY_ID};
 use super::time::{format_ts, next_written, parse_id, parse_ts};
 use super::{SqliteOutbox, json_list};
 use crate::attempt::chrono_span;
@@ -15,6 +15,15 @@ use crate::{
     Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
     Result, Scope, clip_error,
 };
+
+/// Each key's oldest non-terminal row, as the outbox rows say.
+const TRUE_HEADS: &str = "\
+SELECT e.RecordKey, e.CreatedDate, e.Id FROM _System_OutboxEvent e
+WHERE e.RecordKey IS NOT NULL AND e.Status NOT IN ('processed', 'failed')
+  AND NOT EXISTS (
+    SELECT 1 FROM _System_OutboxEvent o
+    WHERE o.RecordKey = e.RecordKey AND o.Status NOT IN ('processed', 'failed')
+      AND (o.CreatedDate, o.Id) < (e.CreatedDate, e.Id))";
 
 /// How many candidates one claim looks at before it reports nothing: each one it passes was
 /// failed as undecodable, failed as exhausted by dead workers, or lost a race.
@@ -222,6 +231,41 @@ async fn claim_on(
 }
 
 impl SqliteOutbox {
+    /// The record keys whose head in `_System_OutboxHead` differs from the outbox rows (see
+    /// [`crate::Database::check_heads`]).
+    pub async fn check_heads(&self) -> Result<Vec<String>> {
+        let sql = format!(
+            "WITH truth AS ({TRUE_HEADS})
+             SELECT t.RecordKey FROM truth t
+             LEFT JOIN _System_OutboxHead h ON h.RecordKey = t.RecordKey
+             WHERE h.Id IS NOT t.Id OR h.CreatedDate IS NOT t.CreatedDate
+             UNION
+             SELECT h.RecordKey FROM _System_OutboxHead h
+             WHERE h.RecordKey NOT IN (SELECT RecordKey FROM truth)
+             ORDER BY 1 LIMIT 1000"
+        );
+        Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Rebuilds `_System_OutboxHead` from the outbox rows (see
+    /// [`crate::Database::rebuild_heads`]); returns the number of heads.
+    pub async fn rebuild_heads(&self) -> Result<u64> {
+        let (mut tx, _) = self.begin_write().await?;
+        sqlx::query("DELETE FROM _System_OutboxHead")
+            .execute(&mut *tx)
+            .await?;
+        let sql =
+            format!("INSERT INTO _System_OutboxHead (RecordKey, CreatedDate, Id) {TRUE_HEADS}");
+        let n = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        tx.commit().await?;
+        Ok(n)
+    }
+
     pub(super) async fn eligible(
         &self,
         policy: ClaimPolicy,
@@ -289,7 +333,7 @@ impl SqliteOutbox {
     ) -> Result<(Option<Claim>, bool)> {
         let retry_cutoff = format_ts(now - chrono_span(policy.retry_delay));
         let query = match id {
-            None => sqlx::query(ELIGIBLE)
+            None => sqlx::query(CLAIM_CANDIDATES)
                 .bind(stale)
                 .bind(&retry_cutoff)
                 .bind(i64::from(MAX_CANDIDATES_PER_CLAIM))

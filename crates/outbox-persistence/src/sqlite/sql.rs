@@ -98,6 +98,61 @@ pub(super) const ELIGIBLE_BY_ID: &str = concat!(
     "LIMIT 1"
 );
 
+/// The design's ordering rule and the in-flight guard as [`key_order`] has them, with the
+/// `(CreatedDate, Id)` comparison written as a row comparison (the same predicate), which SQLite
+/// bounds with `outbox_record_key_idx`, so a head's probe is one descent, not a walk of its key.
+macro_rules! key_order_bounded {
+    () => {
+        "  AND (
+    e.RecordKey IS NULL
+    OR (NOT EXISTS (
+      SELECT 1
+      FROM _System_OutboxEvent older
+      WHERE older.RecordKey = e.RecordKey
+        AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
+        AND older.Status NOT IN ('processed', 'failed')
+    )
+    AND NOT EXISTS (
+      SELECT 1
+      FROM _System_OutboxEvent f
+      WHERE f.RecordKey = e.RecordKey
+        AND f.Status = 'processing'
+        AND f.Id <> e.Id
+        AND f.Id NOT IN (SELECT value FROM json_each(?1))
+    ))
+  )
+"
+    };
+}
+
+/// The claim's candidates (`claim_next`): the same rules and order as [`ELIGIBLE`], read from
+/// each key's head (`_System_OutboxHead`, derived state kept by the triggers of migration 0004)
+/// and the unkeyed rows, two streams in `(CreatedDate, Id)` order that SQLite merges, so a
+/// claim reads the candidates ahead of the answer and not a hot key's backlog. Parameters as
+/// [`ELIGIBLE`].
+pub(super) const CLAIM_CANDIDATES: &str = concat!(
+    "\
+SELECT e.Id, e.EventType, e.Payload, e.Status, e.RetryCount, e.RecordKey, e.CreatedDate,
+       e.LastModifiedDate, e.LastError, e.rowid
+FROM _System_OutboxHead h
+JOIN _System_OutboxEvent e ON e.Id = h.Id
+WHERE
+",
+    observed_state!(),
+    key_order_bounded!(),
+    scope_filter!(),
+    "UNION ALL
+SELECT e.Id, e.EventType, e.Payload, e.Status, e.RetryCount, e.RecordKey, e.CreatedDate,
+       e.LastModifiedDate, e.LastError, e.rowid
+FROM _System_OutboxEvent e INDEXED BY outbox_unkeyed_idx
+WHERE e.RecordKey IS NULL AND e.Status NOT IN ('processed', 'failed') AND
+",
+    observed_state!(),
+    scope_filter!(),
+    "ORDER BY 7, 1
+LIMIT ?3"
+);
+
 /// Claims one candidate by `rowid` (`?1`) while it still has the status (`?6`) and the
 /// `LastModifiedDate` (`?7`) it was read with.
 pub(super) const CLAIM_ROW: &str = "\
