@@ -77,7 +77,8 @@ mod demo {
         })
     }
 
-    /// Runs `outbox-demo ARGS` (passing `--database-url` on when given) and exits with its code.
+    /// Runs `outbox-demo ARGS` in place of this process (passing `--database-url` on when
+    /// given).
     pub fn run(url: Option<&str>, args: &[OsString]) -> ExitCode {
         let Some(binary) = find() else {
             eprintln!(
@@ -89,7 +90,18 @@ mod demo {
         if let Some(url) = url {
             command.env("DATABASE_URL", url);
         }
-        match command.args(args).status() {
+        command.args(args);
+        // Become the demo (same pid, same terminal signals: Ctrl-C reaches the demo alone,
+        // which finishes its in-flight attempts). `exec` returns only when it failed.
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::CommandExt;
+            let e = command.exec();
+            eprintln!("error: cannot run {}: {e}", binary.display());
+            ExitCode::FAILURE
+        }
+        #[cfg(not(unix))]
+        match command.status() {
             Ok(status) => match status.code() {
                 Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
                 None => {

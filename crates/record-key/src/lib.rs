@@ -138,8 +138,9 @@ pub enum RecordKeyError {
     InvalidSnapshot,
 }
 
-/// The parsed envelope of an outbox event payload.
-#[derive(Debug, Clone, PartialEq)]
+/// The parsed envelope of an outbox event payload. Its `Debug` names the record and the
+/// snapshot's field names only: the values are customer data and are never printed.
+#[derive(Clone, PartialEq)]
 pub struct EventEnvelope {
     /// The object API name, when the event names one.
     pub object: Option<String>,
@@ -149,6 +150,17 @@ pub struct EventEnvelope {
     pub snapshot: Map<String, Value>,
     /// The whole payload, for members the envelope does not name.
     pub raw: Map<String, Value>,
+}
+
+impl fmt::Debug for EventEnvelope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let fields: Vec<&str> = self.snapshot.keys().map(String::as_str).collect();
+        f.debug_struct("EventEnvelope")
+            .field("object", &self.object)
+            .field("record_id", &self.record_id)
+            .field("snapshot_fields", &fields)
+            .finish_non_exhaustive()
+    }
 }
 
 impl EventEnvelope {

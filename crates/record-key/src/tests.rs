@@ -304,3 +304,18 @@ fn different_records_get_different_keys() {
     assert_ne!(a, b);
     assert_ne!(a, c);
 }
+
+#[test]
+fn an_envelope_debug_shows_no_field_value() {
+    let env = EventEnvelope::parse(
+        r#"{"object":"Lead","record_id":"1","snapshot":{"Card":"4111 1111 1111 1111"},"note":"secret"}"#,
+    )
+    .unwrap();
+    for shown in [format!("{env:?}"), format!("{env:#?}")] {
+        assert!(
+            !shown.contains("4111") && !shown.contains("secret"),
+            "{shown}"
+        );
+        assert!(shown.contains("Card") && shown.contains("Lead"), "{shown}");
+    }
+}

@@ -15,9 +15,6 @@ use super::suite::Suite;
 /// `--limit` for a listing that must not be cut short (the binary's default is a page).
 const NO_LIMIT: &str = "1000000";
 
-/// Of the pending `account.updated` rows, how many of the oldest the lock holds choose from.
-const LOCK_CANDIDATES: &str = "1000";
-
 /// How many rows one lock hold picks (their accounts' rows are locked).
 const LOCK_ROWS: usize = 3;
 
@@ -200,7 +197,7 @@ impl Suite<'_> {
             "--event-type",
             "account.updated",
             "--limit",
-            LOCK_CANDIDATES,
+            NO_LIMIT,
         ])?;
         let mut candidates: Vec<&Event> = rows.iter().filter(|r| r.retry_count < 2).collect();
         let mut picked = Vec::new();

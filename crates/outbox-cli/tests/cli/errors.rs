@@ -51,7 +51,11 @@ fn a_database_that_is_down_is_reported_as_unreachable() {
 /// An empty database (or one whose migration table was dropped) asks for `outbox migrate`.
 async fn an_unmigrated_schema_asks_for_migrate(db: TestDb) {
     db.execute("DROP TABLE _system_outbox_migrations").await;
-    for args in [&["events"][..], &["status"], &["gate"]] {
+    for args in [
+        &["events"][..],
+        &["status"],
+        &["backfill-record-keys", "--dry-run"],
+    ] {
         let err = refused(&db.url, args);
         assert!(
             err.contains("the database schema is not migrated") && err.contains("outbox migrate"),
@@ -102,3 +106,15 @@ fn a_fresh_sqlite_file_is_unmigrated() {
     }
     assert!(err.contains("not migrated"), "{err}");
 }
+
+/// The deployed binary registers no consumers: its gate refuses (fails closed) instead of
+/// passing with nothing to judge.
+async fn the_gate_without_consumers_refuses(db: TestDb) {
+    let err = refused(&db.url, &["gate"]);
+    assert!(
+        err.contains("gate refused") && err.contains("registers no consumers"),
+        "{err}"
+    );
+}
+
+backend_tests!(the_gate_without_consumers_refuses);

@@ -7,7 +7,7 @@ use uuid::Uuid;
 use crate::{Database, Result};
 
 /// The table the retry audit writes (one row per change of `RetryCount`).
-pub const RETRY_AUDIT_TABLE: &str = "_System_OutboxRetryAudit";
+pub const RETRY_AUDIT_TABLE: &str = "TestSupportRetryAudit";
 
 /// One outbox row, every column a verification reads (the payload too: verification compares
 /// effects with the payload they came from). Its `Debug` leaves the payload out.
@@ -98,6 +98,12 @@ pub async fn all_rows(db: &Database) -> Result<Vec<StoredRow>> {
     }
 }
 
+fn audit_missing() -> crate::Error {
+    decode(format!(
+        "the retry audit ({RETRY_AUDIT_TABLE}) is not installed in this database (install_retry_audit)"
+    ))
+}
+
 fn decode(message: String) -> crate::Error {
     crate::Error::Database(sqlx::Error::Decode(message.into()))
 }
@@ -156,29 +162,29 @@ pub struct RetryAudit {
 }
 
 const POSTGRES_AUDIT: &[&str] = &[
-    "CREATE TABLE IF NOT EXISTS _System_OutboxRetryAudit (
+    "CREATE TABLE IF NOT EXISTS TestSupportRetryAudit (
         Seq BIGSERIAL PRIMARY KEY, EventId TEXT NOT NULL, OldRetryCount INTEGER NOT NULL,
         NewRetryCount INTEGER NOT NULL, Status TEXT NOT NULL, LastError TEXT)",
-    "CREATE OR REPLACE FUNCTION _system_outbox_retry_audit() RETURNS trigger LANGUAGE plpgsql AS $$
+    "CREATE OR REPLACE FUNCTION test_support_retry_audit() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
-        INSERT INTO _System_OutboxRetryAudit (EventId, OldRetryCount, NewRetryCount, Status, LastError)
+        INSERT INTO TestSupportRetryAudit (EventId, OldRetryCount, NewRetryCount, Status, LastError)
         VALUES (NEW.Id::text, OLD.RetryCount, NEW.RetryCount, NEW.Status, NEW.LastError);
         RETURN NULL;
     END;
     $$",
-    "CREATE OR REPLACE TRIGGER _system_outbox_retry_audit AFTER UPDATE OF RetryCount ON _System_OutboxEvent
+    "CREATE OR REPLACE TRIGGER test_support_retry_audit AFTER UPDATE OF RetryCount ON _System_OutboxEvent
         FOR EACH ROW WHEN (NEW.RetryCount IS DISTINCT FROM OLD.RetryCount)
-        EXECUTE FUNCTION _system_outbox_retry_audit()",
+        EXECUTE FUNCTION test_support_retry_audit()",
 ];
 
 const SQLITE_AUDIT: &[&str] = &[
-    "CREATE TABLE IF NOT EXISTS _System_OutboxRetryAudit (
+    "CREATE TABLE IF NOT EXISTS TestSupportRetryAudit (
         Seq INTEGER PRIMARY KEY AUTOINCREMENT, EventId TEXT NOT NULL, OldRetryCount INTEGER NOT NULL,
         NewRetryCount INTEGER NOT NULL, Status TEXT NOT NULL, LastError TEXT)",
-    "CREATE TRIGGER IF NOT EXISTS _system_outbox_retry_audit AFTER UPDATE OF RetryCount ON _System_OutboxEvent
+    "CREATE TRIGGER IF NOT EXISTS test_support_retry_audit AFTER UPDATE OF RetryCount ON _System_OutboxEvent
         FOR EACH ROW WHEN NEW.RetryCount IS NOT OLD.RetryCount
         BEGIN
-            INSERT INTO _System_OutboxRetryAudit (EventId, OldRetryCount, NewRetryCount, Status, LastError)
+            INSERT INTO TestSupportRetryAudit (EventId, OldRetryCount, NewRetryCount, Status, LastError)
             VALUES (NEW.Id, OLD.RetryCount, NEW.RetryCount, NEW.Status, NEW.LastError);
         END",
 ];
@@ -191,7 +197,7 @@ pub async fn install_retry_audit(db: &Database) -> Result<()> {
     match db {
         Database::Postgres(pool) => {
             let exists: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = '_system_outbox_retry_audit')",
+                "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'test_support_retry_audit')",
             )
             .fetch_one(pool)
             .await?;
@@ -210,31 +216,31 @@ pub async fn install_retry_audit(db: &Database) -> Result<()> {
     Ok(())
 }
 
-/// Every audited change of `RetryCount`, in the order the changes committed (empty when the
-/// audit was never installed).
+/// Every audited change of `RetryCount`, in the order the changes committed; an error when
+/// the audit was never installed (a verification without it would prove nothing).
 pub async fn retry_audit(db: &Database) -> Result<Vec<RetryAudit>> {
     const SQL: &str = "SELECT EventId, OldRetryCount, NewRetryCount, LastError \
-                       FROM _System_OutboxRetryAudit ORDER BY Seq";
+                       FROM TestSupportRetryAudit ORDER BY Seq";
     type AuditRow = (String, i32, i32, Option<String>);
     let rows: Vec<AuditRow> = match db {
         Database::Postgres(pool) => {
             let exists: bool =
-                sqlx::query_scalar("SELECT to_regclass('_system_outboxretryaudit') IS NOT NULL")
+                sqlx::query_scalar("SELECT to_regclass('testsupportretryaudit') IS NOT NULL")
                     .fetch_one(pool)
                     .await?;
             if !exists {
-                return Ok(Vec::new());
+                return Err(audit_missing());
             }
             sqlx::query_as(SQL).fetch_all(pool).await?
         }
         Database::Sqlite(pool) => {
             let exists: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_System_OutboxRetryAudit')",
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'TestSupportRetryAudit')",
             )
             .fetch_one(pool)
             .await?;
             if !exists {
-                return Ok(Vec::new());
+                return Err(audit_missing());
             }
             sqlx::query_as(SQL).fetch_all(pool).await?
         }
