@@ -86,10 +86,23 @@ const RULES: &[Rule] = &[
         forbidden_transitive: &[],
     },
     Rule {
-        // The operator binary stays lean: the queue's library crates only, no demo workload,
-        // no benchmark, no create-action.
+        // The relay to NATS JetStream: a consumer built on the workers, like any embedding
+        // service's handlers; it never names a pool (sqlx) and knows no operator command.
+        krate: "outbox-relay",
+        workspace: WorkspaceDeps::Only(&["outbox-events"]),
+        forbidden_direct: &["sqlx"],
+        forbidden_transitive: &[],
+    },
+    Rule {
+        // The operator binary stays lean: the queue's library crates and the shipped relay
+        // consumer (`outbox relay`) only, no demo workload, no benchmark, no create-action.
         krate: "outbox-cli",
-        workspace: WorkspaceDeps::Only(&["record-key", "outbox-persistence", "outbox-events"]),
+        workspace: WorkspaceDeps::Only(&[
+            "record-key",
+            "outbox-persistence",
+            "outbox-events",
+            "outbox-relay",
+        ]),
         forbidden_direct: &[],
         forbidden_transitive: &[],
     },
@@ -103,6 +116,7 @@ const RULES: &[Rule] = &[
             "outbox-events",
             "create-action",
             "outbox-cli",
+            "outbox-relay",
         ]),
         forbidden_direct: &[],
         forbidden_transitive: &[],
@@ -115,6 +129,7 @@ const RULES: &[Rule] = &[
             "outbox-persistence",
             "outbox-events",
             "outbox-cli",
+            "outbox-relay",
         ]),
         forbidden_direct: &[],
         forbidden_transitive: &[],
