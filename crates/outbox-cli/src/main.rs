@@ -1,6 +1,10 @@
-//! The `outbox` binary: the operator commands over the library API ([`outbox_cli`]), and
-//! `outbox demo`, which hands over to the separate `outbox-demo` binary so that the binary
-//! operators deploy carries no demo workload and no benchmark.
+//! The `outbox` binary: the operator commands over the library API ([`outbox_cli`]),
+//! `outbox relay` (the shipped NATS JetStream relay, whose consumers `consumers` and `gate`
+//! judge when the `OUTBOX_RELAY_*` variables configure it), and `outbox demo`, which hands over
+//! to the separate `outbox-demo` binary so that the binary operators deploy carries no demo
+//! workload and no benchmark.
+
+mod relay;
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -24,6 +28,10 @@ struct Cli {
 enum Command {
     #[command(flatten)]
     Operator(OperatorCommand),
+    /// Relay the events of the named event types to a NATS JetStream stream, in per-record
+    /// order, deduplicated by the stream on Nats-Msg-Id (see docs/relay.md). Every relay
+    /// option reads its OUTBOX_RELAY_* variable too, which `consumers` and `gate` read.
+    Relay(Box<relay::RelayArgs>),
     /// Run the whole repair on a CRM workload and verify it from the database: runs the
     /// `outbox-demo` binary installed next to this one with the arguments given (see
     /// `outbox demo --help`).
@@ -39,15 +47,25 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Demo { args } => demo::run(cli.database_url.as_deref(), &args),
+        Command::Relay(args) => {
+            outbox_cli::init_tracing("warn");
+            outbox_cli::block_on(relay::run(cli.database_url.as_deref(), *args))
+        }
         Command::Operator(command) => {
             outbox_cli::init_tracing("warn");
-            // This binary registers no consumers of its own: `gate` and `consumers` judge the
-            // consumers of the service that runs them (mount `OperatorCommand` in its binary).
-            outbox_cli::block_on(outbox_cli::run_operator(
-                cli.database_url.as_deref(),
-                command,
-                &[],
-            ))
+            // The handlers of this binary are the relay's: `gate` and `consumers` judge it when
+            // the OUTBOX_RELAY_* variables configure one, and no consumer otherwise (a service
+            // mounts `OperatorCommand` in its own binary with its consumers).
+            let url = cli.database_url;
+            outbox_cli::block_on(async move {
+                let consumers = match &command {
+                    OperatorCommand::Consumers(_) | OperatorCommand::Gate(_) => {
+                        relay::consumers_from_env()?
+                    }
+                    _ => Vec::new(),
+                };
+                outbox_cli::run_operator(url.as_deref(), command, &consumers).await
+            })
         }
     }
 }
