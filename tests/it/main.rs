@@ -9,4 +9,5 @@ mod gate;
 mod hostile;
 mod migrations;
 mod repository;
+mod retention;
 mod workers;

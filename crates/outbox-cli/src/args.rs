@@ -140,3 +140,84 @@ pub struct EventsArgs {
     #[arg(long)]
     pub json: bool,
 }
+
+/// `outbox prune`: which terminal rows to delete.
+#[derive(Debug, Args)]
+pub struct PruneArgs {
+    /// Delete `processed` rows that became terminal longer ago than this (`90s`, `30m`, `12h`,
+    /// `7d`), or `never` to keep them.
+    #[arg(long, default_value = "7d", value_parser = parse_age)]
+    pub processed_older_than: Age,
+    /// Delete `failed` rows that became terminal longer ago than this, or `never` (failed rows
+    /// are evidence: kept longer by default).
+    #[arg(long, default_value = "30d", value_parser = parse_age)]
+    pub failed_older_than: Age,
+    /// Rows per batch (per status); each batch is one short transaction.
+    #[arg(long, default_value_t = outbox_persistence::DEFAULT_PRUNE_BATCH)]
+    pub batch: u32,
+    /// Pause between two full batches, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub pause_ms: u64,
+    /// Count what would be deleted, deleting nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print one JSON document instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// An age given on the command line: a duration, or `None` for `never`.
+pub type Age = Option<Duration>;
+
+impl PruneArgs {
+    /// The policy these arguments ask for.
+    pub fn policy(&self) -> outbox_persistence::PrunePolicy {
+        outbox_persistence::PrunePolicy::default()
+            .processed_older_than(self.processed_older_than)
+            .failed_older_than(self.failed_older_than)
+            .batch_size(self.batch)
+    }
+}
+
+/// Reads an age: a whole number with a unit (`s`, `m`, `h`, `d`), or `never`.
+pub fn parse_age(text: &str) -> Result<Age, String> {
+    let text = text.trim();
+    if text.eq_ignore_ascii_case("never") {
+        return Ok(None);
+    }
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{text:?}: give a unit (s, m, h or d), e.g. 7d"))?;
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?}: expected a number followed by s, m, h or d"))?;
+    let seconds = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3_600,
+        "d" => 86_400,
+        other => return Err(format!("{text:?}: unknown unit {other:?} (s, m, h or d)")),
+    };
+    n.checked_mul(seconds)
+        .map(|s| Some(Duration::from_secs(s)))
+        .ok_or_else(|| format!("{text:?}: too long"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_read_with_units_or_never() {
+        assert_eq!(parse_age("90s"), Ok(Some(Duration::from_secs(90))));
+        assert_eq!(parse_age("30m"), Ok(Some(Duration::from_secs(1_800))));
+        assert_eq!(parse_age("12h"), Ok(Some(Duration::from_secs(43_200))));
+        assert_eq!(parse_age("7d"), Ok(Some(Duration::from_secs(604_800))));
+        assert_eq!(parse_age("never"), Ok(None));
+        assert_eq!(parse_age("0s"), Ok(Some(Duration::ZERO)));
+        for bad in ["7", "d", "7w", "-1d", "7 d", ""] {
+            assert!(parse_age(bad).is_err(), "{bad}");
+        }
+    }
+}

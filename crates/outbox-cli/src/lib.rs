@@ -1,7 +1,7 @@
 //! The operator side of the outbox as a library: the commands of the `outbox` binary
 //! (`migrate`, `status`, `events`, `retry`, `explain`, `backfill-record-keys`, `consumers`,
-//! `gate`) as a [`clap`] subcommand enum that a service mounts in its own command line, with its
-//! own registered consumers, and the shared worker options.
+//! `gate`, `prune`) as a [`clap`] subcommand enum that a service mounts in its own command
+//! line, with its own registered consumers, and the shared worker options.
 //!
 //! ```no_run
 //! use clap::Parser;
@@ -38,7 +38,7 @@ use anyhow::Result;
 use clap::Subcommand;
 use outbox_events::Consumer;
 
-use args::{BackfillArgs, EventsArgs, JsonArg, RetryArgs};
+use args::{BackfillArgs, EventsArgs, JsonArg, PruneArgs, RetryArgs};
 
 /// The operator commands. Each one changes only what it was asked to change.
 #[derive(Debug, Subcommand)]
@@ -60,6 +60,9 @@ pub enum OperatorCommand {
     /// Exit 0 only when OUTBOX_PULL_WORKER may flip for the registered consumers; otherwise
     /// print one line per reason.
     Gate(JsonArg),
+    /// Delete terminal rows (processed, failed) older than an age, in small batches; never a
+    /// pending or processing row. `--dry-run` counts them.
+    Prune(PruneArgs),
 }
 
 /// Runs one operator command against the database at `url`; `consumers` are the consumers the
@@ -79,6 +82,7 @@ pub async fn run_operator(
         OperatorCommand::BackfillRecordKeys(args) => ops::backfill(url, args).await,
         OperatorCommand::Consumers(a) => ops::consumers(consumers, a.json),
         OperatorCommand::Gate(a) => ops::gate(url, consumers, a.json).await,
+        OperatorCommand::Prune(args) => ops::prune(url, args).await,
     }
 }
 

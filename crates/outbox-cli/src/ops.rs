@@ -1,5 +1,5 @@
-//! Operator commands: migrate, status, events, retry, explain, backfill, the consumer map and
-//! the gate. Each one changes only what it was asked to change.
+//! Operator commands: migrate, status, events, retry, explain, backfill, the consumer map, the
+//! gate and prune. Each one changes only what it was asked to change.
 
 use std::process::ExitCode;
 
@@ -13,7 +13,7 @@ use outbox_persistence::{
 };
 use serde::Serialize;
 
-use crate::args::{BackfillArgs, EventsArgs, RetryArgs};
+use crate::args::{BackfillArgs, EventsArgs, PruneArgs, RetryArgs};
 use crate::db;
 
 /// `outbox migrate`.
@@ -325,6 +325,66 @@ pub async fn events(url: Option<&str>, args: EventsArgs) -> Result<ExitCode> {
             r.last_error
                 .as_deref()
                 .map_or(String::new(), |e| format!("  last error: {e}"))
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outbox prune`: deletes terminal rows older than the ages given, batch after batch, until a
+/// batch is not full; `--dry-run` counts them instead. Safe beside running workers and other
+/// pruners (see `docs/retention.md`).
+pub async fn prune(url: Option<&str>, args: PruneArgs) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let repo = db.repository();
+    let policy = args.policy();
+    let report = if args.dry_run {
+        repo.count_prunable(policy).await?
+    } else {
+        let mut total = outbox_persistence::PruneReport::default();
+        let mut batches = 0_u64;
+        loop {
+            let batch = repo.prune(policy).await?;
+            total.add(batch);
+            batches += 1;
+            if !batch.more {
+                break;
+            }
+            if batches.is_multiple_of(100) && !args.json {
+                eprintln!("… {} rows deleted so far", total.total());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(args.pause_ms)).await;
+        }
+        total
+    };
+    db.close().await;
+    tracing::info!(
+        ?policy,
+        ?report,
+        dry_run = args.dry_run,
+        "operator pruned terminal rows"
+    );
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "dry_run": args.dry_run,
+                "processed": report.processed,
+                "failed": report.failed,
+            })
+        );
+    } else {
+        let age = |a: Option<std::time::Duration>| a.map_or("never".into(), |d| format!("{d:?}"));
+        println!(
+            "{} {} processed row(s) older than {} and {} failed row(s) older than {}",
+            if args.dry_run {
+                "would delete"
+            } else {
+                "deleted"
+            },
+            report.processed,
+            age(policy.processed_older_than),
+            report.failed,
+            age(policy.failed_older_than),
         );
     }
     Ok(ExitCode::SUCCESS)

@@ -89,6 +89,11 @@ pub struct WorkerConfig {
     /// on `Scope::Only(its types)`, and the service beside it on `Scope::Except(those types)`,
     /// so that neither claims, and fails for want of a handler, the other's events.
     pub scope: Scope,
+    /// The background pruner (retention of terminal rows); `None`, the default, deletes
+    /// nothing: deleting rows cannot be undone and terminal rows are what operators and audits
+    /// read, so the embedding service chooses the ages. See [`crate::RetentionConfig`] and
+    /// `docs/retention.md`.
+    pub retention: Option<crate::RetentionConfig>,
 }
 
 impl Default for WorkerConfig {
@@ -111,6 +116,7 @@ impl Default for WorkerConfig {
             excluded_event_types: Vec::new(),
             rollout_gate_skipped: None,
             scope: Scope::All,
+            retention: None,
         }
     }
 }
@@ -199,6 +205,11 @@ impl WorkerConfig {
     /// Sets the legacy batch size.
     pub fn with_legacy_batch_size(mut self, n: u32) -> Self {
         self.legacy_batch_size = n.max(1);
+        self
+    }
+    /// Runs the background pruner with `retention` (see [`WorkerConfig::retention`]).
+    pub fn with_retention(mut self, retention: crate::RetentionConfig) -> Self {
+        self.retention = Some(retention);
         self
     }
 

@@ -94,6 +94,9 @@ impl Dispatcher {
             backend = env.repo.backend_name(),
             "outbox dispatcher starting"
         );
+        if let Some(retention) = self.config.retention {
+            tracker.spawn(crate::prune::run(env.repo.clone(), retention, stop.clone()));
+        }
         match self.config.mode {
             DispatchMode::Pull => {
                 let excluded = self.config.excluded_event_types.clone();

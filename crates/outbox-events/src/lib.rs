@@ -20,6 +20,7 @@ mod handler;
 mod heartbeat;
 mod legacy;
 mod metrics;
+mod prune;
 
 pub use attempt::{AttemptOutcome, ClaimRunner};
 pub use config::{
@@ -33,6 +34,9 @@ pub use gate::{GateReport, ModeDecision, evaluate_gate};
 pub use handler::{AttemptContext, BoxError, Handler, HandlerError, Handlers};
 pub use legacy::slot_for_event;
 pub use metrics::{Metrics, MetricsSnapshot};
+pub use prune::{
+    DEFAULT_PRUNE_BATCH_PAUSE, DEFAULT_PRUNE_INTERVAL, RetentionConfig, prune_until_done,
+};
 
 // What the signatures above need, so that a service depends on this crate alone to write,
 // register and test a handler (see `docs/embedding.md` once written; `docs/state-machine.md`).
@@ -41,6 +45,7 @@ pub use outbox_persistence::{
     self as persistence, ClaimPolicy, ConnectConfig, Database, NewEvent, OutboxEvent,
     OutboxRepository, Scope, Tx, with_pool, with_tx,
 };
+pub use outbox_persistence::{PrunePolicy, PruneReport};
 pub use tokio_util::sync::CancellationToken;
 
 #[cfg(test)]

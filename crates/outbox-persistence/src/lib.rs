@@ -25,6 +25,7 @@ mod error;
 mod listing;
 mod model;
 pub mod postgres;
+mod retention;
 pub mod sqlite;
 mod stats;
 #[cfg(feature = "test-support")]
@@ -46,6 +47,10 @@ pub use listing::{EventFilter, EventRow};
 pub use model::*;
 /// The `RecordKey` type of [`OutboxEvent::record_key`] and [`EventRow::record_key`].
 pub use record_key::RecordKey;
+pub use retention::{
+    DEFAULT_FAILED_RETENTION, DEFAULT_PROCESSED_RETENTION, DEFAULT_PRUNE_BATCH, PrunePolicy,
+    PruneReport,
+};
 
 /// The result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -244,6 +249,19 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// Waits until an enqueue may have happened (PostgreSQL `LISTEN/NOTIFY`) or `timeout`
     /// passed. Backends without notifications just wait `timeout`.
     async fn wait_for_work(&self, timeout: Duration) -> Result<()>;
+
+    /// Retention: deletes one batch of terminal rows that `policy` lets go (at most
+    /// `batch_size` `processed` rows, then at most `batch_size` `failed` rows, each batch in
+    /// one short transaction of its own), oldest first. Never touches a `pending` or
+    /// `processing` row. Call it again while the report says `more`. Concurrent callers, in
+    /// this process or others, take disjoint batches (PostgreSQL: `FOR UPDATE SKIP LOCKED`;
+    /// SQLite: one writer at a time) and never wait for each other's rows. See
+    /// `docs/retention.md`.
+    async fn prune(&self, policy: PrunePolicy) -> Result<PruneReport>;
+
+    /// A dry run of retention: counts every row [`OutboxRepository::prune`] would delete now
+    /// under `policy` (all batches), changing nothing. `more` is `false`.
+    async fn count_prunable(&self, policy: PrunePolicy) -> Result<PruneReport>;
 }
 
 /// The attempt transaction of one claimed row. The handler's effects go through

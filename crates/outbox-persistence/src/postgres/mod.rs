@@ -15,6 +15,7 @@ mod enqueue;
 mod fenced;
 mod listen;
 mod ops;
+mod prune;
 mod sql;
 
 use std::sync::Arc;
@@ -30,8 +31,8 @@ pub use ops::{explain, explain_analyze};
 use crate::attempt::FencedWrite;
 use crate::{
     Attempt, BackfillPage, Claim, ClaimPolicy, ClockShift, EventFilter, EventId, EventRow, Fence,
-    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Scope,
-    Terminal, Tx,
+    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, PrunePolicy, PruneReport,
+    Result, RetryFilter, Scope, Terminal, Tx,
 };
 
 /// The notification channel the enqueue trigger signals.
@@ -213,6 +214,14 @@ impl OutboxRepository for PgOutbox {
 
     async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
         self.list(filter).await
+    }
+
+    async fn prune(&self, policy: PrunePolicy) -> Result<PruneReport> {
+        self.prune_batch(policy).await
+    }
+
+    async fn count_prunable(&self, policy: PrunePolicy) -> Result<PruneReport> {
+        self.count_prunable_rows(policy).await
     }
 
     async fn wait_for_work(&self, timeout: Duration) -> Result<()> {

@@ -21,6 +21,7 @@ mod enqueue;
 mod fenced;
 mod liveness;
 mod ops;
+mod prune;
 mod sql;
 mod time;
 
@@ -39,8 +40,8 @@ pub use time::{format_ts, parse_ts};
 use crate::attempt::FencedWrite;
 use crate::{
     Attempt, BackfillPage, Claim, ClaimPolicy, ClockShift, EventFilter, EventId, EventRow, Fence,
-    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, Result, RetryFilter, Scope,
-    Terminal, Tx,
+    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, PrunePolicy, PruneReport,
+    Result, RetryFilter, Scope, Terminal, Tx,
 };
 use liveness::Liveness;
 
@@ -230,6 +231,14 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
         self.list(filter).await
+    }
+
+    async fn prune(&self, policy: PrunePolicy) -> Result<PruneReport> {
+        self.prune_batch(policy).await
+    }
+
+    async fn count_prunable(&self, policy: PrunePolicy) -> Result<PruneReport> {
+        self.count_prunable_rows(policy).await
     }
 
     async fn wait_for_work(&self, timeout: Duration) -> Result<()> {

@@ -1,0 +1,133 @@
+//! Retention as a background task of the [`Dispatcher`](crate::Dispatcher): every
+//! [`RetentionConfig::interval`] it deletes terminal rows that the policy lets go, in batches
+//! ([`OutboxRepository::prune`]) with a pause between full batches, until a batch is not full.
+//!
+//! Off unless configured ([`WorkerConfig::with_retention`](crate::WorkerConfig::with_retention)):
+//! deleting rows cannot be undone, and terminal rows are what operators and audits read
+//! (`outbox events`, a failed row's `LastError` and payload for `outbox retry`, a service's own
+//! verification), so how long to keep them is the embedding service's decision. Several
+//! processes may run the task at once: on PostgreSQL each batch locks its rows with `SKIP
+//! LOCKED`, so one process wins a batch and the others skip it; on SQLite batches take turns
+//! on the write lock. See `docs/retention.md`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_persistence::{OutboxRepository, PrunePolicy, PruneReport};
+use tokio_util::sync::CancellationToken;
+
+/// Default time between two prune runs of the background task.
+pub const DEFAULT_PRUNE_INTERVAL: Duration = Duration::from_secs(60);
+/// Default pause between two full batches of one run, so that a large backlog of old rows is
+/// deleted at a bounded rate that leaves the database to the workers.
+pub const DEFAULT_PRUNE_BATCH_PAUSE: Duration = Duration::from_millis(100);
+
+/// The dispatcher's background pruner: which rows to delete and how fast.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionConfig {
+    /// The ages of `processed` and `failed` rows, and the batch size.
+    pub policy: PrunePolicy,
+    /// Time between two runs (a run deletes batches until one is not full).
+    pub interval: Duration,
+    /// Pause between two full batches of one run.
+    pub batch_pause: Duration,
+}
+
+impl RetentionConfig {
+    /// Runs `policy` every [`DEFAULT_PRUNE_INTERVAL`], pausing [`DEFAULT_PRUNE_BATCH_PAUSE`]
+    /// between full batches.
+    pub fn new(policy: PrunePolicy) -> Self {
+        Self {
+            policy,
+            interval: DEFAULT_PRUNE_INTERVAL,
+            batch_pause: DEFAULT_PRUNE_BATCH_PAUSE,
+        }
+    }
+
+    /// Sets the time between runs (at least one millisecond).
+    pub fn with_interval(mut self, interval: Duration) -> Self {
+        self.interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Sets the pause between full batches.
+    pub fn with_batch_pause(mut self, pause: Duration) -> Self {
+        self.batch_pause = pause;
+        self
+    }
+}
+
+/// Deletes what `policy` lets go, batch after batch ([`OutboxRepository::prune`]), pausing
+/// `pause` after each full batch, until a batch is not full or `stop` is cancelled. Returns the
+/// rows deleted. An error ends the run (the rows deleted so far stay deleted; they are logged).
+pub async fn prune_until_done(
+    repo: &dyn OutboxRepository,
+    policy: PrunePolicy,
+    pause: Duration,
+    stop: &CancellationToken,
+) -> Result<PruneReport, outbox_persistence::Error> {
+    let mut total = PruneReport::default();
+    loop {
+        let batch = match repo.prune(policy).await {
+            Ok(batch) => batch,
+            Err(e) => {
+                if total.total() > 0 {
+                    tracing::info!(
+                        processed = total.processed,
+                        failed = total.failed,
+                        "outbox prune stopped by an error after deleting rows"
+                    );
+                }
+                return Err(e);
+            }
+        };
+        total.add(batch);
+        if !batch.more || stop.is_cancelled() {
+            return Ok(total);
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(total),
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+/// The background task: a run every interval until `stop`. A batch in flight when `stop` comes
+/// is dropped, which rolls it back (a batch deletes all its rows or none).
+pub(crate) async fn run(
+    repo: Arc<dyn OutboxRepository>,
+    retention: RetentionConfig,
+    stop: CancellationToken,
+) {
+    tracing::info!(
+        processed_older_than = ?retention.policy.processed_older_than,
+        failed_older_than = ?retention.policy.failed_older_than,
+        batch = retention.policy.batch_size,
+        interval = ?retention.interval,
+        "outbox pruner starting"
+    );
+    while !stop.is_cancelled() {
+        let run = prune_until_done(&*repo, retention.policy, retention.batch_pause, &stop);
+        let outcome = tokio::select! {
+            _ = stop.cancelled() => break,
+            outcome = run => outcome,
+        };
+        match outcome {
+            Ok(report) if report.total() > 0 => tracing::info!(
+                processed = report.processed,
+                failed = report.failed,
+                "outbox pruner deleted terminal rows"
+            ),
+            Ok(_) => tracing::debug!("outbox pruner found nothing to delete"),
+            Err(e) if e.is_lock_timeout() => {
+                tracing::debug!(error = %e.chain(), "outbox pruner hit the lock timeout; next run later");
+            }
+            Err(e) => tracing::warn!(error = %e.chain(), "outbox pruner failed; next run later"),
+        }
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tokio::time::sleep(retention.interval) => {}
+        }
+    }
+    tracing::debug!("outbox pruner stopped");
+}
