@@ -10,6 +10,7 @@
 mod ceiling;
 mod claim;
 mod cost;
+mod relay;
 mod report;
 mod scenarios;
 
@@ -216,6 +217,9 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     }
     if wanted("drain") {
         scenarios::drains(db, &sizes, &mut report).await?;
+    }
+    if wanted("relay") {
+        relay::relay(db, &sizes, &mut report).await?;
     }
     if wanted("head-of-line") {
         scenarios::head_of_line(db, &sizes, &mut report).await?;
