@@ -26,6 +26,8 @@ enum Shape {
     Backlog(usize),
     /// `hot` pending rows of one key, created before [`HOT_OTHERS`] rows over [`KEYS`] keys.
     Hot(usize),
+    /// `n` pending rows over `n` keys: one row per key.
+    Spread(usize),
 }
 
 impl Shape {
@@ -37,6 +39,7 @@ impl Shape {
                 count(h),
                 count(HOT_OTHERS)
             ),
+            Shape::Spread(n) => format!("{} keys with one row each", count(n)),
         }
     }
 }
@@ -54,16 +57,17 @@ fn count(n: usize) -> String {
 /// Seeds `shape` into the (emptied) outbox table, with the [`IN_FLIGHT`] oldest keys' heads
 /// claimed by live workers (their heartbeat is fresh for the whole run).
 async fn seed(pool: &PgPool, shape: Shape) -> Result<()> {
-    let (hot, rows) = match shape {
-        Shape::Backlog(n) => (0, n),
-        Shape::Hot(h) => (h, HOT_OTHERS),
+    let (hot, rows, keys) = match shape {
+        Shape::Backlog(n) => (0, n, KEYS),
+        Shape::Hot(h) => (h, HOT_OTHERS, KEYS),
+        Shape::Spread(n) => (0, n, n),
     };
     bench::seed_backlog(
         pool,
         Backlog {
             hot,
             rows,
-            keys: KEYS,
+            keys,
             in_flight: IN_FLIGHT,
         },
     )
@@ -77,7 +81,8 @@ fn shapes(sizes: &Sizes) -> Vec<Shape> {
         .iter()
         .map(|&n| Shape::Backlog(n))
         .collect();
-    shapes.push(Shape::Hot(sizes.claim_hot_backlog));
+    shapes.extend(sizes.claim_hot_backlogs.iter().map(|&h| Shape::Hot(h)));
+    shapes.push(Shape::Spread(sizes.claim_spread_keys));
     shapes
 }
 
@@ -179,7 +184,8 @@ pub(crate) async fn select_and_claim(
     if let Some(base) = base {
         for (shape, variant, m) in &p50 {
             let big = matches!(shape, Shape::Backlog(n) if *n == *sizes.claim_backlogs.last().unwrap_or(&0) && *n > 10_000);
-            if *variant == "claim_next" && (big || matches!(shape, Shape::Hot(_))) {
+            let shaped = matches!(shape, Shape::Hot(_) | Shape::Spread(_));
+            if *variant == "claim_next" && (big || shaped) {
                 report.target(
                     format!("select-and-claim p50 at {} within 2x of 10k", shape.name()),
                     format!("{m:.2} ms vs {base:.2} ms = {:.1}x", m / base),

@@ -46,11 +46,12 @@ pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Re
             workers: Some(8),
             events: Some(n),
             note: format!(
-                "WAL {:.0} B/event (server-wide); dead tuples left {:.2}/event; updates {:.2}/event, HOT {:.2}/event",
+                "WAL {:.0} B/event (server-wide); dead tuples left {:.2}/event; updates {:.2}/event, HOT {:.2}/event; heads table writes {:.2}/event",
                 per(after.wal_bytes - before.wal_bytes),
                 per((after.dead - before.dead) as f64),
                 per((after.updates - before.updates) as f64),
                 per((after.hot_updates - before.hot_updates) as f64),
+                per((after.head_writes - before.head_writes) as f64),
             ),
             ..Row::default()
         });

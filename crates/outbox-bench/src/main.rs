@@ -68,8 +68,10 @@ struct Sizes {
     pub slow_events: usize,
     /// Backlog sizes of the select-and-claim measurement.
     pub claim_backlogs: &'static [usize],
-    /// The hot key's backlog in the select-and-claim measurement.
-    pub claim_hot_backlog: usize,
+    /// The hot key's backlogs in the select-and-claim measurement (each ahead of 10k rows).
+    pub claim_hot_backlogs: &'static [usize],
+    /// Keys of the one-row-per-key shape in the select-and-claim measurement.
+    pub claim_spread_keys: usize,
     /// Claims timed per backlog shape.
     pub claim_samples: usize,
     /// Longest time spent timing one query on one shape (at least five claims are timed).
@@ -93,7 +95,8 @@ impl Sizes {
                 hot_events: 1_000,
                 slow_events: 320,
                 claim_backlogs: &[10_000, 100_000],
-                claim_hot_backlog: 100_000,
+                claim_hot_backlogs: &[100_000],
+                claim_spread_keys: 100_000,
                 claim_samples: 100,
                 claim_budget: Duration::from_secs(3),
                 idle_samples: 6,
@@ -110,7 +113,8 @@ impl Sizes {
                 hot_events: 10_000,
                 slow_events: 1_280,
                 claim_backlogs: &[10_000, 100_000, 1_000_000],
-                claim_hot_backlog: 100_000,
+                claim_hot_backlogs: &[100_000, 1_000_000],
+                claim_spread_keys: 100_000,
                 claim_samples: 300,
                 claim_budget: Duration::from_secs(10),
                 idle_samples: 30,

@@ -160,7 +160,13 @@ impl PgOutbox {
                 Scope::All => sqlx::query(CLAIM_NEXT_ALL),
                 _ => sqlx::query(CLAIM_NEXT),
             };
+            // Planned at every call, never from a cached generic plan: a plan cached while the
+            // queue's statistics said "empty" (a drained table that autovacuum analyzed, or the
+            // bench's reset) hash-joins seq scans with per-row correlated seq scans, quadratic in
+            // the backlog (the head-of-line run went from milliseconds to seconds). Planned with
+            // the table's actual size, the statement is the ordered index walk in docs/queries.md.
             let query = query
+                .persistent(false)
                 .bind(self.shift())
                 .bind(span(policy.stale_after))
                 .bind(span(policy.retry_delay))

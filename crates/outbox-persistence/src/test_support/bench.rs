@@ -277,6 +277,9 @@ pub struct TableCounters {
     pub dead: i64,
     /// The WAL position, bytes.
     pub wal_bytes: f64,
+    /// Row writes (inserts, updates, deletes) of the heads table `_System_OutboxHead`, the
+    /// claim's derived candidate list (migration 0004).
+    pub head_writes: i64,
 }
 
 /// The outbox table's counters now. Backends flush their statistics when they exit, so read
@@ -284,7 +287,9 @@ pub struct TableCounters {
 pub async fn table_counters(pool: &PgPool) -> Result<TableCounters> {
     let row = sqlx::query(
         "SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup,
-                pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8
+                pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8,
+                (SELECT n_tup_ins + n_tup_upd + n_tup_del FROM pg_stat_user_tables
+                 WHERE relname = '_system_outboxhead')
          FROM pg_stat_user_tables WHERE relname = '_system_outboxevent'",
     )
     .fetch_one(pool)
@@ -294,5 +299,6 @@ pub async fn table_counters(pool: &PgPool) -> Result<TableCounters> {
         hot_updates: row.try_get(1)?,
         dead: row.try_get(2)?,
         wal_bytes: row.try_get(3)?,
+        head_writes: row.try_get::<Option<i64>, _>(4)?.unwrap_or(0),
     })
 }
