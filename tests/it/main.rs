@@ -10,4 +10,5 @@ mod hostile;
 mod migrations;
 mod repository;
 mod retention;
+mod status;
 mod workers;

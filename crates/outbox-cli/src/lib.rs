@@ -30,7 +30,9 @@
 
 pub mod args;
 pub mod db;
+pub mod metrics;
 pub mod ops;
+pub mod status;
 
 use std::process::ExitCode;
 
@@ -45,8 +47,9 @@ use args::{BackfillArgs, EventsArgs, JsonArg, PruneArgs, RetryArgs};
 pub enum OperatorCommand {
     /// Apply the migrations this binary carries (a no-op when they are applied).
     Migrate,
-    /// Counts by status, the oldest pending age, stale claims and blocked keys.
-    Status(JsonArg),
+    /// Counts by status, the oldest pending age, stale claims and the longest-blocked keys;
+    /// with `--key`, one record's rows and why its head is not running now.
+    Status(status::StatusArgs),
     /// List outbox rows (never their payloads), oldest first.
     Events(EventsArgs),
     /// Return failed rows to pending (audited in the log).
@@ -75,7 +78,7 @@ pub async fn run_operator(
 ) -> Result<ExitCode> {
     match command {
         OperatorCommand::Migrate => ops::migrate(url).await,
-        OperatorCommand::Status(a) => ops::status(url, a.json).await,
+        OperatorCommand::Status(args) => status::run(url, args).await,
         OperatorCommand::Events(args) => ops::events(url, args).await,
         OperatorCommand::Retry(args) => ops::retry(url, args).await,
         OperatorCommand::Explain => ops::explain(url).await,

@@ -41,39 +41,6 @@ fn cutoffs() -> ClaimPolicy {
     )
 }
 
-/// `outbox status`.
-pub async fn status(url: Option<&str>, json: bool) -> Result<ExitCode> {
-    let db = db::open(url, ConnectConfig::default()).await?;
-    let stats = db.repository().stats(cutoffs()).await?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&stats)?);
-    } else {
-        println!("pending      {}", stats.pending);
-        println!(
-            "processing   {} ({} stale: heartbeat older than {:?})",
-            stats.processing, stats.stale_claims, DEFAULT_STALE_AFTER
-        );
-        println!("processed    {}", stats.processed);
-        println!("failed       {}", stats.failed);
-        println!(
-            "retrying     {} pending rows that failed before",
-            stats.retrying
-        );
-        println!(
-            "oldest pending  {}",
-            stats
-                .oldest_pending_age_seconds
-                .map_or("none".to_string(), |s| format!("{s:.1} s"))
-        );
-        println!(
-            "blocked keys    {} behind a running head, {} behind a stale head, {} behind a head waiting for its retry",
-            stats.keys_blocked_by_running, stats.keys_blocked_by_stale, stats.keys_blocked_by_retry
-        );
-    }
-    db.close().await;
-    Ok(ExitCode::SUCCESS)
-}
-
 /// `outbox retry`.
 pub async fn retry(url: Option<&str>, args: RetryArgs) -> Result<ExitCode> {
     let db = db::open(url, ConnectConfig::default()).await?;
@@ -247,6 +214,11 @@ pub fn consumer_map_markdown(rows: &[MapRow]) -> String {
 
 /// `outbox consumers`.
 pub fn consumers(consumers: &[Consumer], json: bool) -> Result<ExitCode> {
+    if consumers.is_empty() && !json {
+        eprintln!(
+            "this binary registers no consumers; the map of a service's consumers comes from its own binary (mount outbox_cli::OperatorCommand, as outbox-demo does)"
+        );
+    }
     let rows = consumer_map(consumers);
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -258,6 +230,14 @@ pub fn consumers(consumers: &[Consumer], json: bool) -> Result<ExitCode> {
 
 /// `outbox gate`.
 pub async fn gate(url: Option<&str>, consumers: &[Consumer], json: bool) -> Result<ExitCode> {
+    // A binary that registers no consumer has nothing to judge: the flag's safety depends on
+    // the consumers of the service that runs the workers. Fail closed, never "passed".
+    if consumers.is_empty() {
+        eprintln!(
+            "gate refused: this binary registers no consumers, so it cannot judge whether OUTBOX_PULL_WORKER may flip; run the gate from the service that registers the handlers (mount outbox_cli::OperatorCommand in its binary, as outbox-demo does)"
+        );
+        return Ok(ExitCode::FAILURE);
+    }
     let db = db::open(url, ConnectConfig::default()).await?;
     let report = evaluate_gate(&db.repository(), consumers).await?;
     db.close().await;

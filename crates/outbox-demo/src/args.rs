@@ -93,6 +93,8 @@ pub struct SeedArgs {
 pub struct WorkArgs {
     #[command(flatten)]
     pub workers: WorkerArgs,
+    #[command(flatten)]
+    pub metrics: outbox_cli::metrics::MetricsArgs,
     /// Exit when no row is left pending or processing.
     #[arg(long)]
     pub until_drained: bool,

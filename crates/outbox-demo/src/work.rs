@@ -85,8 +85,11 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
         Some(false) => DispatchMode::Legacy,
         None => DispatchMode::from_env(),
     };
-    let config = args.workers.config(WorkerConfig::default());
+    let config = args
+        .metrics
+        .apply(args.workers.config(WorkerConfig::default()));
     config.validate().map_err(anyhow::Error::msg)?;
+    args.metrics.install()?;
     let db = db::open(url, connect_config(&config)).await?;
     let url = url.unwrap_or_default().to_string();
     schema::ensure(&db).await?;

@@ -14,7 +14,7 @@
 //!    nothing.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use outbox_persistence::{
     Attempt, Claim, EventStatus, FailureBookkeeping, FenceOutcome, OutboxRepository, Terminal,
@@ -25,7 +25,7 @@ use tracing::{Instrument, field};
 use crate::config::WorkerConfig;
 use crate::handler::{AttemptContext, HandlerError, Handlers};
 use crate::heartbeat::{FenceCell, HeartbeatGuard};
-use crate::metrics::Metrics;
+use crate::metrics::{Ended, Metrics};
 
 /// How an attempt ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +46,17 @@ pub enum AttemptOutcome {
 }
 
 impl AttemptOutcome {
+    fn ended(&self) -> Ended {
+        match self {
+            AttemptOutcome::Processed => Ended::Processed,
+            AttemptOutcome::Retried => Ended::Retried,
+            AttemptOutcome::Failed => Ended::Failed,
+            AttemptOutcome::LostClaim => Ended::LostClaim,
+            AttemptOutcome::Cancelled => Ended::Cancelled,
+            AttemptOutcome::Abandoned => Ended::Abandoned,
+        }
+    }
+
     fn as_str(&self) -> &'static str {
         match self {
             AttemptOutcome::Processed => "processed",
@@ -149,10 +160,9 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
         outcome = field::Empty,
     );
     async move {
-        env.metrics.inc_claimed();
-        if claim.reclaimed {
-            env.metrics.inc_stale_reclaims();
-        }
+        let claimed_at = Instant::now();
+        let event_type = claim.event.event_type.as_str();
+        env.metrics.claimed(event_type, claim.reclaimed);
         let fence = FenceCell::new(claim.fence);
         let lost = CancellationToken::new();
         let mut beat = Beat {
@@ -168,14 +178,14 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
         beat.ensure_running(false);
         let outcome = attempt(env, &claim, &mut beat).await;
         drop(beat);
-        match outcome {
-            AttemptOutcome::Processed => env.metrics.inc_processed(),
-            AttemptOutcome::Retried => env.metrics.inc_retried(),
-            AttemptOutcome::Failed => env.metrics.inc_failed(),
-            AttemptOutcome::LostClaim => env.metrics.inc_lost_claims(),
-            AttemptOutcome::Cancelled => env.metrics.inc_cancelled(),
-            AttemptOutcome::Abandoned => {}
-        }
+        // Both ends of the wait in the queue are the database's times (`CreatedDate` and the
+        // claim's `LastModifiedDate`); the attempt itself is timed on this host's monotonic
+        // clock. A skewed host clock changes neither.
+        let queued = (claim.fence.last_written - claim.event.created_date)
+            .to_std()
+            .ok();
+        env.metrics
+            .ended(event_type, outcome.ended(), claimed_at.elapsed(), queued);
         tracing::Span::current().record("outcome", outcome.as_str());
         tracing::debug!("attempt finished");
         outcome
@@ -217,7 +227,11 @@ impl Beat<'_> {
 /// exhausted, SQLite's writer is busy) is not a failed attempt: the handler never ran, so
 /// nothing is counted. The claim is kept alive while beginning is retried with backoff; a
 /// worker that gives up leaves the row to go stale and be reclaimed as it was.
-async fn begin(env: &AttemptEnv, beat: &mut Beat<'_>) -> Result<Box<dyn Attempt>, AttemptOutcome> {
+async fn begin(
+    env: &AttemptEnv,
+    event_type: &str,
+    beat: &mut Beat<'_>,
+) -> Result<Box<dyn Attempt>, AttemptOutcome> {
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for try_number in 1..=DETACHED_MAX_TRIES {
         let begun = {
@@ -242,7 +256,7 @@ async fn begin(env: &AttemptEnv, beat: &mut Beat<'_>) -> Result<Box<dyn Attempt>
             Ok(None) => return Err(AttemptOutcome::LostClaim),
             Err(e) => {
                 if e.is_lock_timeout() {
-                    env.metrics.inc_lock_timeouts();
+                    env.metrics.lock_timeout(event_type);
                 }
                 tracing::warn!(
                     error = %e.chain(),
@@ -266,7 +280,7 @@ async fn begin(env: &AttemptEnv, beat: &mut Beat<'_>) -> Result<Box<dyn Attempt>
 }
 
 async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> AttemptOutcome {
-    let mut tx = match begin(env, beat).await {
+    let mut tx = match begin(env, &claim.event.event_type, beat).await {
         Ok(tx) => tx,
         Err(outcome) => return outcome,
     };
@@ -281,12 +295,16 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> Attemp
         )))),
         Some(handler) => {
             let mut ctx = AttemptContext::for_attempt(tx.as_mut());
-            tokio::select! {
+            let started = Instant::now();
+            let result = tokio::select! {
                 biased;
                 _ = lost.cancelled() => Err(AttemptOutcome::LostClaim),
                 _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
                 result = CatchPanic(handler.handle(&claim.event, &mut ctx)) => Ok(result),
-            }
+            };
+            env.metrics
+                .handler_ran(&claim.event.event_type, started.elapsed());
+            result
         }
     };
     let result = match result {
@@ -304,7 +322,7 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> Attemp
         Ok(()) => finish_success(env, claim, beat, tx).await,
         Err(error) => {
             if error.is_lock_timeout() {
-                env.metrics.inc_lock_timeouts();
+                env.metrics.lock_timeout(&claim.event.event_type);
             }
             let failure = env.failure(claim, error.is_retryable(), error.to_string());
             tracing::info!(error = %failure.message, "handler failed");
@@ -348,7 +366,7 @@ async fn finish_success(
             drop(state);
             rollback_quietly(tx.as_mut()).await;
             if e.is_lock_timeout() {
-                env.metrics.inc_lock_timeouts();
+                env.metrics.lock_timeout(&claim.event.event_type);
             }
             let failure = env.failure(
                 claim,
@@ -479,7 +497,7 @@ async fn detached(
     {
         return outcome;
     }
-    env.metrics.inc_detached_bookkeeping();
+    env.metrics.detached_bookkeeping(&claim.event.event_type);
     // The claim must stay visibly alive while the bookkeeping lands (at once: on a backend that
     // serializes writers it went without beats during the attempt).
     beat.ensure_running(true);

@@ -81,6 +81,10 @@ pub struct WorkerConfig {
     /// both use the same eligibility rule over every event type. The rollout gate adds the
     /// event types of consumers declared excluded.
     pub excluded_event_types: Vec<String>,
+    /// How often the dispatcher reads the queue to refresh the queue gauges of the `metrics`
+    /// facade (rows by status, oldest pending age, stale claims, blocked keys); `None` (the
+    /// default) reads nothing. See `docs/observability.md`.
+    pub queue_gauges: Option<Duration>,
     /// Pull mode without the rollout gate, and why: see
     /// [`WorkerConfig::dangerously_skip_rollout_gate`]. `None` (the default) keeps the gate.
     pub rollout_gate_skipped: Option<String>,
@@ -117,6 +121,7 @@ impl Default for WorkerConfig {
             rollout_gate_skipped: None,
             scope: Scope::All,
             retention: None,
+            queue_gauges: None,
         }
     }
 }
@@ -140,6 +145,12 @@ impl WorkerConfig {
     /// Sets the number of workers.
     pub fn with_workers(mut self, workers: usize) -> Self {
         self.workers = workers.max(1);
+        self
+    }
+    /// Refreshes the queue gauges every `every` (one read of the queue per dispatcher; see
+    /// [`WorkerConfig::queue_gauges`]).
+    pub fn with_queue_gauges(mut self, every: Duration) -> Self {
+        self.queue_gauges = Some(every);
         self
     }
     /// Sets the idle poll interval.

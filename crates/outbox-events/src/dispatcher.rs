@@ -94,6 +94,15 @@ impl Dispatcher {
             backend = env.repo.backend_name(),
             "outbox dispatcher starting"
         );
+        crate::metrics::describe_metrics();
+        if let Some(every) = self.config.queue_gauges {
+            tracker.spawn(crate::gauges::run(
+                env.repo.clone(),
+                self.config.claim_policy(),
+                every,
+                stop.clone(),
+            ));
+        }
         if let Some(retention) = self.config.retention {
             tracker.spawn(crate::prune::run(env.repo.clone(), retention, stop.clone()));
         }

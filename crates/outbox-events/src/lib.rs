@@ -16,6 +16,7 @@ mod config;
 mod consumer;
 mod dispatcher;
 mod gate;
+mod gauges;
 mod handler;
 mod heartbeat;
 mod legacy;
@@ -33,7 +34,9 @@ pub use dispatcher::{Dispatcher, DispatcherHandle, ShutdownReport};
 pub use gate::{GateReport, ModeDecision, evaluate_gate};
 pub use handler::{AttemptContext, BoxError, Handler, HandlerError, Handlers};
 pub use legacy::slot_for_event;
-pub use metrics::{Metrics, MetricsSnapshot};
+pub use metrics::{
+    Metrics, MetricsSnapshot, describe_metrics, names as metric_names, record_queue_gauges,
+};
 pub use prune::{
     DEFAULT_PRUNE_BATCH_PAUSE, DEFAULT_PRUNE_INTERVAL, RetentionConfig, prune_until_done,
 };

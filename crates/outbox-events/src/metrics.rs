@@ -1,6 +1,57 @@
-//! Counters the embedding application can read.
+//! What the workers count, two ways: [`Metrics`], counters the embedding application reads in
+//! process ([`MetricsSnapshot`]), and the same events through the [`metrics`] facade, which the
+//! application exports with the recorder of its choice (Prometheus, StatsD, …; `outbox_cli`'s
+//! `--metrics-addr` installs a Prometheus endpoint). Without a recorder installed the facade's
+//! calls do nothing.
+//!
+//! Labels are the event type and the outcome only: never a record key, an event id or a
+//! payload, so a series' count is bounded by the registered event types. The names follow
+//! Prometheus conventions; [`names`] lists them and `docs/observability.md` explains each, with
+//! alert rules.
 
+use std::sync::Once;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use metrics::{
+    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
+use outbox_persistence::OutboxStats;
+
+/// The names of the series the outbox records through the `metrics` facade.
+pub mod names {
+    /// Counter, `event_type`: rows claimed (fresh or stale reclaims).
+    pub const CLAIMS: &str = "outbox_claims_total";
+    /// Counter, `event_type`: claims of stale `processing` rows (a worker had stopped).
+    pub const STALE_RECLAIMS: &str = "outbox_stale_reclaims_total";
+    /// Counter, `event_type`, `outcome` (`processed`, `retried`, `failed`, `lost_claim`,
+    /// `cancelled`, `abandoned`): attempts by how they ended.
+    pub const ATTEMPTS: &str = "outbox_attempts_total";
+    /// Counter, `event_type`: failures that were lock timeouts.
+    pub const LOCK_TIMEOUTS: &str = "outbox_lock_timeouts_total";
+    /// Counter, `event_type`: failures recorded on the detached path (the attempt transaction
+    /// died).
+    pub const DETACHED_BOOKKEEPING: &str = "outbox_detached_bookkeeping_total";
+    /// Histogram (seconds), `event_type`, `outcome`: from the claim to the attempt's end.
+    pub const ATTEMPT_DURATION: &str = "outbox_attempt_duration_seconds";
+    /// Histogram (seconds), `event_type`: the handler's own time.
+    pub const HANDLER_DURATION: &str = "outbox_handler_duration_seconds";
+    /// Histogram (seconds), `event_type`: from `CreatedDate` to the commit of `processed`.
+    pub const ENQUEUE_TO_PROCESSED: &str = "outbox_enqueue_to_processed_seconds";
+    /// Gauge, `status`: rows by status (from the periodic queue read).
+    pub const ROWS: &str = "outbox_rows";
+    /// Gauge, `status="retrying"` rows are counted in [`ROWS`] under `pending` too.
+    pub const RETRYING: &str = "outbox_retrying_rows";
+    /// Gauge (seconds): age of the oldest `pending` row.
+    pub const OLDEST_PENDING_AGE: &str = "outbox_oldest_pending_age_seconds";
+    /// Gauge: `processing` rows whose heartbeat is older than stale-after.
+    pub const STALE_CLAIMS: &str = "outbox_stale_claims";
+    /// Gauge, `reason` (`running`, `stale`, `retry_wait`): keys with rows waiting behind a head
+    /// that is not claimable now.
+    pub const BLOCKED_KEYS: &str = "outbox_blocked_keys";
+    /// Counter: periodic queue reads that failed (the gauges keep their last values).
+    pub const GAUGE_READ_ERRORS: &str = "outbox_gauge_read_errors_total";
+}
 
 /// Attempt counters, shared by all workers of a dispatcher.
 #[derive(Debug, Default)]
@@ -39,33 +90,206 @@ pub struct MetricsSnapshot {
     pub cancelled: u64,
 }
 
-macro_rules! counters {
-    ($($name:ident => $inc:ident),* $(,)?) => {
-        impl Metrics {
-            $(
-                pub(crate) fn $inc(&self) {
-                    self.$name.fetch_add(1, Ordering::Relaxed);
-                }
-            )*
-
-            /// The counters now.
-            pub fn snapshot(&self) -> MetricsSnapshot {
-                MetricsSnapshot {
-                    $($name: self.$name.load(Ordering::Relaxed),)*
-                }
-            }
-        }
-    };
+/// How an attempt ended, as the metrics label it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    Processed,
+    Retried,
+    Failed,
+    LostClaim,
+    Cancelled,
+    Abandoned,
 }
 
-counters!(
-    claimed => inc_claimed,
-    processed => inc_processed,
-    retried => inc_retried,
-    failed => inc_failed,
-    lost_claims => inc_lost_claims,
-    stale_reclaims => inc_stale_reclaims,
-    lock_timeouts => inc_lock_timeouts,
-    detached_bookkeeping => inc_detached_bookkeeping,
-    cancelled => inc_cancelled,
-);
+impl Ended {
+    fn label(self) -> &'static str {
+        match self {
+            Ended::Processed => "processed",
+            Ended::Retried => "retried",
+            Ended::Failed => "failed",
+            Ended::LostClaim => "lost_claim",
+            Ended::Cancelled => "cancelled",
+            Ended::Abandoned => "abandoned",
+        }
+    }
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Metrics {
+    /// A row of `event_type` was claimed (`reclaimed`: from a worker that had stopped).
+    pub(crate) fn claimed(&self, event_type: &str, reclaimed: bool) {
+        bump(&self.claimed);
+        counter!(names::CLAIMS, "event_type" => event_type.to_owned()).increment(1);
+        if reclaimed {
+            bump(&self.stale_reclaims);
+            counter!(names::STALE_RECLAIMS, "event_type" => event_type.to_owned()).increment(1);
+        }
+    }
+
+    /// An attempt ended after `attempt` (from its claim); `queued` is the time from
+    /// `CreatedDate` to the claim, for a processed row.
+    pub(crate) fn ended(
+        &self,
+        event_type: &str,
+        ended: Ended,
+        attempt: Duration,
+        queued: Option<Duration>,
+    ) {
+        bump(match ended {
+            Ended::Processed => &self.processed,
+            Ended::Retried => &self.retried,
+            Ended::Failed => &self.failed,
+            Ended::LostClaim => &self.lost_claims,
+            Ended::Cancelled => &self.cancelled,
+            Ended::Abandoned => return self.ended_uncounted(event_type, attempt),
+        });
+        let labels = [
+            ("event_type", event_type.to_owned()),
+            ("outcome", ended.label().to_owned()),
+        ];
+        counter!(names::ATTEMPTS, &labels).increment(1);
+        histogram!(names::ATTEMPT_DURATION, &labels).record(attempt.as_secs_f64());
+        if let (Ended::Processed, Some(queued)) = (ended, queued) {
+            histogram!(names::ENQUEUE_TO_PROCESSED, "event_type" => event_type.to_owned())
+                .record((queued + attempt).as_secs_f64());
+        }
+    }
+
+    /// An attempt abandoned (not counted in [`MetricsSnapshot`]: the row is reclaimed as it
+    /// was), still visible in the facade.
+    fn ended_uncounted(&self, event_type: &str, attempt: Duration) {
+        let labels = [
+            ("event_type", event_type.to_owned()),
+            ("outcome", Ended::Abandoned.label().to_owned()),
+        ];
+        counter!(names::ATTEMPTS, &labels).increment(1);
+        histogram!(names::ATTEMPT_DURATION, &labels).record(attempt.as_secs_f64());
+    }
+
+    /// The handler of `event_type` ran for `took`.
+    pub(crate) fn handler_ran(&self, event_type: &str, took: Duration) {
+        histogram!(names::HANDLER_DURATION, "event_type" => event_type.to_owned())
+            .record(took.as_secs_f64());
+    }
+
+    /// A failure of `event_type` was a lock timeout.
+    pub(crate) fn lock_timeout(&self, event_type: &str) {
+        bump(&self.lock_timeouts);
+        counter!(names::LOCK_TIMEOUTS, "event_type" => event_type.to_owned()).increment(1);
+    }
+
+    /// A failure of `event_type` was recorded on the detached path.
+    pub(crate) fn detached_bookkeeping(&self, event_type: &str) {
+        bump(&self.detached_bookkeeping);
+        counter!(names::DETACHED_BOOKKEEPING, "event_type" => event_type.to_owned()).increment(1);
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        MetricsSnapshot {
+            claimed: load(&self.claimed),
+            processed: load(&self.processed),
+            retried: load(&self.retried),
+            failed: load(&self.failed),
+            lost_claims: load(&self.lost_claims),
+            stale_reclaims: load(&self.stale_reclaims),
+            lock_timeouts: load(&self.lock_timeouts),
+            detached_bookkeeping: load(&self.detached_bookkeeping),
+            cancelled: load(&self.cancelled),
+        }
+    }
+}
+
+/// Sets the queue gauges from one read of the queue ([`outbox_persistence::OutboxRepository::stats`]).
+pub fn record_queue_gauges(stats: &OutboxStats) {
+    for (status, n) in [
+        ("pending", stats.pending),
+        ("processing", stats.processing),
+        ("processed", stats.processed),
+        ("failed", stats.failed),
+    ] {
+        gauge!(names::ROWS, "status" => status).set(n as f64);
+    }
+    gauge!(names::RETRYING).set(stats.retrying as f64);
+    gauge!(names::OLDEST_PENDING_AGE).set(stats.oldest_pending_age_seconds.unwrap_or(0.0));
+    gauge!(names::STALE_CLAIMS).set(stats.stale_claims as f64);
+    for (reason, n) in [
+        ("running", stats.keys_blocked_by_running),
+        ("stale", stats.keys_blocked_by_stale),
+        ("retry_wait", stats.keys_blocked_by_retry),
+    ] {
+        gauge!(names::BLOCKED_KEYS, "reason" => reason).set(n as f64);
+    }
+}
+
+/// Counts a failed queue read of the gauge task.
+pub(crate) fn gauge_read_failed() {
+    counter!(names::GAUGE_READ_ERRORS).increment(1);
+}
+
+/// Describes every series to the installed recorder (units and help text), once per process.
+/// The dispatcher calls it when it starts; call it yourself after installing a recorder if you
+/// record before starting one.
+pub fn describe_metrics() {
+    static DESCRIBED: Once = Once::new();
+    DESCRIBED.call_once(|| {
+        describe_counter!(
+            names::CLAIMS,
+            "Rows claimed by pull workers, stale reclaims included."
+        );
+        describe_counter!(
+            names::STALE_RECLAIMS,
+            "Claims of stale processing rows whose worker had stopped."
+        );
+        describe_counter!(names::ATTEMPTS, "Attempts by how they ended (outcome).");
+        describe_counter!(
+            names::LOCK_TIMEOUTS,
+            "Attempt failures that were database lock timeouts."
+        );
+        describe_counter!(
+            names::DETACHED_BOOKKEEPING,
+            "Failures recorded on a connection of their own because the attempt transaction died."
+        );
+        describe_histogram!(
+            names::ATTEMPT_DURATION,
+            Unit::Seconds,
+            "Time from the claim to the end of the attempt."
+        );
+        describe_histogram!(
+            names::HANDLER_DURATION,
+            Unit::Seconds,
+            "Time spent in the handler."
+        );
+        describe_histogram!(
+            names::ENQUEUE_TO_PROCESSED,
+            Unit::Seconds,
+            "Time from CreatedDate to the commit of processed."
+        );
+        describe_gauge!(
+            names::ROWS,
+            "Outbox rows by status, from the periodic queue read."
+        );
+        describe_gauge!(names::RETRYING, "Pending rows that failed before.");
+        describe_gauge!(
+            names::OLDEST_PENDING_AGE,
+            Unit::Seconds,
+            "Age of the oldest pending row."
+        );
+        describe_gauge!(
+            names::STALE_CLAIMS,
+            "Processing rows whose heartbeat is older than stale-after."
+        );
+        describe_gauge!(
+            names::BLOCKED_KEYS,
+            "Record keys with rows waiting behind a head that is not claimable now, by reason."
+        );
+        describe_counter!(
+            names::GAUGE_READ_ERRORS,
+            "Periodic queue reads that failed."
+        );
+    });
+}

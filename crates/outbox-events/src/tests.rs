@@ -704,3 +704,55 @@ async fn final_write_uses_the_fence_the_last_heartbeat_wrote() {
     assert_eq!(outcome, AttemptOutcome::Processed);
     assert_eq!(beats.lock().unwrap().len(), 3);
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_metrics_facade_counts_by_event_type_and_outcome_never_by_key() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt.expect_commit().returning(|| Ok(()));
+    let repo = repo_with(attempt, Arc::default());
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::from_millis(30), || Ok(())),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Processed);
+    let mut attempt = MockAttempt::new();
+    expect_failure(
+        &mut attempt,
+        |b| matches!(b, FailureBookkeeping::Retry { .. }),
+        "boom",
+    );
+    let repo = repo_with(attempt, Arc::default());
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || {
+            Err(HandlerError::Retryable("boom".into()))
+        }),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Retried);
+    let text = handle.render();
+    for line in [
+        r#"outbox_claims_total{event_type="t"} 2"#,
+        r#"outbox_attempts_total{event_type="t",outcome="processed"} 1"#,
+        r#"outbox_attempts_total{event_type="t",outcome="retried"} 1"#,
+        r#"outbox_handler_duration_seconds_count{event_type="t"} 2"#,
+        r#"outbox_enqueue_to_processed_seconds_count{event_type="t"} 1"#,
+    ] {
+        assert!(text.contains(line), "{line} missing from\n{text}");
+    }
+    assert!(
+        !text.contains("record_key") && !text.contains("event_id"),
+        "{text}"
+    );
+}

@@ -22,6 +22,7 @@
 mod attempt;
 mod database;
 mod error;
+mod keys;
 mod listing;
 mod model;
 pub mod postgres;
@@ -43,6 +44,7 @@ pub use database::{
     redact as redact_url,
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
+pub use keys::{BlockedKey, HeadState, KeyReport, explain_head, key_report};
 pub use listing::{EventFilter, EventRow};
 pub use model::*;
 /// The `RecordKey` type of [`OutboxEvent::record_key`] and [`EventRow::record_key`].
@@ -245,6 +247,15 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// takes no lock. On SQLite a row that other code wrote and this code cannot read is left
     /// out, with a warning, as `get_pending_events` does (the claim that meets it fails it).
     async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>>;
+
+    /// The queue's clock now: the database's `clock_timestamp()` on PostgreSQL, the host's
+    /// clock on SQLite (each with the test clock shift), the time every queue statement uses.
+    async fn clock_now(&self) -> Result<DateTime<Utc>>;
+
+    /// The keys with rows waiting behind a head that has not finished, the longest wait first
+    /// (at most `limit`), each with its head's state under `policy` (see [`KeyReport`] for
+    /// one key's whole picture). For operators: it reads every non-terminal row.
+    async fn blocked_keys(&self, policy: ClaimPolicy, limit: u32) -> Result<Vec<BlockedKey>>;
 
     /// Waits until an enqueue may have happened (PostgreSQL `LISTEN/NOTIFY`) or `timeout`
     /// passed. Backends without notifications just wait `timeout`.

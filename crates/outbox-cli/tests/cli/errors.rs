@@ -94,6 +94,7 @@ async fn a_schema_newer_than_the_binary_is_refused(db: TestDb) {
 backend_tests!(
     an_unmigrated_schema_asks_for_migrate,
     a_schema_newer_than_the_binary_is_refused,
+    the_gate_without_consumers_refuses,
 );
 
 #[test]
@@ -116,5 +117,3 @@ async fn the_gate_without_consumers_refuses(db: TestDb) {
         "{err}"
     );
 }
-
-backend_tests!(the_gate_without_consumers_refuses);

@@ -3,6 +3,7 @@
 //! One test binary for the package; each file under `tests/demo/` beside this `main.rs` is a
 //! module.
 
+mod metrics;
 mod operator;
 
 use std::path::{Path, PathBuf};

@@ -13,6 +13,7 @@
 mod claim;
 mod enqueue;
 mod fenced;
+mod keys;
 mod listen;
 mod ops;
 mod prune;
@@ -22,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
@@ -30,9 +32,9 @@ pub use ops::{explain, explain_analyze};
 
 use crate::attempt::FencedWrite;
 use crate::{
-    Attempt, BackfillPage, Claim, ClaimPolicy, ClockShift, EventFilter, EventId, EventRow, Fence,
-    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, PrunePolicy, PruneReport,
-    Result, RetryFilter, Scope, Terminal, Tx,
+    Attempt, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter, EventId,
+    EventRow, Fence, FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
+    PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
 };
 
 /// The notification channel the enqueue trigger signals.
@@ -210,6 +212,14 @@ impl OutboxRepository for PgOutbox {
 
     async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>> {
         self.read_event(id).await
+    }
+
+    async fn clock_now(&self) -> Result<DateTime<Utc>> {
+        self.read_clock().await
+    }
+
+    async fn blocked_keys(&self, policy: ClaimPolicy, limit: u32) -> Result<Vec<BlockedKey>> {
+        self.read_blocked_keys(policy, limit).await
     }
 
     async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>> {

@@ -19,6 +19,7 @@
 mod claim;
 mod enqueue;
 mod fenced;
+mod keys;
 mod liveness;
 mod ops;
 mod prune;
@@ -39,9 +40,9 @@ pub use time::{format_ts, parse_ts};
 
 use crate::attempt::FencedWrite;
 use crate::{
-    Attempt, BackfillPage, Claim, ClaimPolicy, ClockShift, EventFilter, EventId, EventRow, Fence,
-    FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats, PrunePolicy, PruneReport,
-    Result, RetryFilter, Scope, Terminal, Tx,
+    Attempt, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter, EventId,
+    EventRow, Fence, FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
+    PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
 };
 use liveness::Liveness;
 
@@ -227,6 +228,14 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>> {
         self.read_event(id).await
+    }
+
+    async fn clock_now(&self) -> Result<DateTime<Utc>> {
+        Ok(self.read_clock())
+    }
+
+    async fn blocked_keys(&self, policy: ClaimPolicy, limit: u32) -> Result<Vec<BlockedKey>> {
+        self.read_blocked_keys(policy, limit).await
     }
 
     async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>> {

@@ -1,0 +1,203 @@
+//! `outbox status`: the queue's counts and the keys blocked the longest; with `--key`, one
+//! record's non-terminal rows in order and why its head is not running now ("why is this
+//! record stuck?").
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+use chrono::{DateTime, SecondsFormat, Utc};
+use clap::Args;
+use outbox_events::{DEFAULT_MAX_RETRY_ATTEMPTS, DEFAULT_RETRY_DELAY, DEFAULT_STALE_AFTER};
+use outbox_persistence::{
+    BlockedKey, ClaimPolicy, ConnectConfig, EventRow, HeadState, KeyReport, OutboxStats,
+};
+use serde::Serialize;
+
+use crate::db;
+
+/// `status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// One record's rows and why its head is not running (the stored key, for example
+    /// `lead:00Q5e00000AbCdE`).
+    #[arg(long)]
+    pub key: Option<String>,
+    /// How many of the longest-blocked keys to list.
+    #[arg(long, default_value_t = 10)]
+    pub blocked: u32,
+    /// The workers' stale-after, in milliseconds, to judge heartbeats by (their default when
+    /// absent).
+    #[arg(long)]
+    pub stale_after_ms: Option<u64>,
+    /// The workers' base retry delay, in milliseconds (their default when absent).
+    #[arg(long)]
+    pub retry_delay_ms: Option<u64>,
+    /// Print one JSON document instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl StatusArgs {
+    fn policy(&self) -> ClaimPolicy {
+        ClaimPolicy::new(
+            self.stale_after_ms
+                .map_or(DEFAULT_STALE_AFTER, Duration::from_millis),
+            self.retry_delay_ms
+                .map_or(DEFAULT_RETRY_DELAY, Duration::from_millis),
+            DEFAULT_MAX_RETRY_ATTEMPTS,
+        )
+    }
+}
+
+/// `status --json` without `--key`: the counts at the top level, and the blocked keys.
+#[derive(Serialize)]
+struct StatusDoc {
+    #[serde(flatten)]
+    stats: OutboxStats,
+    blocked_keys: Vec<BlockedKey>,
+}
+
+/// `outbox status`.
+pub async fn run(url: Option<&str>, args: StatusArgs) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let repo = db.repository();
+    let policy = args.policy();
+    if let Some(key) = &args.key {
+        let report = outbox_persistence::key_report(repo.as_ref(), key, policy).await?;
+        db.close().await;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print_key(&report);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let stats = repo.stats(policy).await?;
+    let blocked = repo.blocked_keys(policy, args.blocked).await?;
+    db.close().await;
+    if args.json {
+        let doc = StatusDoc {
+            stats,
+            blocked_keys: blocked,
+        };
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print_stats(&stats, policy);
+        print_blocked(&blocked);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn ts(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+fn print_stats(stats: &OutboxStats, policy: ClaimPolicy) {
+    println!("pending      {}", stats.pending);
+    println!(
+        "processing   {} ({} stale: heartbeat older than {:?})",
+        stats.processing, stats.stale_claims, policy.stale_after
+    );
+    println!("processed    {}", stats.processed);
+    println!("failed       {}", stats.failed);
+    println!(
+        "retrying     {} pending rows that failed before",
+        stats.retrying
+    );
+    println!(
+        "oldest pending  {}",
+        stats
+            .oldest_pending_age_seconds
+            .map_or("none".to_string(), |s| format!("{s:.1} s"))
+    );
+    println!(
+        "blocked keys    {} behind a running head, {} behind a stale head, {} behind a head waiting for its retry",
+        stats.keys_blocked_by_running, stats.keys_blocked_by_stale, stats.keys_blocked_by_retry
+    );
+}
+
+fn print_blocked(blocked: &[BlockedKey]) {
+    if blocked.is_empty() {
+        return;
+    }
+    println!();
+    println!("longest-blocked keys (outbox status --key KEY explains one):");
+    for b in blocked {
+        println!(
+            "  {}  {} waiting since {}; head {}: {}",
+            b.head.record_key.as_ref().map_or("-", |k| k.as_str()),
+            b.waiting,
+            ts(b.waiting_since),
+            b.head.id,
+            describe(&b.state)
+        );
+    }
+}
+
+/// One sentence for a head's state.
+pub fn describe(state: &HeadState) -> String {
+    match state {
+        HeadState::Running {
+            last_beat,
+            stale_at,
+        } => format!(
+            "running, heartbeat live (last beat {}; stale at {} if it stops)",
+            ts(*last_beat),
+            ts(*stale_at)
+        ),
+        HeadState::Stale {
+            last_beat,
+            stale_since,
+        } => format!(
+            "stale since {} (last beat {}): its worker stopped; the next claim reclaims it and counts the dead attempt",
+            ts(*stale_since),
+            ts(*last_beat)
+        ),
+        HeadState::WaitingForRetry { until, failures } => format!(
+            "waiting for its retry until {} after {failures} failed attempt(s)",
+            ts(*until)
+        ),
+        HeadState::WaitingForInFlight { running } => {
+            format!("pending, waits for row {running} of its key, which is running")
+        }
+        HeadState::Ready => {
+            "claimable now: waiting for a free worker (or for a worker whose scope takes its event type)"
+                .to_string()
+        }
+        _ => format!("{state:?}"),
+    }
+}
+
+fn print_row(r: &EventRow) {
+    println!(
+        "  {}  {:<10}  {:<24}  created {}  modified {}  retries {}{}",
+        r.id,
+        r.status,
+        r.event_type,
+        ts(r.created_date),
+        ts(r.last_modified_date),
+        r.retry_count,
+        r.last_error
+            .as_deref()
+            .map_or(String::new(), |e| format!("  last error: {e}"))
+    );
+}
+
+fn print_key(report: &KeyReport) {
+    println!("key {} at {}", report.record_key, ts(report.now));
+    match &report.head {
+        None => println!("no pending or processing row: nothing is blocked"),
+        Some(state) => {
+            println!("head: {}", describe(state));
+            println!("{} non-terminal row(s), oldest first:", report.rows.len());
+            for r in &report.rows {
+                print_row(r);
+            }
+        }
+    }
+    if let Some(f) = &report.last_failed {
+        println!("newest failed row (it released the rows behind it):");
+        print_row(f);
+    }
+}

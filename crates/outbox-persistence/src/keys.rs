@@ -1,0 +1,226 @@
+//! "Why is this record stuck?": a key's non-terminal rows in order, with the reason its head
+//! is not running now ([`KeyReport`]), and the keys blocked the longest ([`BlockedKey`]). The
+//! reasons follow the claim's own rules (the design's state rule, the retry delay, stale-after,
+//! the in-flight guard), judged at the queue's clock ([`crate::OutboxRepository::clock_now`]).
+//!
+//! On SQLite a `processing` row is judged stale by its `LastModifiedDate` here, while the
+//! workers judge it by the silence they observe (see `docs/state-machine.md`): a stale verdict
+//! there means "its heartbeat stopped writing", and the reclaim follows once a worker has seen
+//! that silence for stale-after.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use crate::{ClaimPolicy, EventFilter, EventRow, EventStatus, OutboxRepository, Result};
+
+/// Why a key's head (its oldest non-terminal row) is where it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum HeadState {
+    /// A worker runs it: its heartbeat is live.
+    Running {
+        /// The heartbeat's last write (`LastModifiedDate`).
+        last_beat: DateTime<Utc>,
+        /// When it goes stale if the heartbeat stops now.
+        stale_at: DateTime<Utc>,
+    },
+    /// Its worker stopped (no heartbeat for stale-after): the next claim reclaims it, counting
+    /// the dead attempt.
+    Stale {
+        /// The heartbeat's last write.
+        last_beat: DateTime<Utc>,
+        /// Since when it is stale.
+        stale_since: DateTime<Utc>,
+    },
+    /// It failed and waits for its retry delay.
+    WaitingForRetry {
+        /// When it becomes claimable again.
+        until: DateTime<Utc>,
+        /// Failed attempts so far (`RetryCount`).
+        failures: i32,
+    },
+    /// It is pending but another row of its key is running (an operator retried an older row
+    /// while a younger one ran): it runs once that row ends.
+    WaitingForInFlight {
+        /// The running row.
+        running: crate::EventId,
+    },
+    /// Claimable now: it waits for a free worker (or for a worker whose scope takes its event
+    /// type).
+    Ready,
+}
+
+/// A key's state: its non-terminal rows oldest first, its head's reason, and the newest
+/// `failed` row of the key (a failure releases the key's younger rows; it shows why the
+/// record's effects may be missing).
+#[derive(Debug, Clone, Serialize)]
+pub struct KeyReport {
+    /// The key, as stored.
+    pub record_key: String,
+    /// The queue's clock when the report was read.
+    pub now: DateTime<Utc>,
+    /// Non-terminal rows, oldest first; the first is the head.
+    pub rows: Vec<EventRow>,
+    /// Why the head is not running now (or that it is), when the key has rows.
+    pub head: Option<HeadState>,
+    /// The newest `failed` row of the key, if any.
+    pub last_failed: Option<EventRow>,
+}
+
+/// Judges `head` at `now` under `policy`; `others` are the key's other non-terminal rows.
+pub fn explain_head(
+    head: &EventRow,
+    others: &[EventRow],
+    now: DateTime<Utc>,
+    policy: ClaimPolicy,
+) -> HeadState {
+    let running = others
+        .iter()
+        .filter(|r| r.status == EventStatus::Processing)
+        .map(|r| (r.id, r.last_modified_date));
+    head_state(head, running, now, policy)
+}
+
+/// [`explain_head`] over the `(Id, LastModifiedDate)` of the key's other `processing` rows.
+fn head_state(
+    head: &EventRow,
+    mut running: impl Iterator<Item = (crate::EventId, DateTime<Utc>)>,
+    now: DateTime<Utc>,
+    policy: ClaimPolicy,
+) -> HeadState {
+    let span = |d: std::time::Duration| chrono::Duration::from_std(d).unwrap_or_default();
+    match head.status {
+        EventStatus::Processing => {
+            let stale_at = head.last_modified_date + span(policy.stale_after);
+            if stale_at <= now {
+                HeadState::Stale {
+                    last_beat: head.last_modified_date,
+                    stale_since: stale_at,
+                }
+            } else {
+                HeadState::Running {
+                    last_beat: head.last_modified_date,
+                    stale_at,
+                }
+            }
+        }
+        _ => {
+            let until = if head.retry_count > 0 {
+                head.last_modified_date + span(policy.retry_delay)
+            } else {
+                head.last_modified_date
+            };
+            if until > now {
+                return HeadState::WaitingForRetry {
+                    until,
+                    failures: head.retry_count,
+                };
+            }
+            match running.find(|(_, beat)| *beat + span(policy.stale_after) > now) {
+                Some((id, _)) => HeadState::WaitingForInFlight { running: id },
+                None => HeadState::Ready,
+            }
+        }
+    }
+}
+
+/// Reads `record_key`'s report (exactly the stored key text, for example `lead:00Q5e…`).
+pub async fn key_report(
+    repo: &dyn OutboxRepository,
+    record_key: &str,
+    policy: ClaimPolicy,
+) -> Result<KeyReport> {
+    let rows = repo
+        .list_events(
+            EventFilter::new()
+                .record_key(record_key)
+                .statuses([EventStatus::Pending, EventStatus::Processing]),
+        )
+        .await?;
+    let failed = repo
+        .list_events(
+            EventFilter::new()
+                .record_key(record_key)
+                .statuses([EventStatus::Failed]),
+        )
+        .await?;
+    let now = repo.clock_now().await?;
+    let head = rows
+        .split_first()
+        .map(|(head, others)| explain_head(head, others, now, policy));
+    Ok(KeyReport {
+        record_key: record_key.to_string(),
+        now,
+        rows,
+        head,
+        last_failed: failed.into_iter().last(),
+    })
+}
+
+/// A key with rows waiting behind a head that has not finished, from
+/// [`crate::OutboxRepository::blocked_keys`].
+#[derive(Debug, Clone, Serialize)]
+pub struct BlockedKey {
+    /// The key's head (its oldest non-terminal row).
+    pub head: EventRow,
+    /// Why the head is where it is, at the queue's clock.
+    pub state: HeadState,
+    /// Rows waiting behind the head.
+    pub waiting: u64,
+    /// `CreatedDate` of the oldest waiting row: the key has been blocked at least since then.
+    pub waiting_since: DateTime<Utc>,
+}
+
+/// The heads of keys with waiting rows and the waits behind them, oldest wait first, at most
+/// `limit` (as text: the integer is spliced, never a value from outside). Both dialects.
+pub(crate) fn blocked_keys_sql(limit: u32) -> String {
+    format!(
+        "SELECT * FROM (
+           SELECT h.Id, h.EventType, h.Status, h.RecordKey, h.CreatedDate, h.LastModifiedDate,
+                  h.RetryCount, h.LastError,
+                  (SELECT count(*) FROM _System_OutboxEvent y
+                   WHERE y.RecordKey = h.RecordKey AND y.Status NOT IN ('processed', 'failed')
+                     AND (y.CreatedDate > h.CreatedDate
+                          OR (y.CreatedDate = h.CreatedDate AND y.Id > h.Id))) AS Waiting,
+                  (SELECT min(y.CreatedDate) FROM _System_OutboxEvent y
+                   WHERE y.RecordKey = h.RecordKey AND y.Status NOT IN ('processed', 'failed')
+                     AND (y.CreatedDate > h.CreatedDate
+                          OR (y.CreatedDate = h.CreatedDate AND y.Id > h.Id))) AS WaitingSince,
+                  (SELECT y.Id FROM _System_OutboxEvent y
+                   WHERE y.RecordKey = h.RecordKey AND y.Status = 'processing' AND y.Id <> h.Id
+                   ORDER BY y.LastModifiedDate DESC LIMIT 1) AS RunningId,
+                  (SELECT max(y.LastModifiedDate) FROM _System_OutboxEvent y
+                   WHERE y.RecordKey = h.RecordKey AND y.Status = 'processing'
+                     AND y.Id <> h.Id) AS RunningBeat
+           FROM _System_OutboxEvent h
+           WHERE h.RecordKey IS NOT NULL AND h.Status NOT IN ('processed', 'failed')
+             AND NOT EXISTS (
+               SELECT 1 FROM _System_OutboxEvent o
+               WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
+                 AND (o.CreatedDate < h.CreatedDate
+                      OR (o.CreatedDate = h.CreatedDate AND o.Id < h.Id)))
+         ) b
+         WHERE b.Waiting > 0
+         ORDER BY b.WaitingSince, b.Id
+         LIMIT {limit}"
+    )
+}
+
+/// Builds a [`BlockedKey`] from a head row, its waits and the key's other running row (its
+/// `Id` and heartbeat), judged at `now`.
+pub(crate) fn blocked_key(
+    head: EventRow,
+    (waiting, waiting_since): (i64, DateTime<Utc>),
+    running: Option<(crate::EventId, DateTime<Utc>)>,
+    now: DateTime<Utc>,
+    policy: ClaimPolicy,
+) -> BlockedKey {
+    let state = head_state(&head, running.into_iter(), now, policy);
+    BlockedKey {
+        head,
+        state,
+        waiting: u64::try_from(waiting).unwrap_or(0),
+        waiting_since,
+    }
+}
