@@ -12,6 +12,7 @@ mod claim;
 mod cost;
 mod relay;
 mod report;
+mod retention;
 mod scenarios;
 
 use std::process::ExitCode;
@@ -245,6 +246,9 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     }
     if wanted("claim") {
         claim::select_and_claim(db, &sizes, &mut report).await?;
+    }
+    if wanted("retention") {
+        retention::retention(db, &sizes, &mut report).await?;
     }
     report.finish().await;
     Ok(report)

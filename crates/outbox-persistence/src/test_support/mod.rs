@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod inspect;
+pub mod retention;
 
 /// `url` (a PostgreSQL URL) with its database name replaced by `name`, keeping the user, host,
 /// port and query parameters: how the harnesses address a fresh database per test or run.
