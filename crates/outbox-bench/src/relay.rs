@@ -108,18 +108,34 @@ async fn read_back(db: &BenchDb, relay: &Relay) -> Result<((f64, f64), String)> 
     Ok((percentiles(latencies), verdict))
 }
 
+/// A relay of the bench's events to a new stream `stream`, created and checked.
+async fn relay_to(url: &str, stream: &str, worker: &outbox_events::WorkerConfig) -> Result<Relay> {
+    let client = NatsConnect::new(url).connect().await?;
+    let relay = Relay::new(client, RelayConfig::new(stream, "bench", ["bench"]))?;
+    relay
+        .create_stream(&StreamSpec::for_relay(relay.config(), worker))
+        .await?;
+    relay.check_stream(worker).await?;
+    Ok(relay)
+}
+
+/// Reports the relay scenario as skipped (no NATS server to run against), and why.
+fn skipped(report: &mut Report, why: &anyhow::Error) {
+    report.push(Row {
+        scenario: "relay to NATS JetStream".into(),
+        dispatcher: "pull".into(),
+        note: format!("skipped: {why:#}"),
+        ..Row::default()
+    });
+}
+
 /// The relay scenario.
 pub(crate) async fn relay(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("relay");
     let (url, _server) = match server() {
         Ok(found) => found,
         Err(e) => {
-            report.push(Row {
-                scenario: "relay to NATS JetStream".into(),
-                dispatcher: "pull".into(),
-                note: format!("skipped: {e:#}"),
-                ..Row::default()
-            });
+            skipped(report, &e);
             return Ok(());
         }
     };
@@ -134,13 +150,8 @@ pub(crate) async fn relay(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> R
 
     backlog(db, sizes).await?;
     let stream = format!("BENCH_{}", uuid::Uuid::now_v7().simple());
-    let client = NatsConnect::new(&url).connect().await?;
-    let relay = Relay::new(client, RelayConfig::new(&stream, "bench", ["bench"]))?;
     let worker = config(DispatchMode::Pull, WORKERS);
-    relay
-        .create_stream(&StreamSpec::for_relay(relay.config(), &worker))
-        .await?;
-    relay.check_stream(&worker).await?;
+    let relay = relay_to(&url, &stream, &worker).await?;
     let relayed = drain(
         db,
         sizes,

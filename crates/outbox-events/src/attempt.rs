@@ -46,17 +46,6 @@ pub enum AttemptOutcome {
 }
 
 impl AttemptOutcome {
-    fn ended(&self) -> Ended {
-        match self {
-            AttemptOutcome::Processed => Ended::Processed,
-            AttemptOutcome::Retried => Ended::Retried,
-            AttemptOutcome::Failed => Ended::Failed,
-            AttemptOutcome::LostClaim => Ended::LostClaim,
-            AttemptOutcome::Cancelled => Ended::Cancelled,
-            AttemptOutcome::Abandoned => Ended::Abandoned,
-        }
-    }
-
     fn as_str(&self) -> &'static str {
         match self {
             AttemptOutcome::Processed => "processed",
@@ -184,8 +173,12 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
         let queued = (claim.fence.last_written - claim.event.created_date)
             .to_std()
             .ok();
-        env.metrics
-            .ended(event_type, outcome.ended(), claimed_at.elapsed(), queued);
+        env.metrics.ended(
+            event_type,
+            Ended::from(&outcome),
+            claimed_at.elapsed(),
+            queued,
+        );
         tracing::Span::current().record("outcome", outcome.as_str());
         tracing::debug!("attempt finished");
         outcome

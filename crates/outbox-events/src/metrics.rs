@@ -101,6 +101,20 @@ pub(crate) enum Ended {
     Abandoned,
 }
 
+impl From<&crate::AttemptOutcome> for Ended {
+    fn from(outcome: &crate::AttemptOutcome) -> Self {
+        use crate::AttemptOutcome as O;
+        match outcome {
+            O::Processed => Ended::Processed,
+            O::Retried => Ended::Retried,
+            O::Failed => Ended::Failed,
+            O::LostClaim => Ended::LostClaim,
+            O::Cancelled => Ended::Cancelled,
+            O::Abandoned => Ended::Abandoned,
+        }
+    }
+}
+
 impl Ended {
     fn label(self) -> &'static str {
         match self {
