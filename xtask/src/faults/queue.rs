@@ -188,7 +188,7 @@ impl Suite<'_> {
     }
 
     /// The demo accounts one lock hold locks: those of [`LOCK_ROWS`] pending `account.updated`
-    /// rows picked at random among the oldest [`LOCK_CANDIDATES`]. Rows that failed twice are
+    /// rows picked at random among every pending one. Rows that failed twice are
     /// left alone: the holds exercise lock timeouts, they must not use up one event's attempts.
     pub(super) fn accounts_to_lock(&self, rng: &mut Rng) -> Result<Vec<String>> {
         let rows = self.events(&[
