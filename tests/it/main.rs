@@ -8,6 +8,7 @@ mod equivalence;
 mod gate;
 mod hostile;
 mod migrations;
+mod plans;
 mod repository;
 mod retention;
 mod status;

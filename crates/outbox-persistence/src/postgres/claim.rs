@@ -5,7 +5,7 @@
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use super::sql::{CLAIM_EVENT, CLAIM_NEXT, CLAIM_NEXT_ALL, ELIGIBLE_GUARDED};
+use super::sql::{CLAIM_EVENT, CLAIM_NEXT_CALL, ELIGIBLE_GUARDED};
 use super::{PgOutbox, span};
 use crate::{
     Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
@@ -156,25 +156,17 @@ impl PgOutbox {
         scope: &Scope,
     ) -> Result<Option<Claim>> {
         for _ in 0..MAX_EXHAUSTED_PER_CLAIM {
-            let query = match scope {
-                Scope::All => sqlx::query(CLAIM_NEXT_ALL),
-                _ => sqlx::query(CLAIM_NEXT),
-            };
-            // Planned at every call, never from a cached generic plan: a plan cached while the
-            // queue's statistics said "empty" (a drained table that autovacuum analyzed, or the
-            // bench's reset) hash-joins seq scans with per-row correlated seq scans, quadratic in
-            // the backlog (the head-of-line run went from milliseconds to seconds). Planned with
-            // the table's actual size, the statement is the ordered index walk in docs/queries.md.
-            let query = query
-                .persistent(false)
+            // The statement runs inside `_System_OutboxClaimNext` (migration 0006), whose
+            // settings leave the planner only the ordered index walk, so the plan cached for
+            // this prepared call stays right however the table's size moved since it was
+            // planned (`CLAIM_NEXT_CALL`).
+            let query = sqlx::query(CLAIM_NEXT_CALL)
                 .bind(self.shift())
                 .bind(span(policy.stale_after))
                 .bind(span(policy.retry_delay))
-                .bind(policy.max_retry_attempts);
-            let query = match scope {
-                Scope::All => query,
-                _ => query.bind(scope.only()).bind(scope.except()),
-            };
+                .bind(policy.max_retry_attempts)
+                .bind(scope.only())
+                .bind(scope.except());
             let Some(row) = query.fetch_optional(&self.pool).await? else {
                 return Ok(None);
             };

@@ -40,12 +40,6 @@ use crate::{
 /// The notification channel the enqueue trigger signals.
 pub const NOTIFY_CHANNEL: &str = "outbox_event";
 
-/// How many of the oldest non-terminal rows `claim_next` inspects before it falls back to
-/// generating candidates per key. More than the workers that can hold a claim at once, so that
-/// in a flowing queue the oldest eligible row is almost always inside this prefix. The claim
-/// statement spells it as `LIMIT 64` (a unit test checks that they agree).
-pub const CLAIM_PREFIX_ROWS: u32 = 64;
-
 /// The advisory-lock namespace of enqueue's per-record lock (the first key of the two-key form
 /// `pg_advisory_xact_lock(int, int)`, whose lock space never overlaps the one-key form an
 /// application may use). The second key is a stable hash of the `RecordKey`.

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
 use super::claim::{event_from_row, row_from};
-use super::sql::{CLAIM_NEXT, ELIGIBLE_QUERY, db_now};
+use super::sql::{CLAIM_NEXT, CLAIM_PLAN_SETTINGS, ELIGIBLE_QUERY, db_now};
 use super::{PgOutbox, RETRY_NOT_BEFORE, interval, span};
 use crate::stats::{STATUS_COUNTS, blocked_heads, count_blocked, count_statuses};
 use crate::{
@@ -231,6 +231,15 @@ async fn plans(
             .fetch_all(&mut *tx)
             .await?;
     let no_types: Option<Vec<String>> = None;
+    // The claim runs inside `_System_OutboxClaimNext` under these settings (migration 0006);
+    // `EXPLAIN` cannot see into a function, so the statement is planned under them here.
+    for (setting, value) in CLAIM_PLAN_SETTINGS {
+        sqlx::query("SELECT set_config($1, $2, true)")
+            .bind(setting)
+            .bind(value)
+            .execute(&mut *tx)
+            .await?;
+    }
     let claim: Vec<String> =
         sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{explain} {CLAIM_NEXT}")))
             .bind(interval(0))

@@ -203,6 +203,29 @@ pub(crate) const CLAIM_NEXT: &str = concat!(claim_candidate!(scope_filter!()), c
 /// `MaxRetryAttempts`.
 pub(super) const CLAIM_NEXT_ALL: &str = concat!(claim_candidate!(""), claim_update!());
 
+/// What `claim_next` sends: a call of `_System_OutboxClaimNext` (migration 0006), which runs
+/// [`CLAIM_NEXT_ALL`] when both scope parameters are NULL and [`CLAIM_NEXT`] otherwise, under
+/// [`CLAIM_PLAN_SETTINGS`]. A statement prepared by the client runs from a generic plan cached
+/// after five executions; one cached while the queue was nearly empty keeps sequential scans
+/// when the backlog grows (see `docs/queries.md`, "Plan stability"), and planning at every
+/// call costs more than the claim. Inside the function the settings leave only the index plan.
+/// Parameters: as [`CLAIM_NEXT`].
+pub(super) const CLAIM_NEXT_CALL: &str =
+    "SELECT * FROM _System_OutboxClaimNext($1, $2, $3, $4, $5, $6)";
+
+/// The planner settings `_System_OutboxClaimNext` runs the claim under (its `SET` clauses in
+/// migration 0006): every access path but the ordered index walk priced out, and no JIT (a
+/// priced-out node's cost would trigger it). `outbox explain` applies them too.
+pub(crate) const CLAIM_PLAN_SETTINGS: &[(&str, &str)] = &[
+    ("enable_seqscan", "off"),
+    ("enable_bitmapscan", "off"),
+    ("enable_hashjoin", "off"),
+    ("enable_mergejoin", "off"),
+    ("enable_sort", "off"),
+    ("enable_material", "off"),
+    ("jit", "off"),
+];
+
 /// `ClaimEvent` by id, with the same rules as `claim_next` (retry delay, stale reclaim counted,
 /// the key's ordering and in-flight guard). Parameters: `$1`..`$4` as [`CLAIM_NEXT`], `$5` the id.
 pub(super) const CLAIM_EVENT: &str = concat!(
@@ -259,5 +282,29 @@ mod tests {
         assert_eq!(CLAIM_NEXT.matches("$5::text[] IS NULL").count(), 1);
         assert!(!CLAIM_NEXT_ALL.contains("$5"));
         assert_eq!(ELIGIBLE_GUARDED.matches("$6::text[] IS NULL").count(), 1);
+    }
+
+    /// Migration 0006 keeps the claim statements in `_System_OutboxClaimNext`: its body must be
+    /// these constants, verbatim, and its settings [`CLAIM_PLAN_SETTINGS`].
+    #[test]
+    fn the_claim_function_runs_these_statements_under_these_settings() {
+        let migration = include_str!("../../../../migrations/postgres/0006_claim_function.sql");
+        for (name, sql) in [
+            ("CLAIM_NEXT_ALL", CLAIM_NEXT_ALL),
+            ("CLAIM_NEXT", CLAIM_NEXT),
+        ] {
+            assert!(
+                migration.contains(&format!("RETURN QUERY\n{sql};\n")),
+                "migration 0006 no longer runs {name} verbatim: replace the function in a new migration"
+            );
+        }
+        for (setting, value) in CLAIM_PLAN_SETTINGS {
+            assert!(migration.contains(&format!("\nSET {setting} = {value}\n")));
+        }
+        let set_clauses = migration
+            .lines()
+            .filter(|l| l.starts_with("SET ") && !l.starts_with("SET Status"))
+            .count();
+        assert_eq!(set_clauses, CLAIM_PLAN_SETTINGS.len());
     }
 }
