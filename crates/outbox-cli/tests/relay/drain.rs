@@ -1,62 +1,14 @@
-//! `outbox relay` end to end (a test binary of its own: it needs `nats-server`): it drains a CRM workload into a stream it creates on a NATS
-//! server with user/password authentication, the test reads the stream back (every event once,
-//! per-record order, the other event type untouched), no secret reaches the output, and
+//! `outbox relay` drains a CRM workload into a stream it creates on a NATS server with
+//! user/password authentication; the test reads the stream back (every event once, per-record
+//! order, the other event type untouched), no secret reaches the output, and
 //! `outbox consumers`/`outbox gate` judge the relay the `OUTBOX_RELAY_*` variables configure.
-
-use std::process::{Command, Output};
 
 use outbox_persistence::{EventFilter, NewEvent};
 use outbox_relay::test_support::NatsServer;
 use outbox_relay::{Expected, NatsAuth, NatsConnect, Secret, audit, read_stream};
 use outbox_tests::{TestDb, backend_tests};
 
-fn outbox_with_env(url: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox"));
-    cmd.args(args)
-        .env("DATABASE_URL", url)
-        .env_remove("OUTBOX_PULL_WORKER");
-    for name in [
-        "NATS_URL",
-        "NATS_USER",
-        "NATS_PASSWORD",
-        "NATS_TOKEN",
-        "NATS_CREDS",
-    ] {
-        cmd.env_remove(name);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run the outbox binary")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-const PASSWORD: &str = "relay-pw-0d1f";
-const TYPES: &str = "account.updated,lead.updated";
-
-fn relay_env(nats: &NatsServer) -> Vec<(&'static str, String)> {
-    vec![
-        ("NATS_URL", nats.url()),
-        ("NATS_USER", "relay".into()),
-        ("NATS_PASSWORD", PASSWORD.into()),
-        ("OUTBOX_RELAY_STREAM", "CRM".into()),
-        ("OUTBOX_RELAY_SUBJECT_PREFIX", "crm".into()),
-        ("OUTBOX_RELAY_EVENT_TYPES", TYPES.into()),
-        ("OUTBOX_PULL_WORKER", "true".into()),
-    ]
-}
-
-fn run(url: &str, args: &[&str], env: &[(&'static str, String)]) -> Output {
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    outbox_with_env(url, args, &env)
-}
+use crate::{PASSWORD, relay_env, run, stderr, stdout};
 
 async fn seed(db: &TestDb) {
     let repo = db.repository();
