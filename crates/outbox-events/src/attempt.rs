@@ -147,7 +147,9 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
         attempt = claim.event.retry_count + 1,
         reclaimed = claim.reclaimed,
         outcome = field::Empty,
+        traceparent = field::Empty,
     );
+    crate::trace::note_on_span(&span, &claim.event.payload);
     async move {
         let claimed_at = Instant::now();
         let event_type = claim.event.event_type.as_str();

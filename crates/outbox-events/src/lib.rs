@@ -22,6 +22,7 @@ mod heartbeat;
 mod legacy;
 mod metrics;
 mod prune;
+pub mod trace;
 
 pub use attempt::{AttemptOutcome, ClaimRunner};
 pub use config::{
@@ -40,6 +41,7 @@ pub use metrics::{
 pub use prune::{
     DEFAULT_PRUNE_BATCH_PAUSE, DEFAULT_PRUNE_INTERVAL, RetentionConfig, prune_until_done,
 };
+pub use trace::{TraceParent, TraceParentError, enqueue};
 
 // What the signatures above need, so that a service depends on this crate alone to write,
 // register and test a handler (see `docs/embedding.md` once written; `docs/state-machine.md`).

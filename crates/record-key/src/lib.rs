@@ -14,6 +14,10 @@
 //! | `record_id` | string | the record's identifier within that object                        |
 //! | `snapshot`  | object | the frozen field snapshot taken when the event was written         |
 //!
+//! A fourth member, `traceparent` (a W3C trace context string, written by `outbox-events`'
+//! `enqueue` with its `otel` feature), ties the event's attempts to the trace that enqueued it;
+//! it never affects the key, and `outbox-events` (`TraceParent`) is where it is read.
+//!
 //! An event *about a record* has `record_id`; it must then also have `object`, and its key is
 //! `object:record_id` with the object name in lower case (for example `lead:00Q5e00000AbCdE`:
 //! object API names are case-insensitive identifiers, so `Lead` and `lead` must give one key). An event about no record has no

@@ -7,6 +7,14 @@
 //! `contact-service DATABASE_URL [REQUESTS]` writes REQUESTS contact requests (over fewer
 //! distinct emails, so that several requests meet one contact), runs the workers until the
 //! queue is drained or a signal arrives, and checks the result from the database.
+//!
+//! With the `otel` feature (`cargo run -p contact-service --features otel -- URL`) it also
+//! exports its `tracing` spans to OpenTelemetry: each request is enqueued in a span whose W3C
+//! `traceparent` goes into the event's envelope, and every attempt span links back to it
+//! (`otel.rs`).
+
+#[cfg(feature = "otel")]
+mod otel;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -100,8 +108,14 @@ pub async fn request_contact(db: &Database, id: &str, email: &str, name: &str) -
     let payload = format!(
         r#"{{"object":"ContactRequest","record_id":"{id}","snapshot":{{"email":"{email}","name":"{name}"}}}}"#
     );
-    repo.enqueue(&mut tx, &[NewEvent::new(CONTACT_REQUESTED, payload)])
-        .await?;
+    // `outbox_events::enqueue` is `repo.enqueue` plus the caller's trace context (with the
+    // `otel` feature, inside a traced span): the attempt spans link back to this request.
+    outbox_events::enqueue(
+        &*repo,
+        &mut tx,
+        &[NewEvent::new(CONTACT_REQUESTED, payload)],
+    )
+    .await?;
     tx.commit().await?;
     Ok(())
 }
@@ -143,18 +157,22 @@ async fn main() -> Result<()> {
         .next()
         .context("usage: contact-service DATABASE_URL [REQUESTS]")?;
     let requests: usize = args.next().map(|n| n.parse()).transpose()?.unwrap_or(200);
+    #[cfg(feature = "otel")]
+    let tracing = otel::install()?;
     let db = Database::connect(&url, ConnectConfig::default()).await?;
     migrate(&db).await?;
     let emails = (requests / 4).max(1);
     for i in 0..requests {
         let n = i % emails;
-        request_contact(
-            &db,
-            &format!("req-{i}"),
-            &format!("c{n}@example.com"),
-            &format!("Contact {n}"),
-        )
-        .await?;
+        let (id, email, name) = (
+            format!("req-{i}"),
+            format!("c{n}@example.com"),
+            format!("Contact {n}"),
+        );
+        let request = request_contact(&db, &id, &email, &name);
+        #[cfg(feature = "otel")]
+        let request = tracing::Instrument::instrument(request, otel::request_span(&id));
+        request.await?;
     }
     let action = CreateContact::new()?;
     let handlers = Handlers::new().register_consumer(action.consumer(), action);
@@ -187,6 +205,8 @@ async fn main() -> Result<()> {
     if contacts != emails as i64 || numbers != contacts || top != contacts {
         bail!("expected {emails} contacts numbered 1..={emails}");
     }
+    #[cfg(feature = "otel")]
+    tracing.check_links(report.metrics.processed)?;
     db.close().await;
     Ok(())
 }
