@@ -16,7 +16,7 @@ use std::time::Duration;
 use metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
-use outbox_persistence::OutboxStats;
+use outbox_persistence::{OutboxStats, PruneReport};
 
 /// The names of the series the outbox records through the `metrics` facade.
 pub mod names {
@@ -51,6 +51,9 @@ pub mod names {
     pub const BLOCKED_KEYS: &str = "outbox_blocked_keys";
     /// Counter: periodic queue reads that failed (the gauges keep their last values).
     pub const GAUGE_READ_ERRORS: &str = "outbox_gauge_read_errors_total";
+    /// Counter, `status` (`processed`, `failed`): terminal rows deleted by the pruner
+    /// ([`crate::prune_until_done`], the dispatcher's retention task).
+    pub const PRUNED_ROWS: &str = "outbox_pruned_rows_total";
 }
 
 /// Attempt counters, shared by all workers of a dispatcher.
@@ -240,6 +243,15 @@ pub fn record_queue_gauges(stats: &OutboxStats) {
     }
 }
 
+/// Counts the rows one prune batch deleted, by status.
+pub(crate) fn pruned(batch: &PruneReport) {
+    for (status, n) in [("processed", batch.processed), ("failed", batch.failed)] {
+        if n > 0 {
+            counter!(names::PRUNED_ROWS, "status" => status).increment(n);
+        }
+    }
+}
+
 /// Counts a failed queue read of the gauge task.
 pub(crate) fn gauge_read_failed() {
     counter!(names::GAUGE_READ_ERRORS).increment(1);
@@ -304,6 +316,10 @@ pub fn describe_metrics() {
         describe_counter!(
             names::GAUGE_READ_ERRORS,
             "Periodic queue reads that failed."
+        );
+        describe_counter!(
+            names::PRUNED_ROWS,
+            "Terminal rows deleted by the retention pruner, by status."
         );
     });
 }

@@ -60,6 +60,7 @@ impl RetentionConfig {
 /// Deletes what `policy` lets go, batch after batch ([`OutboxRepository::prune`]), pausing
 /// `pause` after each full batch, until a batch is not full or `stop` is cancelled. Returns the
 /// rows deleted. An error ends the run (the rows deleted so far stay deleted; they are logged).
+/// Every batch's rows are counted in `outbox_pruned_rows_total` by status.
 pub async fn prune_until_done(
     repo: &dyn OutboxRepository,
     policy: PrunePolicy,
@@ -81,6 +82,7 @@ pub async fn prune_until_done(
                 return Err(e);
             }
         };
+        crate::metrics::pruned(&batch);
         total.add(batch);
         if !batch.more || stop.is_cancelled() {
             return Ok(total);
@@ -130,4 +132,58 @@ pub(crate) async fn run(
         }
     }
     tracing::debug!("outbox pruner stopped");
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use outbox_persistence::{Error, MockOutboxRepository};
+
+    use super::*;
+
+    fn batch(processed: u64, failed: u64, more: bool) -> PruneReport {
+        PruneReport {
+            processed,
+            failed,
+            more,
+        }
+    }
+
+    /// A repository whose `prune` answers `batches` in order.
+    fn repo(batches: Vec<Result<PruneReport, Error>>) -> MockOutboxRepository {
+        let batches = Mutex::new(batches.into_iter());
+        let mut repo = MockOutboxRepository::new();
+        repo.expect_prune()
+            .returning(move |_| batches.lock().unwrap().next().expect("no more batches"));
+        repo
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pruned_rows_are_counted_by_status_batch_by_batch() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let stop = CancellationToken::new();
+        let full = repo(vec![Ok(batch(3, 1, true)), Ok(batch(2, 0, false))]);
+        let report = prune_until_done(&full, PrunePolicy::default(), Duration::ZERO, &stop)
+            .await
+            .unwrap();
+        assert_eq!((report.processed, report.failed), (5, 1));
+        // A run that an error ends still counts the batches it deleted.
+        let broken = repo(vec![
+            Ok(batch(0, 4, true)),
+            Err(Error::Unavailable(sqlx::Error::PoolTimedOut)),
+        ]);
+        prune_until_done(&broken, PrunePolicy::default(), Duration::ZERO, &stop)
+            .await
+            .unwrap_err();
+        let text = handle.render();
+        for line in [
+            r#"outbox_pruned_rows_total{status="processed"} 5"#,
+            r#"outbox_pruned_rows_total{status="failed"} 5"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+    }
 }
