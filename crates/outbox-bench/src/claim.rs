@@ -13,15 +13,15 @@ use super::report::{Report, Row};
 use super::{BenchDb, Sizes};
 
 /// Keys the seeded backlog is spread over, round robin.
-const KEYS: usize = 1_000;
+pub(crate) const KEYS: usize = 1_000;
 /// Rows over the other keys in the hot-key shape.
-const HOT_OTHERS: usize = 10_000;
+pub(crate) const HOT_OTHERS: usize = 10_000;
 /// Heads in flight (claimed by live workers) in every shape.
-const IN_FLIGHT: usize = 8;
+pub(crate) const IN_FLIGHT: usize = 8;
 
 /// A seeded backlog shape.
 #[derive(Debug, Clone, Copy)]
-enum Shape {
+pub(crate) enum Shape {
     /// `rows` pending rows over [`KEYS`] keys, interleaved.
     Backlog(usize),
     /// `hot` pending rows of one key, created before [`HOT_OTHERS`] rows over [`KEYS`] keys.
@@ -31,7 +31,7 @@ enum Shape {
 }
 
 impl Shape {
-    fn name(self) -> String {
+    pub(crate) fn name(self) -> String {
         match self {
             Shape::Backlog(n) => format!("{} rows over {KEYS} keys", count(n)),
             Shape::Hot(h) => format!(
@@ -75,7 +75,7 @@ async fn seed(pool: &PgPool, shape: Shape) -> Result<()> {
     Ok(())
 }
 
-fn shapes(sizes: &Sizes) -> Vec<Shape> {
+pub(crate) fn shapes(sizes: &Sizes) -> Vec<Shape> {
     let mut shapes: Vec<Shape> = sizes
         .claim_backlogs
         .iter()
@@ -86,7 +86,7 @@ fn shapes(sizes: &Sizes) -> Vec<Shape> {
     shapes
 }
 
-fn cutoffs() -> ClaimPolicy {
+pub(crate) fn cutoffs() -> ClaimPolicy {
     ClaimPolicy::new(
         outbox_events::DEFAULT_STALE_AFTER,
         outbox_events::DEFAULT_RETRY_DELAY,
@@ -118,7 +118,7 @@ where
     Ok(ms)
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }

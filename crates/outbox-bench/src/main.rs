@@ -9,6 +9,7 @@
 
 mod ceiling;
 mod claim;
+mod claim_sqlite;
 mod cost;
 mod relay;
 mod report;
@@ -246,6 +247,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     }
     if wanted("claim") {
         claim::select_and_claim(db, &sizes, &mut report).await?;
+        claim_sqlite::select_and_claim_sqlite(&sizes, &mut report).await?;
     }
     if wanted("retention") {
         retention::retention(db, &sizes, &mut report).await?;

@@ -104,6 +104,18 @@ pub struct RetryArgs {
     pub event_type: Option<String>,
 }
 
+/// `outbox heads`.
+#[derive(Debug, Args)]
+pub struct HeadsArgs {
+    /// Rebuild the heads table from the outbox rows (holds the outbox's writers off while it
+    /// runs), then check again.
+    #[arg(long)]
+    pub rebuild: bool,
+    /// Print one JSON document instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// `outbox backfill-record-keys`.
 #[derive(Debug, Args)]
 pub struct BackfillArgs {

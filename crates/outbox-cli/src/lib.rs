@@ -40,7 +40,7 @@ use anyhow::Result;
 use clap::Subcommand;
 use outbox_events::Consumer;
 
-use args::{BackfillArgs, EventsArgs, JsonArg, PruneArgs, RetryArgs};
+use args::{BackfillArgs, EventsArgs, HeadsArgs, JsonArg, PruneArgs, RetryArgs};
 
 /// The operator commands. Each one changes only what it was asked to change.
 #[derive(Debug, Subcommand)]
@@ -58,6 +58,9 @@ pub enum OperatorCommand {
     Explain,
     /// Set missing RecordKey values of non-terminal rows, in resumable batches.
     BackfillRecordKeys(BackfillArgs),
+    /// Check the claim's derived heads table against the outbox rows (exit 1 when they differ);
+    /// `--rebuild` recomputes it.
+    Heads(HeadsArgs),
     /// Print the consumer map: every registered consumer, its effects and its verdict.
     Consumers(JsonArg),
     /// Exit 0 only when OUTBOX_PULL_WORKER may flip for the registered consumers; otherwise
@@ -83,6 +86,7 @@ pub async fn run_operator(
         OperatorCommand::Retry(args) => ops::retry(url, args).await,
         OperatorCommand::Explain => ops::explain(url).await,
         OperatorCommand::BackfillRecordKeys(args) => ops::backfill(url, args).await,
+        OperatorCommand::Heads(args) => ops::heads(url, args).await,
         OperatorCommand::Consumers(a) => ops::consumers(consumers, a.json),
         OperatorCommand::Gate(a) => ops::gate(url, consumers, a.json).await,
         OperatorCommand::Prune(args) => ops::prune(url, args).await,

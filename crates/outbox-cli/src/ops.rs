@@ -13,7 +13,7 @@ use outbox_persistence::{
 };
 use serde::Serialize;
 
-use crate::args::{BackfillArgs, EventsArgs, PruneArgs, RetryArgs};
+use crate::args::{BackfillArgs, EventsArgs, HeadsArgs, PruneArgs, RetryArgs};
 use crate::db;
 
 /// `outbox migrate`.
@@ -59,6 +59,70 @@ pub async fn retry(url: Option<&str>, args: RetryArgs) -> Result<ExitCode> {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What `outbox heads` found (and did).
+#[derive(Debug, Serialize)]
+struct HeadsReport {
+    /// Keys whose head differed from the outbox rows (at most 1,000).
+    differing_keys: Vec<String>,
+    /// Heads after a rebuild, when `--rebuild` ran one.
+    rebuilt_heads: Option<u64>,
+    /// Keys that still differ after the rebuild (empty unless writers raced a broken trigger).
+    differing_after_rebuild: Option<Vec<String>>,
+}
+
+/// `outbox heads [--rebuild]`: the claim's candidate list (`_System_OutboxHead`, derived state)
+/// checked against the outbox rows; exits 1 when they differ (and were not rebuilt).
+pub async fn heads(url: Option<&str>, args: HeadsArgs) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let differing_keys = db.check_heads().await?;
+    let mut report = HeadsReport {
+        differing_keys,
+        rebuilt_heads: None,
+        differing_after_rebuild: None,
+    };
+    if args.rebuild {
+        report.rebuilt_heads = Some(db.rebuild_heads().await?);
+        report.differing_after_rebuild = Some(db.check_heads().await?);
+    }
+    db.close().await;
+    let consistent = match &report.differing_after_rebuild {
+        Some(after) => after.is_empty(),
+        None => report.differing_keys.is_empty(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_heads(&report);
+    }
+    Ok(if consistent {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn print_heads(report: &HeadsReport) {
+    if report.differing_keys.is_empty() {
+        println!("heads: consistent with the outbox rows");
+    } else {
+        println!(
+            "heads: {} keys differ from the outbox rows (a claim may miss their rows until rebuilt):",
+            report.differing_keys.len()
+        );
+        for key in &report.differing_keys {
+            println!("  {key}");
+        }
+    }
+    if let Some(n) = report.rebuilt_heads {
+        println!("rebuilt: {n} heads");
+        match &report.differing_after_rebuild {
+            Some(after) if after.is_empty() => println!("heads: consistent after the rebuild"),
+            Some(after) => println!("heads: {} keys still differ after the rebuild", after.len()),
+            None => {}
+        }
+    }
 }
 
 /// `outbox explain`: the PostgreSQL plans of the eligible query and the claim.

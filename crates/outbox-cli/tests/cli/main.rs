@@ -4,6 +4,7 @@
 
 mod errors;
 mod events;
+mod heads;
 
 use std::process::{Command, Output};
 

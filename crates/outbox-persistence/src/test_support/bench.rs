@@ -11,7 +11,8 @@ use uuid::Uuid;
 use crate::{ClaimPolicy, Result};
 
 /// The select-and-claim statement as it was before the per-key-head rewrite: the design's
-/// eligible query, as written, feeding the claim. Kept to measure before and after.
+/// eligible query, as written, feeding the claim, with the scope predicates (bound NULL) and
+/// the full row returned, as the repository ran it then. Kept to measure before and after.
 const DESIGN_CLAIM_NEXT: &str = "\
 WITH candidate AS (
   SELECT e.Id, e.Status AS old_status
@@ -35,6 +36,8 @@ WITH candidate AS (
           AND older.Status NOT IN ('processed', 'failed')
       )
     )
+    AND ($4::text[] IS NULL OR e.EventType = ANY($4))
+    AND ($5::text[] IS NULL OR e.EventType <> ALL($5))
   ORDER BY e.CreatedDate ASC, e.Id ASC
   LIMIT 1
   FOR UPDATE OF e SKIP LOCKED
@@ -44,7 +47,8 @@ SET Status = 'processing',
     LastModifiedDate = GREATEST($1, t.LastModifiedDate + interval '1 microsecond')
 FROM candidate c
 WHERE t.Id = c.Id
-RETURNING t.Id";
+RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
+          t.LastModifiedDate, t.LastError, c.old_status";
 
 /// Empties the outbox table and refreshes its statistics.
 pub async fn reset(pool: &PgPool) -> Result<()> {
@@ -129,10 +133,13 @@ async fn design_cutoffs(
 /// returns its id. For measurement only: it is not the repository's claim.
 pub async fn design_claim_next(pool: &PgPool, policy: ClaimPolicy) -> Result<Option<Uuid>> {
     let (now, stale, retry) = design_cutoffs(pool, policy).await?;
+    let no_types: Option<Vec<String>> = None;
     Ok(sqlx::query_scalar(DESIGN_CLAIM_NEXT)
         .bind(now)
         .bind(stale)
         .bind(retry)
+        .bind(&no_types)
+        .bind(&no_types)
         .fetch_optional(pool)
         .await?)
 }
@@ -163,6 +170,8 @@ pub async fn explain_claims(
     .bind(now)
     .bind(stale)
     .bind(retry)
+    .bind(None::<Vec<String>>)
+    .bind(None::<Vec<String>>)
     .fetch_all(&mut *tx)
     .await?;
     tx.rollback().await?;
