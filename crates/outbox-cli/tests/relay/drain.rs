@@ -10,7 +10,8 @@ use outbox_tests::{TestDb, backend_tests};
 
 use crate::{PASSWORD, relay_env, run, stderr, stdout};
 
-async fn seed(db: &TestDb) {
+/// 300 events of the relayed types over 30 records, and one `invoice.sent` the relay does not own.
+pub async fn seed(db: &TestDb) {
     let repo = db.repository();
     let mut events = Vec::new();
     for i in 0..300 {

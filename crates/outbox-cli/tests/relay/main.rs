@@ -5,6 +5,7 @@
 
 mod drain;
 mod kills;
+mod secure;
 
 use std::process::{Command, Output};
 

@@ -4,6 +4,13 @@
 //!
 //! The server binary is `$NATS_SERVER`, or `nats-server` on `PATH` (Debian's package installs
 //! `/usr/sbin/nats-server`).
+//!
+//! [`tls::TestCa`] makes a CA and a server certificate (with the `openssl` command) for a server
+//! that requires TLS; [`creds::Operator`] makes operator, account and user keys and JWTs for a
+//! server in operator mode (decentralised auth) and writes the user's `.creds` file.
+
+pub mod creds;
+pub mod tls;
 
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -28,6 +35,15 @@ fn binary() -> PathBuf {
             .find(|p| p.is_file())
     });
     on_path.unwrap_or_else(|| PathBuf::from("/usr/sbin/nats-server"))
+}
+
+/// The server's log (`server.log` in its directory, appended to across restarts).
+fn log_file(dir: &std::path::Path) -> Stdio {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("server.log"))
+        .map_or_else(|_| Stdio::null(), Stdio::from)
 }
 
 fn free_port() -> u16 {
@@ -78,7 +94,7 @@ impl NatsServer {
             .arg("-sd")
             .arg(self.dir.join("store"))
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stderr(log_file(&self.dir));
         if let Some(config) = &self.config {
             command.arg("-c").arg(config);
         }
@@ -93,11 +109,18 @@ impl NatsServer {
         while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             assert!(
                 start.elapsed() < Duration::from_secs(10),
-                "nats-server did not listen on port {} within 10 s",
-                self.port
+                "nats-server did not listen on port {} within 10 s; its log:\n{}",
+                self.port,
+                std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The server's own directory (removed on drop): a place for its certificates and
+    /// credentials.
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
     }
 
     /// `nats://127.0.0.1:PORT`.
