@@ -11,6 +11,7 @@ mod ceiling;
 mod claim;
 mod claim_sqlite;
 mod cost;
+mod metrics_cost;
 mod relay;
 mod report;
 mod retention;
@@ -251,6 +252,10 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     }
     if wanted("retention") {
         retention::retention(db, &sizes, &mut report).await?;
+    }
+    // Last: it installs the process's metrics recorder, which stays (switched off).
+    if wanted("metrics-cost") {
+        metrics_cost::metrics_cost(db, &sizes, &mut report).await?;
     }
     report.finish().await;
     Ok(report)
