@@ -11,6 +11,7 @@ mod ceiling;
 mod claim;
 mod claim_sqlite;
 mod cost;
+mod hot_key;
 mod metrics_cost;
 mod relay;
 mod report;
@@ -232,7 +233,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
         scenarios::head_of_line(db, &sizes, &mut report).await?;
     }
     if wanted("hot") {
-        scenarios::hot_key(db, &sizes, &mut report).await?;
+        hot_key::hot_key(db, &sizes, &mut report).await?;
     }
     if wanted("slow") {
         scenarios::slow_handlers(db, &sizes, &mut report).await?;

@@ -21,13 +21,13 @@ use super::report::{Report, Row};
 use super::{BenchDb, Sizes};
 
 /// The event type every bench event has.
-const EVENT_TYPE: &str = "bench";
+pub(crate) const EVENT_TYPE: &str = "bench";
 /// The record whose handler the head-of-line scenario blocks on a row lock.
 const BLOCKED_KEY: &str = "lead:blocked";
 /// The hot record of the hot-key scenario.
-const HOT_KEY: &str = "lead:hot";
+pub(crate) const HOT_KEY: &str = "lead:hot";
 /// Longest a single dispatcher run may take before the bench gives up.
-const RUN_LIMIT: Duration = Duration::from_secs(600);
+pub(crate) const RUN_LIMIT: Duration = Duration::from_secs(600);
 
 /// A handler that does nothing, sleeps, or (for one record) waits for a row lock, always in
 /// the attempt transaction.
@@ -65,7 +65,7 @@ pub(crate) fn handlers(sleep: Option<Duration>, lock_key: Option<&'static str>) 
 }
 
 /// A payload about record `Lead:{record}`, or about no record.
-fn payload(record: Option<&str>) -> String {
+pub(crate) fn payload(record: Option<&str>) -> String {
     match record {
         Some(id) => format!(r#"{{"object":"Lead","record_id":"{id}","snapshot":{{}}}}"#),
         None => r#"{"snapshot":{}}"#.to_string(),
@@ -136,8 +136,8 @@ pub(crate) fn mode_name(mode: DispatchMode) -> &'static str {
 pub(crate) struct Running {
     handle: DispatcherHandle,
     db: Database,
-    started: DateTime<Utc>,
-    started_at: Instant,
+    pub(crate) started: DateTime<Utc>,
+    pub(crate) started_at: Instant,
 }
 
 pub(crate) async fn start(
@@ -184,7 +184,7 @@ impl Running {
 }
 
 /// Drains `events` (already enqueued) with a fresh dispatcher; the figures of every row.
-async fn drain(
+pub(crate) async fn drain(
     db: &BenchDb,
     mode: DispatchMode,
     workers: usize,
@@ -334,6 +334,7 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
         let during =
             bench::processed_until(pg(&pool)?, Keys::Except(BLOCKED_KEY), block_end).await?;
         let blocked_f = bench::latency(pg(&pool)?, Keys::Only(BLOCKED_KEY), block_start).await?;
+        let violations = bench::order_violations(pg(&pool)?).await?;
         pool.close().await;
         let block_s = (block_end - block_start).as_seconds_f64();
         let rate = during as f64 / block_s;
@@ -350,9 +351,11 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
             p50_ms: Some(f.p50_ms),
             p99_ms: Some(f.p99_ms),
             note: format!(
-                "others processed during the block: {during} of {} offered ({:.0}/s offered); blocked record p50 {:.0} ms",
+                "others processed during the block: {during} of {} offered ({:.0}/s offered); blocked record: {} of {} processed after the block, p50 {:.0} ms; order violations {violations}",
                 sizes.block_events,
                 sizes.block_events as f64 / sizes.block.as_secs_f64(),
+                blocked_f.n,
+                blocked.len(),
                 blocked_f.p50_ms
             ),
             ..Row::default()
@@ -364,48 +367,6 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
                 f.p99_ms < 100.0,
             );
         }
-    }
-    Ok(())
-}
-
-pub(crate) async fn hot_key(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
-    eprintln!("hot key");
-    let n = sizes.hot_events;
-    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
-        reset(db).await?;
-        let pool = db.connect(2).await?;
-        // The hot record's events first, then the others: the design query's worst case.
-        let mut events: Vec<NewEvent> = (0..n)
-            .map(|_| NewEvent::new(EVENT_TYPE, payload(Some("hot"))))
-            .collect();
-        events.extend(keyed_events(n, sizes.records, true));
-        enqueue(&pool.repository(), &events, 1_000).await?;
-        pool.close().await;
-        let run = start(db, config(mode, 8), handlers(None, None)).await?;
-        run.wait_for(2 * n as u64).await?;
-        let since = run.started;
-        run.stop().await?;
-        let pool = db.connect(1).await?;
-        let all = bench::latency(pg(&pool)?, Keys::All, since).await?;
-        let others = bench::latency(pg(&pool)?, Keys::Except(HOT_KEY), since).await?;
-        let hot = bench::latency(pg(&pool)?, Keys::Only(HOT_KEY), since).await?;
-        let violations = bench::order_violations(pg(&pool)?).await?;
-        pool.close().await;
-        report.push(Row {
-            scenario: format!("hot key: {n} on 1 record + {n} over {}", sizes.records),
-            dispatcher: mode_name(mode).into(),
-            workers: Some(8),
-            events: Some(all.n),
-            per_second: Some(all.n as f64 / all.span_s.max(1e-9)),
-            p50_ms: Some(others.p50_ms),
-            p99_ms: Some(others.p99_ms),
-            note: format!(
-                "latency of the other records; others drained in {:.1}s, hot record at {:.0}/s (serial); order violations {violations}",
-                others.span_s,
-                hot.n as f64 / hot.span_s.max(1e-9)
-            ),
-            ..Row::default()
-        });
     }
     Ok(())
 }
