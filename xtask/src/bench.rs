@@ -15,24 +15,33 @@ pub struct BenchOptions {
     pub quick: bool,
     /// Also print one JSON document.
     pub json: bool,
+    /// Only the scenarios whose names contain one of these words (`--only claim,hot`).
+    pub only: Option<String>,
 }
 
 impl BenchOptions {
-    /// Reads `[--quick] [--json]`.
+    /// Reads `[--quick] [--json] [--only WORDS]`.
     pub fn parse(args: &[String]) -> Result<Self> {
         let mut options = Self::default();
-        for arg in args {
+        let mut args = args.iter();
+        while let Some(arg) = args.next() {
             match arg.as_str() {
                 "--quick" => options.quick = true,
                 "--json" => options.json = true,
-                other => bail!("`cargo xtask bench` takes --quick and --json, got `{other}`"),
+                "--only" => match args.next() {
+                    Some(words) => options.only = Some(words.clone()),
+                    None => bail!("`--only` takes scenario words, for example `--only claim,hot`"),
+                },
+                other => bail!(
+                    "`cargo xtask bench` takes --quick, --json and --only WORDS, got `{other}`"
+                ),
             }
         }
         Ok(options)
     }
 }
 
-/// `cargo xtask bench [--quick] [--json]`: `outbox-bench [--quick] [--json]`.
+/// `cargo xtask bench [--quick] [--json] [--only WORDS]`: `outbox-bench` with the same flags.
 pub fn run(options: &BenchOptions) -> Result<()> {
     let mut args = Vec::new();
     if options.quick {
@@ -41,6 +50,9 @@ pub fn run(options: &BenchOptions) -> Result<()> {
     if options.json {
         args.push("--json");
     }
+    if let Some(words) = &options.only {
+        args.extend(["--only", words.as_str()]);
+    }
     run_bench(&args)
 }
 
@@ -48,7 +60,7 @@ pub fn run(options: &BenchOptions) -> Result<()> {
 pub fn quick() -> Result<()> {
     run(&BenchOptions {
         quick: true,
-        json: false,
+        ..BenchOptions::default()
     })
 }
 
@@ -83,9 +95,18 @@ mod tests {
             BenchOptions::parse(&strings(&["--json", "--quick"])).unwrap(),
             BenchOptions {
                 quick: true,
-                json: true
+                json: true,
+                only: None,
             }
         );
+        assert_eq!(
+            BenchOptions::parse(&strings(&["--only", "claim,hot"]))
+                .unwrap()
+                .only
+                .as_deref(),
+            Some("claim,hot")
+        );
+        assert!(BenchOptions::parse(&strings(&["--only"])).is_err());
         assert_eq!(BenchOptions::parse(&[]).unwrap(), BenchOptions::default());
         assert!(BenchOptions::parse(&strings(&["--full"])).is_err());
     }

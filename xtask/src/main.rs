@@ -34,7 +34,7 @@ commands:
                    allowed, a //! header on every file, no ignored test, missing_docs lints
                    on library crates, no long file or function outside tests
   deps             check the direction of dependencies between workspace crates
-  bench [--quick] [--json]
+  bench [--quick] [--json] [--only WORDS]
                    run `outbox-bench`: throughput, latency, head-of-line blocking, scaling and
                    cost of the workers against PostgreSQL ceilings (fresh database, dropped
                    after)
