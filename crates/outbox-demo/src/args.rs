@@ -64,6 +64,14 @@ pub struct DemoArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Relay to this NATS server (JetStream) as a second consumer: each write also enqueues its
+    /// record's change (`account.changed`, `lead.changed`), which the relay publishes while the
+    /// demo's handlers run the rest; the stream is then read back and verified.
+    #[arg(long, value_name = "NATS_URL")]
+    pub relay: Option<String>,
+    /// The stream of `--relay` (created when missing; this run's messages are verified).
+    #[arg(long, default_value = "OUTBOX_DEMO")]
+    pub relay_stream: String,
 }
 
 /// `outbox-demo seed`.

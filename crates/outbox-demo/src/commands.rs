@@ -92,6 +92,7 @@ pub async fn seed_command(url: Option<&str>, args: SeedArgs) -> Result<ExitCode>
                 sleep_ms: args.slow_ms,
             },
             poison: args.poison_events,
+            feed: false,
         },
     )
     .await?;

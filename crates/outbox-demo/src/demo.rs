@@ -17,6 +17,7 @@ use serde::Serialize;
 use crate::args::DemoArgs;
 use crate::commands::{connect_config, decide, demo_worker_config, mode_name, stats};
 use crate::handlers::{Actions, Faults, handlers};
+use crate::relay::{DemoRelay, RelayReport};
 use crate::sink::MailSink;
 use crate::{faults, verify, workload};
 
@@ -36,6 +37,8 @@ struct Report {
     events_per_second: f64,
     faults: faults::FaultReport,
     workers_observed: Observed,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    relay: Option<RelayReport>,
     verification: verify::Verification,
 }
 
@@ -78,7 +81,17 @@ fn fresh_sqlite_url() -> String {
 /// Every failed attempt is counted once: `sum(RetryCount)` equals the attempts the workers
 /// ended in a retry or failure plus the stale reclaims, each of which counts the attempt that
 /// died (the worker killed mid-attempt).
-fn failures_counted_once(v: &verify::Verification, m: &MetricsSnapshot) -> verify::Check {
+fn failures_counted_once(
+    v: &verify::Verification,
+    m: &MetricsSnapshot,
+    relay: Option<&MetricsSnapshot>,
+) -> verify::Check {
+    let mut m = *m;
+    if let Some(r) = relay {
+        m.retried += r.retried;
+        m.failed += r.failed;
+        m.stale_reclaims += r.stale_reclaims;
+    }
     let counted = m.retried + m.failed + m.stale_reclaims;
     verify::Check {
         name: "every failed attempt counted once in RetryCount",
@@ -96,26 +109,13 @@ fn failures_counted_once(v: &verify::Verification, m: &MetricsSnapshot) -> verif
 pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
     let url = url.map_or_else(fresh_sqlite_url, str::to_string);
     let mode: DispatchMode = args.mode.into();
-    let config = args.workers.config(demo_worker_config(mode));
+    let mut config = args.workers.config(demo_worker_config(mode));
+    if args.relay.is_some() {
+        config = DemoRelay::scope_out(config);
+    }
     config.validate().map_err(anyhow::Error::msg)?;
-    let db = db::connect(Some(&url), connect_config(&config)).await?;
-    if !args.json {
-        println!(
-            "outbox demo on {} ({})",
-            outbox_persistence::redact_url(&url),
-            db.backend_name()
-        );
-    }
-    db.migrate().await.context("migrating")?;
-    db::check_schema(&db).await?;
+    let db = open_fresh(&url, &config, args.json).await?;
     let repo = db.repository();
-    let before = stats(&repo).await?;
-    if before.pending + before.processing > 0 {
-        anyhow::bail!(
-            "the database already holds {} unfinished events; run the demo on a fresh database (omit --database-url for a new SQLite file)",
-            before.pending + before.processing
-        );
-    }
     // One process hosts every worker here, so no poison event: it would abort the demo itself.
     let seeded = workload::seed(
         &db,
@@ -124,6 +124,7 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
             events: args.workload.events,
             records: args.workload.records,
             seed: Utc::now().timestamp_millis() as u64,
+            feed: args.relay.is_some(),
             ..workload::Workload::default()
         },
     )
@@ -131,6 +132,10 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
     let fault_rate = args.workers.fault_rate.unwrap_or(DEFAULT_DEMO_FAULT_RATE);
     let sink = MailSink::open(&url).await?;
     let run = sink.run_started(mode_name(mode)).await?;
+    let relay = match &args.relay {
+        Some(nats) => Some(DemoRelay::start(nats, &args.relay_stream, repo.clone()).await?),
+        None => None,
+    };
     let outcome = run_workers(
         &db,
         &repo,
@@ -142,10 +147,7 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
     )
     .await?;
     sink.run_completed(run, &outcome.metrics).await?;
-    let mut verification = verify::verify(&db, &sink).await?;
-    verification
-        .checks
-        .push(failures_counted_once(&verification, &outcome.metrics));
+    let (verification, relay) = verify_run(&db, &repo, &sink, &outcome, relay).await?;
     let report = Report {
         backend: db.backend_name(),
         database: outbox_persistence::redact_url(&url),
@@ -157,6 +159,7 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
         events_per_second: seeded.events as f64 / outcome.elapsed.as_secs_f64().max(1e-9),
         faults: outcome.faults,
         workers_observed: outcome.metrics.into(),
+        relay,
         verification,
     };
     sink.close().await;
@@ -172,6 +175,53 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Connects to `url`, migrates, and refuses a database with unfinished events.
+async fn open_fresh(url: &str, config: &WorkerConfig, json: bool) -> Result<Database> {
+    let db = db::connect(Some(url), connect_config(config)).await?;
+    if !json {
+        println!(
+            "outbox demo on {} ({})",
+            outbox_persistence::redact_url(url),
+            db.backend_name()
+        );
+    }
+    db.migrate().await.context("migrating")?;
+    db::check_schema(&db).await?;
+    let before = stats(&db.repository()).await?;
+    if before.pending + before.processing > 0 {
+        anyhow::bail!(
+            "the database already holds {} unfinished events; run the demo on a fresh database (omit --database-url for a new SQLite file)",
+            before.pending + before.processing
+        );
+    }
+    Ok(db)
+}
+
+/// Verifies the run from the database, and the relay's stream from NATS when it ran.
+async fn verify_run(
+    db: &Database,
+    repo: &Arc<dyn OutboxRepository>,
+    sink: &MailSink,
+    outcome: &RunOutcome,
+    relay: Option<DemoRelay>,
+) -> Result<(verify::Verification, Option<RelayReport>)> {
+    let mut verification = verify::verify(db, sink).await?;
+    let (relay, relay_metrics) = match relay {
+        Some(relay) => {
+            let (report, checks, metrics) = relay.finish(repo).await?;
+            verification.checks.extend(checks);
+            (Some(report), Some(metrics))
+        }
+        None => (None, None),
+    };
+    verification.checks.push(failures_counted_once(
+        &verification,
+        &outcome.metrics,
+        relay_metrics.as_ref(),
+    ));
+    Ok((verification, relay))
 }
 
 fn print_report(r: &Report) {
@@ -206,6 +256,9 @@ fn print_report(r: &Report) {
         r.workers_observed.lost_claims,
         r.workers_observed.detached_bookkeeping
     );
+    if let Some(relay) = &r.relay {
+        print_relay(relay);
+    }
     let v = &r.verification;
     println!(
         "integrity   {} claims lost, {} handlers ran twice for one attempt; {} reclaims after {} worker death(s)",
@@ -236,6 +289,22 @@ fn print_report(r: &Report) {
         } else {
             "FAILED"
         }
+    );
+}
+
+fn print_relay(r: &RelayReport) {
+    let a = &r.audit;
+    println!(
+        "relay       {} of {} changes processed into stream {} at {}: {} published, {} duplicates dropped by the stream, {} publish failures",
+        r.processed, r.events, r.stream, r.url, r.published, r.duplicates, r.failures
+    );
+    println!(
+        "stream      {} messages read back from NATS: {} missing, {} duplicated, {} unexpected, {} out of per-record order",
+        r.messages,
+        a.missing.len(),
+        a.duplicated.len(),
+        a.unexpected.len(),
+        a.out_of_order.len()
     );
 }
 

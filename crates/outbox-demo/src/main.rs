@@ -10,6 +10,7 @@ mod faults;
 mod handlers;
 mod integrity;
 mod journal;
+mod relay;
 mod schema;
 mod sink;
 mod verify;

@@ -23,6 +23,14 @@ pub const WELCOME_EMAIL: &str = "account.welcome_email";
 /// for the fault suite's "a slow handler is never reclaimed" check).
 pub const SLOW_REPORT: &str = "report.slow";
 
+/// The change feed's event types (seeded with `--relay` only): every application write also
+/// enqueues, in its transaction, its record's change for the NATS relay to publish.
+pub const ACCOUNT_CHANGED: &str = "account.changed";
+/// A lead's change, for the relay.
+pub const LEAD_CHANGED: &str = "lead.changed";
+/// The event types the demo's relay owns; the demo's own handlers never claim them.
+pub const FEED_TYPES: [&str; 2] = [ACCOUNT_CHANGED, LEAD_CHANGED];
+
 /// Slow events to seed among the workload.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SlowEvents {
@@ -47,6 +55,8 @@ pub struct Workload {
     pub slow: SlowEvents,
     /// Poison records to add (see [`poison_writes`]).
     pub poison: usize,
+    /// Whether each write also enqueues its change-feed event ([`FEED_TYPES`]).
+    pub feed: bool,
 }
 
 /// Events written per application transaction while seeding.
@@ -259,6 +269,8 @@ pub struct Seeded {
     pub marked_faults: usize,
     /// Poison events (each with a younger event of its record).
     pub poison: usize,
+    /// Change-feed events (one per write when [`Workload::feed`]).
+    pub feed: usize,
 }
 
 /// Writes the workload: each batch of records and their events in one application
@@ -283,7 +295,10 @@ pub async fn seed(
         for write in batch {
             write_record(&mut tx, &write.record).await?;
         }
-        let mut new_events: Vec<NewEvent> = batch.iter().map(|w| w.event.clone()).collect();
+        let mut new_events: Vec<NewEvent> = batch
+            .iter()
+            .flat_map(|write| events_of(write, w.feed))
+            .collect();
         // Spread the slow events evenly over the batches, so they run while the rest flows.
         let due = slow.count * (index + 1) / batches;
         while slow.count - slow_left < due {
@@ -302,7 +317,7 @@ pub async fn seed(
         tx.commit().await?;
     }
     Ok(Seeded {
-        events: writes.len() + slow.count,
+        events: writes.len() + slow.count + if w.feed { writes.len() } else { 0 },
         records: if w.events == 0 {
             0
         } else {
@@ -310,7 +325,22 @@ pub async fn seed(
         } + w.poison,
         marked_faults,
         poison: w.poison,
+        feed: if w.feed { writes.len() } else { 0 },
     })
+}
+
+/// A write's events: its own, then (with `feed`) its record's change for the relay, with the
+/// same record and so the same `RecordKey`.
+fn events_of(write: &Write, feed: bool) -> Vec<NewEvent> {
+    let mut events = vec![write.event.clone()];
+    if feed {
+        let feed_type = match write.record {
+            RecordWrite::Account { .. } => ACCOUNT_CHANGED,
+            RecordWrite::Lead { .. } => LEAD_CHANGED,
+        };
+        events.push(NewEvent::new(feed_type, write.event.payload.clone()));
+    }
+    events
 }
 
 /// The `n`th slow event: a report record of its own, whose handler sleeps `sleep_ms`.

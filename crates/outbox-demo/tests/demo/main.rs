@@ -5,6 +5,7 @@
 
 mod metrics;
 mod operator;
+mod relay;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
