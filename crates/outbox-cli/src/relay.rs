@@ -256,6 +256,8 @@ pub struct RelayArgs {
     /// With --create-stream: keep messages in memory (lost when the server restarts).
     #[arg(long, requires = "create_stream")]
     pub memory_storage: bool,
+    #[command(flatten)]
+    pub metrics: outbox_cli::metrics::MetricsArgs,
 }
 
 impl RelayArgs {
@@ -271,7 +273,7 @@ impl RelayArgs {
         if let Some(ms) = self.lock_timeout_ms {
             base = base.with_lock_timeout(Duration::from_millis(ms));
         }
-        self.spec.worker_config(base)
+        self.metrics.apply(self.spec.worker_config(base))
     }
 
     fn stream_spec(&self, config: &RelayConfig, worker: &WorkerConfig) -> StreamSpec {
@@ -292,6 +294,7 @@ pub async fn run(url: Option<&str>, args: RelayArgs) -> Result<ExitCode> {
     let config = args.spec.relay_config()?;
     let worker = args.worker_config();
     worker.validate().map_err(anyhow::Error::msg)?;
+    args.metrics.install()?;
     let connect = args.nats.connect()?;
     let client = connect.connect().await?;
     let relay = Relay::new(client, config.clone())?;

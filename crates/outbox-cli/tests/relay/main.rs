@@ -5,6 +5,7 @@
 
 mod drain;
 mod kills;
+mod metrics;
 mod secure;
 
 use std::process::{Command, Output};
