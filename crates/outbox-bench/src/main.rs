@@ -11,6 +11,7 @@ mod ceiling;
 mod claim;
 mod claim_sqlite;
 mod cost;
+mod cpu;
 mod hot_key;
 mod metrics_cost;
 mod relay;
