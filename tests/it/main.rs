@@ -12,4 +12,5 @@ mod plans;
 mod repository;
 mod retention;
 mod status;
+mod wakeups;
 mod workers;

@@ -12,6 +12,7 @@ mod claim;
 mod claim_sqlite;
 mod cost;
 mod cpu;
+mod enqueue;
 mod hot_key;
 mod metrics_cost;
 mod relay;
@@ -240,7 +241,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
         scenarios::slow_handlers(db, &sizes, &mut report).await?;
     }
     if wanted("enqueue") {
-        scenarios::enqueue_rate(db, &sizes, &mut report).await?;
+        enqueue::enqueue_rate(db, &sizes, &mut report).await?;
     }
     if wanted("idle") {
         scenarios::idle_pickup(db, &sizes, &mut report).await?;

@@ -433,55 +433,6 @@ pub(crate) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Repo
     Ok(())
 }
 
-pub(crate) async fn enqueue_rate(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
-    eprintln!("enqueue");
-    let tasks = 8;
-    for per_tx in [1usize, 1_000] {
-        reset(db).await?;
-        let pool = db.connect(tasks as u32 + 1).await?;
-        let started = Instant::now();
-        let deadline = started + sizes.ceiling_run;
-        let mut handles = Vec::new();
-        for t in 0..tasks {
-            let repo = pool.repository();
-            handles.push(tokio::spawn(async move {
-                let mut n = 0usize;
-                while Instant::now() < deadline {
-                    let events: Vec<NewEvent> = (0..per_tx)
-                        .map(|i| {
-                            NewEvent::new(
-                                EVENT_TYPE,
-                                payload(Some(&format!("r{}", (t * per_tx + i + n) % 1000))),
-                            )
-                        })
-                        .collect();
-                    let mut tx = repo.begin().await?;
-                    repo.enqueue(&mut tx, &events).await?;
-                    tx.commit().await?;
-                    n += per_tx;
-                }
-                Ok::<_, anyhow::Error>(n)
-            }));
-        }
-        let mut total = 0;
-        for h in handles {
-            total += h.await??;
-        }
-        let rate = total as f64 / started.elapsed().as_secs_f64();
-        pool.close().await;
-        report.push(Row {
-            scenario: format!("enqueue, {per_tx} per transaction"),
-            dispatcher: "enqueue".into(),
-            workers: Some(tasks),
-            events: Some(total),
-            per_second: Some(rate),
-            note: format!("{tasks} concurrent writers, events/s"),
-            ..Row::default()
-        });
-    }
-    Ok(())
-}
-
 pub(crate) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("idle pickup");
     for mode in [DispatchMode::Pull, DispatchMode::Legacy] {

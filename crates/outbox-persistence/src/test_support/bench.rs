@@ -66,6 +66,18 @@ pub async fn vacuum_analyze(pool: &PgPool) -> Result<()> {
     Ok(())
 }
 
+/// Enables or disables the enqueue trigger that wakes idle workers (`outbox_notify_insert`),
+/// so that the bench can measure enqueue with and without any notification side by side.
+pub async fn set_wakeup_trigger(pool: &PgPool, enabled: bool) -> Result<()> {
+    let verb = if enabled { "ENABLE" } else { "DISABLE" };
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE _System_OutboxEvent {verb} TRIGGER outbox_notify_insert"
+    )))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 /// A backlog shape to seed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backlog {
