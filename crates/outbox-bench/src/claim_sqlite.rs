@@ -7,47 +7,15 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use outbox_persistence::{ClaimPolicy, ConnectConfig, Database, NewEvent, OutboxRepository, Scope};
+use outbox_persistence::{ClaimPolicy, NewEvent, OutboxRepository, Scope};
 
 use super::Sizes;
 use super::claim::{HOT_OTHERS, IN_FLIGHT, KEYS, Shape, percentile, shapes};
 use super::report::{Report, Row};
+use super::sqlite::SqliteFile;
 
 /// Events per enqueue transaction while seeding.
 const SEED_BATCH: usize = 1_000;
-
-/// A fresh, migrated SQLite file in the temporary directory, removed on drop.
-struct SqliteFile {
-    path: std::path::PathBuf,
-    database: Database,
-}
-
-impl SqliteFile {
-    async fn create() -> Result<Self> {
-        let path =
-            std::env::temp_dir().join(format!("outbox_bench_{}.db", uuid::Uuid::now_v7().simple()));
-        let url = format!("sqlite://{}", path.display());
-        let config = ConnectConfig {
-            max_connections: 2,
-            acquire_timeout: Duration::from_secs(60),
-            ..ConnectConfig::default()
-        };
-        let database = Database::connect(&url, config)
-            .await
-            .with_context(|| format!("open {}", path.display()))?;
-        database.migrate().await?;
-        Ok(Self { path, database })
-    }
-
-    async fn remove(self) {
-        self.database.close().await;
-        for suffix in ["", "-wal", "-shm"] {
-            let mut p = self.path.clone().into_os_string();
-            p.push(suffix);
-            let _ = std::fs::remove_file(p);
-        }
-    }
-}
 
 /// The shape's events in enqueue order: the hot key's first, then the others round robin.
 fn events(shape: Shape) -> impl Iterator<Item = NewEvent> {
@@ -111,7 +79,7 @@ pub(crate) async fn select_and_claim_sqlite(sizes: &Sizes, report: &mut Report) 
     let policy = super::claim::cutoffs();
     let mut p50 = Vec::new();
     for shape in shapes(sizes) {
-        let file = SqliteFile::create().await?;
+        let file = SqliteFile::create(2).await?;
         let repo = file.database.repository();
         let seeding = Instant::now();
         seed(repo.as_ref(), shape, policy).await?;

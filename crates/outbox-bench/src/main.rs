@@ -19,6 +19,7 @@ mod relay;
 mod report;
 mod retention;
 mod scenarios;
+mod sqlite;
 
 use std::process::ExitCode;
 use std::str::FromStr;
@@ -252,6 +253,9 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     if wanted("claim") {
         claim::select_and_claim(db, &sizes, &mut report).await?;
         claim_sqlite::select_and_claim_sqlite(&sizes, &mut report).await?;
+    }
+    if wanted("sqlite") {
+        sqlite::sqlite_drains(&sizes, &mut report).await?;
     }
     if wanted("retention") {
         retention::retention(db, &sizes, &mut report).await?;
