@@ -110,4 +110,7 @@ async fn postgres_enqueue_wake_ups_are_debounced() {
     insert(&mut tx, 30).await;
     tx.rollback().await.unwrap();
     assert_eq!(received(&mut listener, Duration::from_millis(300)).await, 0);
+    // The rolled-back window passed: the next committed enqueue notifies again.
+    insert(&mut plain, 31).await;
+    assert_eq!(received(&mut listener, Duration::from_secs(2)).await, 1);
 }

@@ -105,7 +105,7 @@ pub(crate) async fn hot_key(db: &BenchDb, sizes: &Sizes, report: &mut Report) ->
             p50_ms: Some(others.p50_ms),
             p99_ms: Some(others.p99_ms),
             note: format!(
-                "latency of the other records; others drained in {:.1}s ({others_rate:.0}/s = {:.2}x of their rate alone), hot record {} of {n} at {:.0}/s (serial); order violations {violations}",
+                "latency of the other records; others drained in {:.1}s ({others_rate:.0}/s = {:.2}x of the pull workers' rate without the hot record), hot record {} of {n} at {:.0}/s (serial); order violations {violations}",
                 others.span_s,
                 others_rate / alone,
                 hot.n,

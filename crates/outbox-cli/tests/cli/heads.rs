@@ -1,7 +1,7 @@
 //! `outbox heads`: the claim's derived heads table checked against the outbox rows and rebuilt.
-//! The table is damaged the way a bug or a hand edit would (a key's head deleted, another moved
-//! to a processed row, a left-over key), then checked (exit 1, the keys listed), rebuilt (exit
-//! 0) and checked again, on both backends; the rows' claims follow the rebuilt heads.
+//! The table is damaged the way a bug or a hand edit would (a key's head deleted, a left-over
+//! key), then checked (exit 1, the keys listed), rebuilt (exit 0) and checked again, on both
+//! backends; the claims then follow the rebuilt heads: every row, each key's in enqueue order.
 
 use outbox_persistence::{ClaimPolicy, NewEvent, Scope};
 use outbox_tests::{TestDb, backend_tests};
@@ -73,9 +73,25 @@ async fn heads_are_checked_and_rebuilt(db: TestDb) {
             .expect("the claim's fence holds");
         attempt.mark_processed(claim.fence).await.unwrap();
         attempt.commit().await.unwrap();
-        claimed.push(claim.event.payload);
+        let payload: Value = serde_json::from_str(&claim.event.payload).unwrap();
+        claimed.push((
+            payload["record_id"].to_string(),
+            payload["n"].as_u64().unwrap(),
+        ));
     }
     assert_eq!(claimed.len(), 6, "{claimed:?}");
+    for key in ["\"a\"", "\"b\"", "\"c\""] {
+        let order: Vec<u64> = claimed
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, n)| *n)
+            .collect();
+        assert!(
+            order.is_sorted(),
+            "{key}: claimed out of enqueue order {order:?}"
+        );
+        assert_eq!(order.len(), 2);
+    }
     let (ok, report) = heads_json(&db.url, &[]);
     assert!(ok, "a drained queue has no heads: {report}");
 }

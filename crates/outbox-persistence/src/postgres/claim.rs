@@ -27,7 +27,9 @@ ORDER BY 1
 LIMIT 1000";
 
 /// Rebuilds `_System_OutboxHead` (the statement migration 0004 seeds it with), with the outbox's
-/// writers held off.
+/// writers held off. The transaction sets its lock timeout first, so that a rebuild queued
+/// behind a long application transaction gives up instead of holding every enqueue and claim
+/// behind its own lock request.
 const HEADS_REBUILD: &str = "\
 LOCK TABLE _System_OutboxEvent IN SHARE MODE;
 DELETE FROM _System_OutboxHead;
@@ -105,6 +107,10 @@ impl PgOutbox {
     /// [`crate::Database::rebuild_heads`]); returns the number of heads.
     pub async fn rebuild_heads(&self) -> Result<u64> {
         let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(self.lock_timeout())
+            .execute(&mut *tx)
+            .await?;
         sqlx::raw_sql(HEADS_REBUILD).execute(&mut *tx).await?;
         let n: i64 = sqlx::query_scalar("SELECT count(*) FROM _System_OutboxHead")
             .fetch_one(&mut *tx)
