@@ -48,19 +48,10 @@ BEGIN
 IF only_types IS NULL AND except_types IS NULL THEN
 RETURN QUERY
 WITH clock AS (SELECT (clock_timestamp() + $1::interval) AS now),
-candidate AS (
-  SELECT e.Id, e.Status AS old_status
-  FROM (
-    (SELECT h.Id, h.CreatedDate
-     FROM _System_OutboxHead h
-     ORDER BY h.CreatedDate, h.Id)
-    UNION ALL
-    (SELECT u.Id, u.CreatedDate
-     FROM _System_OutboxEvent u
-     WHERE u.RecordKey IS NULL AND u.Status NOT IN ('processed', 'failed')
-     ORDER BY u.CreatedDate, u.Id)
-  ) c
-  JOIN _System_OutboxEvent e ON e.Id = c.Id
+head_pick AS (
+  SELECT e.Id, e.Status AS old_status, e.CreatedDate
+  FROM _System_OutboxHead h
+  JOIN _System_OutboxEvent e ON e.Id = h.Id
   WHERE
     (e.Status = 'pending'
      OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
@@ -86,9 +77,47 @@ candidate AS (
       )
       )
     )
-  ORDER BY c.CreatedDate, c.Id
+  ORDER BY h.CreatedDate, h.Id
   LIMIT 1
   FOR UPDATE OF e SKIP LOCKED
+),
+unkeyed_pick AS (
+  SELECT e.Id, e.Status AS old_status, e.CreatedDate
+  FROM _System_OutboxEvent e
+  WHERE e.RecordKey IS NULL AND e.Status NOT IN ('processed', 'failed') AND
+    (e.Status = 'pending'
+     OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
+    AND (e.Status <> 'pending'
+         OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
+         OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
+    AND (
+      e.RecordKey IS NULL
+      OR (NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent older
+        WHERE older.RecordKey = e.RecordKey
+          AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
+          AND older.Status NOT IN ('processed', 'failed')
+      )
+      AND NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent f
+        WHERE f.RecordKey = e.RecordKey
+          AND f.Status = 'processing'
+          AND f.Id <> e.Id
+          AND f.LastModifiedDate >= (SELECT now FROM clock) - $2::interval
+      )
+      )
+    )
+  ORDER BY e.CreatedDate, e.Id
+  LIMIT 1
+  FOR UPDATE OF e SKIP LOCKED
+),
+candidate AS (
+  SELECT p.Id, p.old_status
+  FROM (SELECT * FROM head_pick UNION ALL SELECT * FROM unkeyed_pick) p
+  ORDER BY p.CreatedDate, p.Id
+  LIMIT 1
 )
 UPDATE _System_OutboxEvent t
 SET Status = CASE WHEN c.old_status = 'processing' AND t.RetryCount + 1 >= $4
@@ -106,19 +135,10 @@ RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.C
 ELSE
 RETURN QUERY
 WITH clock AS (SELECT (clock_timestamp() + $1::interval) AS now),
-candidate AS (
-  SELECT e.Id, e.Status AS old_status
-  FROM (
-    (SELECT h.Id, h.CreatedDate
-     FROM _System_OutboxHead h
-     ORDER BY h.CreatedDate, h.Id)
-    UNION ALL
-    (SELECT u.Id, u.CreatedDate
-     FROM _System_OutboxEvent u
-     WHERE u.RecordKey IS NULL AND u.Status NOT IN ('processed', 'failed')
-     ORDER BY u.CreatedDate, u.Id)
-  ) c
-  JOIN _System_OutboxEvent e ON e.Id = c.Id
+head_pick AS (
+  SELECT e.Id, e.Status AS old_status, e.CreatedDate
+  FROM _System_OutboxHead h
+  JOIN _System_OutboxEvent e ON e.Id = h.Id
   WHERE
     (e.Status = 'pending'
      OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
@@ -146,9 +166,49 @@ candidate AS (
     )
     AND ($5::text[] IS NULL OR e.EventType = ANY($5))
     AND ($6::text[] IS NULL OR e.EventType <> ALL($6))
-  ORDER BY c.CreatedDate, c.Id
+  ORDER BY h.CreatedDate, h.Id
   LIMIT 1
   FOR UPDATE OF e SKIP LOCKED
+),
+unkeyed_pick AS (
+  SELECT e.Id, e.Status AS old_status, e.CreatedDate
+  FROM _System_OutboxEvent e
+  WHERE e.RecordKey IS NULL AND e.Status NOT IN ('processed', 'failed') AND
+    (e.Status = 'pending'
+     OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
+    AND (e.Status <> 'pending'
+         OR (e.RetryCount = 0 AND e.LastModifiedDate <= (SELECT now FROM clock))
+         OR e.LastModifiedDate < (SELECT now FROM clock) - $3::interval)
+    AND (
+      e.RecordKey IS NULL
+      OR (NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent older
+        WHERE older.RecordKey = e.RecordKey
+          AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
+          AND older.Status NOT IN ('processed', 'failed')
+      )
+      AND NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent f
+        WHERE f.RecordKey = e.RecordKey
+          AND f.Status = 'processing'
+          AND f.Id <> e.Id
+          AND f.LastModifiedDate >= (SELECT now FROM clock) - $2::interval
+      )
+      )
+    )
+    AND ($5::text[] IS NULL OR e.EventType = ANY($5))
+    AND ($6::text[] IS NULL OR e.EventType <> ALL($6))
+  ORDER BY e.CreatedDate, e.Id
+  LIMIT 1
+  FOR UPDATE OF e SKIP LOCKED
+),
+candidate AS (
+  SELECT p.Id, p.old_status
+  FROM (SELECT * FROM head_pick UNION ALL SELECT * FROM unkeyed_pick) p
+  ORDER BY p.CreatedDate, p.Id
+  LIMIT 1
 )
 UPDATE _System_OutboxEvent t
 SET Status = CASE WHEN c.old_status = 'processing' AND t.RetryCount + 1 >= $4
