@@ -3,9 +3,10 @@
 //! order, the other event type untouched), no secret reaches the output, and
 //! `outbox consumers`/`outbox gate` judge the relay the `OUTBOX_RELAY_*` variables configure.
 
+use super::expected_in_stream;
 use outbox_persistence::{EventFilter, NewEvent};
 use outbox_relay::test_support::NatsServer;
-use outbox_relay::{Expected, NatsAuth, NatsConnect, Secret, audit, read_stream};
+use outbox_relay::{NatsAuth, NatsConnect, Secret, audit, read_stream};
 use outbox_tests::{TestDb, backend_tests};
 
 use crate::{PASSWORD, relay_env, run, stderr, stdout};
@@ -87,14 +88,7 @@ async fn outbox_relay_drains_a_workload_into_a_stream(db: TestDb) {
         .list_events(EventFilter::new())
         .await
         .unwrap();
-    let expected: Vec<Expected> = rows
-        .iter()
-        .filter(|r| r.event_type != "invoice.sent")
-        .map(|r| Expected {
-            id: r.id.to_string(),
-            record_key: r.record_key.as_ref().map(|k| k.as_str().to_string()),
-        })
-        .collect();
+    let expected = expected_in_stream(&rows);
     let report = audit(&messages, &expected);
     assert!(report.passed(), "{report:?}");
     assert_eq!(messages.len(), 300);

@@ -11,9 +11,10 @@ use std::collections::{HashMap, HashSet};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use super::expected_in_stream;
 use outbox_persistence::{EventFilter, EventStatus, NewEvent};
 use outbox_relay::test_support::NatsServer;
-use outbox_relay::{Expected, NatsConnect, audit, read_stream};
+use outbox_relay::{NatsConnect, audit, read_stream};
 use outbox_tests::{TestDb, backend_tests};
 
 use crate::{borrowed, open_env, outbox_command};
@@ -249,14 +250,7 @@ async fn a_relay_killed_at_random_and_restarted_publishes_each_event_once_in_ord
     let client = NatsConnect::new(nats.url()).connect().await.unwrap();
     let js = outbox_relay::async_nats::jetstream::new(client);
     let messages = read_stream(&js, "CRM").await.unwrap();
-    let expected: Vec<Expected> = rows
-        .iter()
-        .filter(|r| r.event_type != "invoice.sent")
-        .map(|r| Expected {
-            id: r.id.to_string(),
-            record_key: r.record_key.as_ref().map(|k| k.as_str().to_string()),
-        })
-        .collect();
+    let expected = expected_in_stream(&rows);
     let report = audit(&messages, &expected);
     assert!(report.passed(), "{report:?}");
     assert_eq!(messages.len(), EVENTS);

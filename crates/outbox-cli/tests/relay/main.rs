@@ -85,3 +85,15 @@ pub fn borrowed<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'a str, &'a str)
 pub fn run(url: &str, args: &[&str], env: &[(&'static str, String)]) -> Output {
     outbox_with_env(url, args, &borrowed(env))
 }
+
+/// What the stream must hold: every outbox row but the `invoice.sent` row, which no relay in
+/// these tests is scoped to, with its record key (the audit's input).
+pub fn expected_in_stream(rows: &[outbox_persistence::EventRow]) -> Vec<outbox_relay::Expected> {
+    rows.iter()
+        .filter(|r| r.event_type != "invoice.sent")
+        .map(|r| outbox_relay::Expected {
+            id: r.id.to_string(),
+            record_key: r.record_key.as_ref().map(|k| k.as_str().to_string()),
+        })
+        .collect()
+}

@@ -6,11 +6,12 @@
 
 use std::path::Path;
 
+use super::expected_in_stream;
 use outbox_persistence::EventFilter;
 use outbox_relay::test_support::NatsServer;
 use outbox_relay::test_support::creds::{Operator, seed_of, write_creds};
 use outbox_relay::test_support::tls::TestCa;
-use outbox_relay::{Expected, NatsAuth, NatsConnect, audit, read_stream};
+use outbox_relay::{NatsAuth, NatsConnect, audit, read_stream};
 use outbox_tests::{TestDb, backend_tests};
 
 use crate::drain::seed;
@@ -38,14 +39,7 @@ async fn audit_stream(db: &TestDb, nats: &NatsServer, ca: &Path, creds: &Path) {
         .list_events(EventFilter::new())
         .await
         .unwrap();
-    let expected: Vec<Expected> = rows
-        .iter()
-        .filter(|r| r.event_type != "invoice.sent")
-        .map(|r| Expected {
-            id: r.id.to_string(),
-            record_key: r.record_key.as_ref().map(|k| k.as_str().to_string()),
-        })
-        .collect();
+    let expected = expected_in_stream(&rows);
     let report = audit(&messages, &expected);
     assert!(report.passed(), "{report:?}");
     assert_eq!(messages.len(), 300);
