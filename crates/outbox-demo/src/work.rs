@@ -17,6 +17,10 @@ use crate::handlers::{Actions, Faults, handlers};
 use crate::sink::MailSink;
 use crate::{faults, schema};
 
+/// What `work` writes to stderr once its workers have started (`cargo xtask faults` keeps a
+/// copy of this text).
+pub const STARTED_LOG: &str = "outbox-demo work: workers started";
+
 /// How often `work` records its counters in its run while it works.
 const PROGRESS_EVERY: Duration = Duration::from_secs(2);
 
@@ -105,6 +109,9 @@ pub async fn work_command(url: Option<&str>, args: WorkArgs) -> Result<ExitCode>
     let config = config.with_mode(mode);
     let run = sink.run_started(mode_name(mode)).await?;
     let dispatcher = dispatcher.start_decided(decision);
+    // The fault suite tells a process that could not start (exit 1 before this line: its
+    // database was cut or restarting) from one that failed while it worked.
+    eprintln!("{STARTED_LOG}");
     let fault_task = faults::FaultInjector::start(
         db.clone(),
         repo.clone(),

@@ -21,6 +21,9 @@ const FIRST_IDLE_WAIT: Duration = Duration::from_millis(10);
 /// The first wait after a failed claim (database down); it doubles up to five seconds.
 const FIRST_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
+/// How long [`Dispatcher::decide`] rides out a database that is away (unavailable, or a lock
+/// timeout) before it returns the error.
+pub const DECIDE_RETRY_FOR: Duration = Duration::from_secs(30);
 
 /// Runs outbox workers over a repository.
 pub struct Dispatcher {
@@ -57,8 +60,27 @@ impl Dispatcher {
     /// registered consumers ([`crate::evaluate_gate`]), or the configuration skips the gate by
     /// name; the legacy dispatcher otherwise (fail closed). The decision and its reasons are
     /// logged.
+    ///
+    /// The gate reads the database. A database that is briefly away while the service starts
+    /// (restarting, a connection cut, a lock timeout) does not fail the start: the decision is
+    /// tried again with backoff for up to [`DECIDE_RETRY_FOR`], or until the stop token is
+    /// cancelled; any other error, or a database still away after that, is returned.
     pub async fn decide(&self) -> Result<ModeDecision, outbox_persistence::Error> {
-        ModeDecision::make(&self.repo, &self.handlers.consumers(), &self.config).await
+        let started = tokio::time::Instant::now();
+        let mut backoff = FIRST_ERROR_BACKOFF;
+        loop {
+            match ModeDecision::make(&self.repo, &self.handlers.consumers(), &self.config).await {
+                Err(e)
+                    if e.is_transient()
+                        && started.elapsed() + backoff < DECIDE_RETRY_FOR
+                        && !self.stop.is_cancelled() =>
+                {
+                    tracing::warn!(error = %e.chain(), "cannot read the rollout gate's inputs yet; trying again");
+                    back_off(&self.stop, &mut backoff).await;
+                }
+                result => return result,
+            }
+        }
     }
 
     /// Decides ([`Dispatcher::decide`]) and starts the workers.

@@ -31,7 +31,7 @@ pub use config::{
     DEFAULT_STALE_AFTER, DEFAULT_WORKERS, DispatchMode, OUTBOX_PULL_WORKER, WorkerConfig,
 };
 pub use consumer::{Consumer, DeclaredEffect, EffectKind, ExternalKind, Safeguard, Verdict};
-pub use dispatcher::{Dispatcher, DispatcherHandle, ShutdownReport};
+pub use dispatcher::{DECIDE_RETRY_FOR, Dispatcher, DispatcherHandle, ShutdownReport};
 pub use gate::{GateReport, ModeDecision, evaluate_gate};
 pub use handler::{AttemptContext, BoxError, Handler, HandlerError, Handlers};
 pub use legacy::slot_for_event;

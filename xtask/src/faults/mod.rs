@@ -179,7 +179,7 @@ fn unix_ms() -> i64 {
 mod tests {
     use std::time::Duration;
 
-    use super::profile::{MAX_RETRY_ATTEMPTS, POISON_LOG, STALE_AFTER_MS};
+    use super::profile::{MAX_RETRY_ATTEMPTS, POISON_LOG, STALE_AFTER_MS, STARTED_LOG};
     use super::*;
     use crate::project_root;
 
@@ -209,16 +209,18 @@ mod tests {
     }
 
     #[test]
-    fn the_poison_log_line_is_the_demos() {
+    fn the_log_lines_are_the_demos() {
         let mut files = Vec::new();
         sources(&project_root().join("crates/outbox-demo/src"), &mut files);
-        let defined = format!("POISON_LOG: &str = \"{POISON_LOG}\";");
-        assert!(
-            files
-                .iter()
-                .any(|f| std::fs::read_to_string(f).is_ok_and(|s| s.contains(&defined))),
-            "no file of crates/outbox-demo/src defines POISON_LOG as {POISON_LOG:?}"
-        );
+        for (name, text) in [("POISON_LOG", POISON_LOG), ("STARTED_LOG", STARTED_LOG)] {
+            let defined = format!("{name}: &str = \"{text}\";");
+            assert!(
+                files
+                    .iter()
+                    .any(|f| std::fs::read_to_string(f).is_ok_and(|s| s.contains(&defined))),
+                "no file of crates/outbox-demo/src defines {name} as {text:?}"
+            );
+        }
     }
 
     #[test]

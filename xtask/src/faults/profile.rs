@@ -123,3 +123,6 @@ pub(super) const SLOW_EVENT_TYPE: &str = "report.slow";
 /// What a work process writes to stderr before a poison event aborts it: a copy of the demo's
 /// `POISON_LOG` (in `crates/outbox-demo`; a unit test keeps the two equal).
 pub(super) const POISON_LOG: &str = "poison event: aborting the process";
+/// What a work process writes to stderr once its workers have started: a copy of the demo's
+/// `STARTED_LOG` (in `crates/outbox-demo`; a unit test keeps the two equal).
+pub(super) const STARTED_LOG: &str = "outbox-demo work: workers started";

@@ -175,7 +175,7 @@ impl Suite<'_> {
             chaos.crashed.is_empty(),
             if chaos.crashed.is_empty() {
                 format!(
-                    "{} processes started, {} killed by the suite, {} aborted by the poison event (SIGABRT after its log line, replaced), {} refused to start because their connection was cut while starting (exit 1 with the error, replaced), {} stopped by the end-of-chaos SIGINT while still starting, the rest exited 0",
+                    "{} processes started, {} killed by the suite, {} aborted by the poison event (SIGABRT after its log line, replaced), {} refused to start because their database was cut or restarting while they started (exit 1 with the error before their workers started, replaced), {} stopped by the end-of-chaos SIGINT while still starting, the rest exited 0",
                     chaos.spawned,
                     chaos.kills.len(),
                     chaos.poison_deaths,

@@ -17,6 +17,7 @@ use super::Rng;
 use super::chaos::{Chaos, Phase};
 use super::profile::{
     Backend, HEARTBEAT_MS, LOCK_TIMEOUT_MS, MAX_RETRY_ATTEMPTS, ORPHAN_AFTER, POISON_LOG,
+    STARTED_LOG,
 };
 use super::skew::{self, Skew};
 use super::suite::Suite;
@@ -46,11 +47,23 @@ pub(super) struct KillWatch {
     rows: HashMap<String, (String, bool)>,
 }
 
-/// Whether a work process's stderr says its connection was cut while it started (before any
-/// worker ran): it exits non-zero with the error, as a supervisor expects, and is replaced.
+/// Whether a work process's stderr says it could not start because its database was away
+/// (connection cut, server restarting or refusing connections) before its workers started
+/// ([`STARTED_LOG`]): it exits non-zero with the error, as a supervisor expects, and is
+/// replaced. After its workers start, a database that is away is theirs to ride out: an exit
+/// then is a crash.
 fn startup_cut(stderr: &str) -> bool {
-    stderr.contains("terminating connection due to administrator command")
-        || stderr.contains("the database system is")
+    !stderr.contains(STARTED_LOG)
+        && [
+            "terminating connection due to administrator command",
+            "the database system is",
+            "database unavailable",
+            "error communicating with database",
+            "Connection refused",
+            "Connection reset by peer",
+        ]
+        .iter()
+        .any(|cause| stderr.contains(cause))
 }
 
 /// Records how a work process that ended by itself ended: drained or stopped (its JSON report),
@@ -64,7 +77,7 @@ fn ended(w: &Worker, status: ExitStatus, phase: Phase, chaos: &mut Chaos) {
         _ if status.signal() == Some(SIGABRT) && err.contains(POISON_LOG) => {
             chaos.poison_deaths += 1
         }
-        _ if startup_cut(&err) => chaos.startup_cuts += 1,
+        _ if status.code() == Some(1) && startup_cut(&err) => chaos.startup_cuts += 1,
         // SIGINT sent at the end of the chaos reached a process that was still starting,
         // before it listens for SIGINT: stopped, not crashed.
         _ if phase == Phase::Calm && status.signal() == Some(SIGINT) => {
@@ -269,5 +282,21 @@ impl Suite<'_> {
         }
         watches.retain(|w| !w.rows.is_empty());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{STARTED_LOG, startup_cut};
+
+    #[test]
+    fn a_database_away_counts_as_a_startup_cut_only_before_the_workers_started() {
+        let reset = "error: database unavailable: error communicating with database: Connection reset by peer (os error 104)";
+        assert!(startup_cut(reset));
+        assert!(startup_cut(
+            "error: FATAL: the database system is shutting down"
+        ));
+        assert!(!startup_cut(&format!("{STARTED_LOG}\n{reset}")));
+        assert!(!startup_cut("error: no such table: DemoAttemptJournal"));
     }
 }
