@@ -595,3 +595,124 @@ async fn postgres_killed_connection_loses_nothing() {
     );
     assert_eq!(report.metrics.detached_bookkeeping, 1);
 }
+
+/// Sleeps, writes its effect in the attempt, and fails every fourth first attempt.
+struct Pooled;
+
+#[async_trait]
+impl Handler for Pooled {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        with_tx!(ctx.tx(), |conn| {
+            sqlx::query("INSERT INTO test_effect (event_id, record_key, seq) VALUES ($1, 'k', 0)")
+                .bind(event.id.to_string())
+                .execute(conn)
+                .await
+                .map(|r| r.rows_affected())
+        })
+        .map_err(HandlerError::db)?;
+        if event.retry_count == 0 && draw(event, 7) < 0.25 {
+            return Err(HandlerError::Retryable("fails once".into()));
+        }
+        Ok(())
+    }
+}
+
+/// PostgreSQL: a process of 8 pull workers on `ConnectConfig::for_workers(8)` never has more
+/// than `8 + 3` sessions on the database, counted in `pg_stat_activity` while it drains with
+/// heartbeats beating through every attempt, retries, queue gauges and the pruner running; and
+/// the workers do use their connections (at least one per worker at the peak).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_workers_hold_at_most_workers_plus_three_connections() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    create_effect_log(&db).await;
+    let workers = 8;
+    const APP: &str = "outbox_pool_under_test";
+    let url = format!(
+        "{}{}application_name={APP}",
+        db.url,
+        if db.url.contains('?') { '&' } else { '?' }
+    );
+    let pool = outbox_persistence::Database::connect(
+        &url,
+        outbox_persistence::ConnectConfig::for_workers(workers),
+    )
+    .await
+    .unwrap();
+    let repo = pool.repository();
+    let events = (0..600)
+        .map(|i| NewEvent::new("pooled", payload(i % 60, i / 60)))
+        .collect();
+    enqueue_all(&repo, events).await;
+    let config = fast_config(workers)
+        .with_heartbeat_interval(Duration::from_millis(5))
+        .with_stale_after(Duration::from_secs(10))
+        .with_queue_gauges(Duration::from_millis(20))
+        .with_retention(
+            outbox_events::RetentionConfig::new(
+                outbox_persistence::PrunePolicy::default()
+                    .processed_older_than(Some(Duration::from_secs(3600))),
+            )
+            .with_interval(Duration::from_millis(20)),
+        );
+    let dispatcher = Dispatcher::new(
+        repo.clone(),
+        Handlers::new().register("pooled", Pooled),
+        config,
+    )
+    .start()
+    .await
+    .unwrap();
+    let watcher = db.pg().unwrap().clone();
+    let sessions = move || {
+        let watcher = watcher.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND application_name = $1",
+            )
+            .bind(APP)
+            .fetch_one(&watcher)
+            .await
+            .unwrap()
+        }
+    };
+    let mut peak = 0;
+    let start = Instant::now();
+    loop {
+        peak = peak.max(sessions().await);
+        let left = db
+            .count("SELECT count(*) FROM _System_OutboxEvent WHERE Status IN ('pending', 'processing')")
+            .await;
+        if left == 0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "not drained: {left} left"
+        );
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    let report = dispatcher.shutdown().await;
+    assert!(report.graceful);
+    assert_eq!(db.count("SELECT count(*) FROM test_effect").await, 600);
+    assert!(report.metrics.retried > 50, "{:?}", report.metrics);
+    assert_eq!(report.metrics.lost_claims, 0);
+    assert_eq!(report.metrics.stale_reclaims, 0);
+    let limit = workers as i64 + 3;
+    assert!(
+        peak <= limit,
+        "{peak} sessions, more than workers + 3 = {limit}"
+    );
+    assert!(
+        peak >= workers as i64,
+        "only {peak} sessions at the peak: the workers did not run side by side"
+    );
+    pool.close().await;
+}

@@ -21,8 +21,8 @@ use outbox_events::{
     AttemptOutcome, CancellationToken, ClaimRunner, DEFAULT_PRUNE_BATCH_PAUSE, DispatchMode,
     PrunePolicy, Scope, prune_until_done,
 };
-use outbox_persistence::Database;
 use outbox_persistence::test_support::retention as history;
+use outbox_persistence::{ConnectConfig, Database};
 
 use crate::report::{Report, Row};
 use crate::scenarios::{config, enqueue, handlers, keyed_events, pg, reset};
@@ -134,7 +134,9 @@ async fn worker(
 /// them when given.
 async fn drain(db: &BenchDb, sizes: &Sizes, pause: Option<Duration>) -> Result<Drain> {
     let (_, events) = sizes_of(sizes);
-    let pool = db.connect((WORKERS * 2 + 4) as u32).await?;
+    let pool = db
+        .connect(ConnectConfig::for_workers(WORKERS).max_connections)
+        .await?;
     let repo = pool.repository();
     let runner = Arc::new(ClaimRunner::new(
         repo.clone(),

@@ -15,7 +15,7 @@ use outbox_events::{
 };
 use outbox_persistence::sqlx::PgPool;
 use outbox_persistence::test_support::bench::{self, Figures, Keys};
-use outbox_persistence::{Database, NewEvent, OutboxRepository};
+use outbox_persistence::{ConnectConfig, Database, NewEvent, OutboxRepository};
 
 use super::report::{Report, Row};
 use super::{BenchDb, Sizes};
@@ -149,7 +149,9 @@ pub(crate) async fn start(
     config: WorkerConfig,
     handlers: Handlers,
 ) -> Result<Running> {
-    let pool = db.connect((config.workers * 2 + 4) as u32).await?;
+    let pool = db
+        .connect(ConnectConfig::for_workers(config.workers).max_connections)
+        .await?;
     let started = Utc::now();
     let handle = Dispatcher::new(pool.repository(), handlers, config)
         .start()

@@ -101,7 +101,7 @@ async fn ceiling(connections: usize, run: Duration) -> Result<f64> {
 /// A keyed no-op drain of `n` events by `workers` pull workers; events/s and client CPU per
 /// event.
 async fn drain(workers: usize, n: usize, records: usize) -> Result<(f64, f64)> {
-    let file = SqliteFile::create((2 * workers + 4) as u32).await?;
+    let file = SqliteFile::create(ConnectConfig::for_workers(workers).max_connections).await?;
     let repo = file.database.repository();
     enqueue(&repo, &keyed_events(n, records, true), 1_000).await?;
     let cpu = super::cpu::ProcessCpu::now();

@@ -363,9 +363,8 @@ pub async fn run(url: Option<&str>, args: RelayArgs) -> Result<ExitCode> {
 
 async fn open_db(url: Option<&str>, worker: &WorkerConfig) -> Result<outbox_persistence::Database> {
     let config = ConnectConfig {
-        max_connections: (worker.workers as u32 * 2 + 4).max(8),
         lock_timeout: worker.lock_timeout,
-        ..ConnectConfig::default()
+        ..ConnectConfig::for_workers(worker.workers)
     };
     outbox_cli::db::open(url, config).await
 }

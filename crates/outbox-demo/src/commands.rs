@@ -48,10 +48,13 @@ pub(crate) fn demo_worker_config(mode: DispatchMode) -> WorkerConfig {
 }
 
 pub(crate) fn connect_config(config: &WorkerConfig) -> ConnectConfig {
+    // `workers + 3`, and one more for the fault injector's lock holds (its own transaction
+    // that holds a row lock for a while).
+    let pool = ConnectConfig::for_workers(config.workers);
     ConnectConfig {
-        max_connections: (config.workers as u32 * 2 + 4).max(8),
+        max_connections: pool.max_connections + 1,
         lock_timeout: config.lock_timeout,
-        ..ConnectConfig::default()
+        ..pool
     }
 }
 

@@ -88,6 +88,10 @@ pub(crate) trait AttemptWrites: Send + Sync + 'static {
 
     /// Called once, just before the transaction commits or rolls back.
     fn ending(&self) {}
+
+    /// Called once the transaction has committed or rolled back (whether or not that
+    /// succeeded).
+    fn ended(&self) {}
 }
 
 /// The attempt transaction of one claimed row, on either backend: open until [`Attempt::commit`]
@@ -156,10 +160,14 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
     }
 
     async fn commit(&mut self) -> Result<()> {
-        self.ending()?.commit().await
+        let result = self.ending()?.commit().await;
+        self.writes.ended();
+        result
     }
 
     async fn rollback(&mut self) -> Result<()> {
-        self.ending()?.rollback().await
+        let result = self.ending()?.rollback().await;
+        self.writes.ended();
+        result
     }
 }

@@ -40,7 +40,8 @@ static SQLITE_MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
 /// How to connect.
 #[derive(Debug, Clone)]
 pub struct ConnectConfig {
-    /// Pool size. Workers use two connections each at most (attempt and heartbeat).
+    /// Pool size. A process of pull workers needs [`ConnectConfig::for_workers`]'s
+    /// `workers + 3`.
     pub max_connections: u32,
     /// How long to wait for a connection from the pool or the server.
     pub acquire_timeout: Duration,
@@ -56,6 +57,30 @@ impl Default for ConnectConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             acquire_timeout: Duration::from_secs(10),
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
+        }
+    }
+}
+
+/// The connections a process of pull workers needs beyond one per worker: the wake-up
+/// `LISTEN` connection, and two shared by the heartbeats, the detached bookkeeping, the queue
+/// gauges and the pruner (each a short statement).
+pub const CONNECTIONS_BESIDE_WORKERS: u32 = 3;
+
+impl ConnectConfig {
+    /// The pool for a process running `workers` pull workers: `workers + 3` connections
+    /// ([`CONNECTIONS_BESIDE_WORKERS`]). A worker holds one connection at a time: its claim
+    /// commits and returns the connection before the attempt takes one, and the attempt keeps
+    /// its connection until it commits or rolls back. The three others are the wake-up
+    /// `LISTEN` connection (PostgreSQL) and two for the short statements beside the attempts:
+    /// heartbeats (every `heartbeat_interval` per running attempt), detached bookkeeping, the
+    /// queue gauges and the pruner. The legacy dispatcher of event types excluded from the
+    /// pull rollout holds one connection like a worker, and takes one of those two. Handlers
+    /// that need connections of their own beyond the attempt's transaction must add them.
+    pub fn for_workers(workers: usize) -> Self {
+        let workers = u32::try_from(workers).unwrap_or(u32::MAX);
+        Self {
+            max_connections: workers.saturating_add(CONNECTIONS_BESIDE_WORKERS),
+            ..Self::default()
         }
     }
 }
@@ -97,6 +122,9 @@ impl Database {
                 .acquire_timeout(config.acquire_timeout)
                 .connect_with(options)
                 .await?;
+            // The outbox's writers in this process queue for the file's write lock, waiting
+            // as long as the busy timeout allows (see `sqlite::gate`).
+            crate::sqlite::WriteGate::bound(&pool, config.lock_timeout);
             Ok(Database::Sqlite(pool))
         } else {
             Err(Error::InvalidUrl(format!(

@@ -40,8 +40,8 @@ use chrono::{DateTime, SubsecRound, Utc};
 pub use sqlx;
 
 pub use database::{
-    ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Database, MIGRATIONS_TABLE,
-    redact as redact_url,
+    CONNECTIONS_BESIDE_WORKERS, ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    Database, MIGRATIONS_TABLE, redact as redact_url,
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
 pub use keys::{BlockedKey, HeadState, KeyReport, explain_head, key_report};

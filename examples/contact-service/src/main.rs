@@ -150,6 +150,9 @@ fn on_signal(stop: CancellationToken) {
     });
 }
 
+/// The pull workers this service runs.
+const WORKERS: usize = 4;
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
@@ -159,7 +162,8 @@ async fn main() -> Result<()> {
     let requests: usize = args.next().map(|n| n.parse()).transpose()?.unwrap_or(200);
     #[cfg(feature = "otel")]
     let tracing = otel::install()?;
-    let db = Database::connect(&url, ConnectConfig::default()).await?;
+    // The pool the workers need (`workers + 3`); the requests below run before they start.
+    let db = Database::connect(&url, ConnectConfig::for_workers(WORKERS)).await?;
     migrate(&db).await?;
     let emails = (requests / 4).max(1);
     for i in 0..requests {
@@ -181,7 +185,7 @@ async fn main() -> Result<()> {
     let handle = Dispatcher::new(
         db.repository(),
         handlers,
-        WorkerConfig::default().with_workers(4),
+        WorkerConfig::default().with_workers(WORKERS),
     )
     .with_stop_token(stop.clone())
     .start()

@@ -13,9 +13,7 @@ use sqlx::SqliteExecutor;
 use super::SqliteOutbox;
 use super::liveness::Liveness;
 use super::time::{format_ts, host_now, next_written};
-use crate::attempt::{
-    AttemptWrites, FencedWrite, OpenAttempt, SET_SAVEPOINT, chrono_span, fence_outcome,
-};
+use crate::attempt::{AttemptWrites, FencedWrite, OpenAttempt, chrono_span, fence_outcome};
 use crate::{Attempt, ClockShift, Fence, FenceOutcome, Result, Tx, clip_error};
 
 const FENCED_PROCESSED: &str = "\
@@ -35,6 +33,9 @@ WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
 const HEARTBEAT: &str = "\
 UPDATE _System_OutboxEvent SET LastModifiedDate = ?2
 WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
+
+/// An attempt's `BEGIN IMMEDIATE` and its post-claim savepoint (`crate::attempt::SET_SAVEPOINT`).
+const BEGIN_ATTEMPT: &str = "BEGIN IMMEDIATE; SAVEPOINT outbox_claimed";
 
 const HOLDS_FENCE: &str = "\
 SELECT 1 FROM _System_OutboxEvent
@@ -77,6 +78,9 @@ struct SqliteAttemptWrites {
     /// The fence the attempt began with (no heartbeat moves it while the attempt holds the
     /// write lock).
     fence: Fence,
+    /// This process's writer turn, given back as soon as the transaction has ended (the
+    /// detached bookkeeping after a failed commit needs it again).
+    turn: Mutex<Option<super::Turn>>,
 }
 
 #[async_trait]
@@ -96,6 +100,10 @@ impl AttemptWrites for SqliteAttemptWrites {
             .unwrap_or_else(|e| e.into_inner())
             .note(self.fence.id, self.fence.last_written, &self.shift);
     }
+
+    fn ended(&self) {
+        self.turn.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
 }
 
 impl SqliteOutbox {
@@ -105,7 +113,8 @@ impl SqliteOutbox {
         fence: Fence,
         write: FencedWrite<'_>,
     ) -> Result<FenceOutcome> {
-        write_fenced(&self.pool, self.now(), fence, write).await
+        self.in_turn(write_fenced(&self.pool, self.now(), fence, write))
+            .await
     }
 
     pub(super) async fn beat(&self, fence: Fence) -> Result<Option<Fence>> {
@@ -113,6 +122,7 @@ impl SqliteOutbox {
         // before the write waits for the lock (another attempt may hold it for a while).
         self.liveness()
             .note(fence.id, fence.last_written, &self.shift);
+        let _turn = self.gate.turn().await?;
         let written = next_written(self.now(), fence.last_written);
         let rows = sqlx::query(HEARTBEAT)
             .bind(fence.id.to_string())
@@ -139,7 +149,11 @@ impl SqliteOutbox {
         // The busy timeout of the pool's connections bounds lock waits on SQLite. The write
         // lock is held from here to commit, so once the fence is checked nobody can reclaim
         // the row during the attempt.
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let turn = self.gate.turn().await?;
+        // The write lock and the post-claim savepoint in one call to the connection's thread;
+        // the fence is read after the savepoint (a read, it changes nothing the savepoint
+        // would undo).
+        let mut tx = self.pool.begin_with(BEGIN_ATTEMPT).await?;
         let held: Option<i64> = sqlx::query_scalar(HOLDS_FENCE)
             .bind(fence.id.to_string())
             .bind(format_ts(fence.last_written))
@@ -149,12 +163,23 @@ impl SqliteOutbox {
             tx.rollback().await?;
             return Ok(None);
         }
-        sqlx::query(SET_SAVEPOINT).execute(&mut *tx).await?;
         let writes = SqliteAttemptWrites {
             shift: self.shift.clone(),
             liveness: self.liveness.clone(),
             fence,
+            turn: Mutex::new(Some(turn)),
         };
         Ok(Some(Box::new(OpenAttempt::new(Tx::Sqlite(tx), writes))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_attempt_begins_with_the_post_claim_savepoint() {
+        assert_eq!(
+            super::BEGIN_ATTEMPT,
+            format!("BEGIN IMMEDIATE; {}", crate::attempt::SET_SAVEPOINT)
+        );
     }
 }

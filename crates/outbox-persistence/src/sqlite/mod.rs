@@ -19,6 +19,7 @@
 mod claim;
 mod enqueue;
 mod fenced;
+mod gate;
 mod keys;
 mod liveness;
 mod ops;
@@ -44,7 +45,10 @@ use crate::{
     EventRow, Fence, FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
     PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
 };
+use gate::{Gate, Turn};
 use liveness::Liveness;
+
+pub(crate) use gate::Gate as WriteGate;
 
 /// The SQLite outbox repository.
 #[derive(Debug, Clone)]
@@ -53,16 +57,50 @@ pub struct SqliteOutbox {
     enqueued: Arc<Notify>,
     shift: ClockShift,
     liveness: Arc<Mutex<Liveness>>,
+    /// This process's outbox writers on the file queue here (see `gate`).
+    gate: Arc<Gate>,
+}
+
+/// A write transaction (`BEGIN IMMEDIATE`) that holds this process's writer turn until it
+/// ends.
+struct WriteTx {
+    tx: sqlx::Transaction<'static, sqlx::Sqlite>,
+    _turn: Turn,
+}
+
+impl WriteTx {
+    async fn commit(self) -> Result<()> {
+        Ok(self.tx.commit().await?)
+    }
+
+    async fn rollback(self) -> Result<()> {
+        Ok(self.tx.rollback().await?)
+    }
+}
+
+impl std::ops::Deref for WriteTx {
+    type Target = SqliteConnection;
+
+    fn deref(&self) -> &SqliteConnection {
+        &self.tx
+    }
+}
+
+impl std::ops::DerefMut for WriteTx {
+    fn deref_mut(&mut self) -> &mut SqliteConnection {
+        &mut self.tx
+    }
 }
 
 impl SqliteOutbox {
     /// A repository over `pool`.
     pub fn new(pool: SqlitePool) -> Self {
         Self {
-            pool,
             enqueued: Arc::default(),
             shift: ClockShift::default(),
             liveness: Arc::new(Mutex::new(Liveness::new())),
+            gate: Gate::of(&pool),
+            pool,
         }
     }
 
@@ -88,15 +126,32 @@ impl SqliteOutbox {
 
     /// Opens a write transaction, timing the wait for the lock (a long wait restarts the
     /// liveness observations; a failed one too).
-    async fn begin_write(&self) -> Result<(sqlx::Transaction<'static, sqlx::Sqlite>, Duration)> {
+    /// The wait includes the wait for this process's writer turn (see `gate`).
+    async fn begin_write(&self) -> Result<(WriteTx, Duration)> {
         let started = Instant::now();
-        match self.pool.begin_with("BEGIN IMMEDIATE").await {
+        let begun = match self.gate.turn().await {
+            Ok(turn) => match self.pool.begin_with("BEGIN IMMEDIATE").await {
+                Ok(tx) => Ok(WriteTx { tx, _turn: turn }),
+                Err(e) => Err(e.into()),
+            },
+            Err(e) => Err(e),
+        };
+        match begun {
             Ok(tx) => Ok((tx, started.elapsed())),
             Err(e) => {
                 self.liveness().lock_wait_failed();
-                Err(e.into())
+                Err(e)
             }
         }
+    }
+
+    /// Runs `write`, one autocommit write statement, in this process's writer turn.
+    async fn in_turn<T, F>(&self, write: F) -> Result<T>
+    where
+        F: std::future::Future<Output = Result<T>>,
+    {
+        let _turn = self.gate.turn().await?;
+        write.await
     }
 
     /// Looks at the `processing` rows and returns the JSON array of the stale ones' ids.

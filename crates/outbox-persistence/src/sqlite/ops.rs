@@ -140,7 +140,7 @@ impl SqliteOutbox {
             .collect::<Result<_>>()?;
         let (mut page, updates) = crate::classify_backfill(&scanned, batch);
         if !dry_run && !updates.is_empty() {
-            let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+            let (mut tx, _) = self.begin_write().await?;
             let mut done = 0;
             for (id, key) in &updates {
                 done += sqlx::query(

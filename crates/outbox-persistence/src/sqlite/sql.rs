@@ -130,10 +130,17 @@ macro_rules! key_order_bounded {
 /// and the unkeyed rows, two streams in `(CreatedDate, Id)` order that SQLite merges, so a
 /// claim reads the candidates ahead of the answer and not a hot key's backlog. Parameters as
 /// [`ELIGIBLE`].
+///
+/// The heads' stream is ordered by the head's own `(CreatedDate, Id)` (the last column and the
+/// first, `h.Id` being `e.Id` by the join), which `outbox_head_order_idx` delivers in order;
+/// ordered by the row's columns instead, SQLite sorted every head in a temporary B-tree at each
+/// claim (1.7 ms of the claim over 1,000 keys; 0.2 ms without the sort, `sqlite3 .timer`). The
+/// two are equal: the triggers of migration 0004 keep a head's `CreatedDate` with its row's,
+/// and `outbox heads` checks it.
 pub(super) const CLAIM_CANDIDATES: &str = concat!(
     "\
-SELECT e.Id, e.EventType, e.Payload, e.Status, e.RetryCount, e.RecordKey, e.CreatedDate,
-       e.LastModifiedDate, e.LastError, e.rowid
+SELECT h.Id, e.EventType, e.Payload, e.Status, e.RetryCount, e.RecordKey, e.CreatedDate,
+       e.LastModifiedDate, e.LastError, e.rowid, h.CreatedDate AS ClaimOrder
 FROM _System_OutboxHead h
 JOIN _System_OutboxEvent e ON e.Id = h.Id
 WHERE
@@ -143,13 +150,13 @@ WHERE
     scope_filter!(),
     "UNION ALL
 SELECT e.Id, e.EventType, e.Payload, e.Status, e.RetryCount, e.RecordKey, e.CreatedDate,
-       e.LastModifiedDate, e.LastError, e.rowid
+       e.LastModifiedDate, e.LastError, e.rowid, e.CreatedDate
 FROM _System_OutboxEvent e INDEXED BY outbox_unkeyed_idx
 WHERE e.RecordKey IS NULL AND e.Status NOT IN ('processed', 'failed') AND
 ",
     observed_state!(),
     scope_filter!(),
-    "ORDER BY 7, 1
+    "ORDER BY 11, 1
 LIMIT ?3"
 );
 
@@ -174,5 +181,51 @@ mod tests {
         assert!(ELIGIBLE.contains(rules) && ELIGIBLE_BY_ID.contains(rules));
         assert!(ELIGIBLE.contains(scope_filter!()));
         assert!(!ELIGIBLE_BY_ID.contains("?4") && !ELIGIBLE_BY_ID.contains("?5"));
+    }
+
+    /// The claim reads both streams in index order and merges them: no sort of the heads (a
+    /// temporary B-tree over every key's head at each claim), with the scope filters on too.
+    #[tokio::test]
+    async fn the_claim_reads_its_candidates_in_index_order() {
+        use sqlx::Row;
+        let path = std::env::temp_dir().join(format!("outbox_plan_{}.db", uuid::Uuid::now_v7()));
+        let db = crate::Database::connect(
+            &format!("sqlite://{}", path.display()),
+            crate::ConnectConfig::default(),
+        )
+        .await
+        .unwrap();
+        db.migrate().await.unwrap();
+        let crate::Database::Sqlite(pool) = &db else {
+            unreachable!()
+        };
+        let plan_of = |only: Option<&'static str>| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "EXPLAIN QUERY PLAN {CLAIM_CANDIDATES}"
+                )))
+                .bind("[]")
+                .bind("2026-01-01T00:00:00.000000Z")
+                .bind(16_i64)
+                .bind(only)
+                .bind(None::<String>)
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<String, _>("detail"))
+                .collect::<Vec<_>>()
+            }
+        };
+        for plan in [plan_of(None).await, plan_of(Some(r#"["a"]"#)).await] {
+            assert!(
+                plan.iter().any(|d| d.contains("outbox_head_order_idx")),
+                "{plan:#?}"
+            );
+            assert!(!plan.iter().any(|d| d.contains("TEMP B-TREE")), "{plan:#?}");
+        }
+        db.close().await;
+        std::fs::remove_file(&path).ok();
     }
 }
