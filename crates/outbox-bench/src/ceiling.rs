@@ -22,7 +22,7 @@ pub(crate) async fn run(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Res
         let pool = pg(db, connections).await?;
         let rows = QUEUE_ROWS_PER_SECOND * sizes.ceiling_run.as_secs().max(1);
         setup(&pool, connections, rows).await?;
-        let a = measure(&pool, connections, sizes.ceiling_run, |pool, i| {
+        let (a, _) = measure(&pool, connections, sizes.ceiling_run, |pool, i| {
             Box::pin(async move {
                 sqlx::query("UPDATE bench_counter SET n = n + 1 WHERE id = $1")
                     .bind(i as i64)
@@ -32,7 +32,7 @@ pub(crate) async fn run(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Res
             })
         })
         .await?;
-        let b = measure(&pool, connections, sizes.ceiling_run, |pool, _| {
+        let (b, b_cpu) = measure(&pool, connections, sizes.ceiling_run, |pool, _| {
             Box::pin(async move {
                 let mut tx = pool.begin().await?;
                 let id: Option<i64> = sqlx::query_scalar(
@@ -68,7 +68,9 @@ pub(crate) async fn run(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Res
             workers: Some(connections),
             per_second: Some(b),
             of_ceiling_b: Some(1.0),
-            note: "BEGIN; SELECT .. FOR UPDATE SKIP LOCKED; UPDATE; COMMIT".into(),
+            note: format!(
+                "BEGIN; SELECT .. FOR UPDATE SKIP LOCKED; UPDATE; COMMIT; client CPU {b_cpu:.0} µs/tx"
+            ),
             ..Row::default()
         });
     }
@@ -101,13 +103,15 @@ async fn setup(pool: &PgPool, connections: usize, rows: u64) -> Result<()> {
 
 type Op = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
 
-/// Runs `op` in a loop on `connections` tasks for `run`; transactions per second.
+/// Runs `op` in a loop on `connections` tasks for `run`; transactions per second, and this
+/// process's CPU per transaction (the drains' client CPU is measured the same way).
 async fn measure(
     pool: &PgPool,
     connections: usize,
     run: Duration,
     op: impl Fn(PgPool, usize) -> Op + Send + Sync + 'static,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
+    let cpu = crate::cpu::ProcessCpu::now();
     let op = Arc::new(op);
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -126,5 +130,9 @@ async fn measure(
     for t in tasks {
         t.await??;
     }
-    Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+    let done = done.load(Ordering::Relaxed);
+    Ok((
+        done as f64 / started.elapsed().as_secs_f64(),
+        cpu.per_event_us(done as usize),
+    ))
 }

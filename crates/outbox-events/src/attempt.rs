@@ -24,7 +24,7 @@ use tracing::{Instrument, field};
 
 use crate::config::WorkerConfig;
 use crate::handler::{AttemptContext, HandlerError, Handlers};
-use crate::heartbeat::{FenceCell, HeartbeatGuard};
+use crate::heartbeat::{Beat, FenceCell};
 use crate::metrics::{Ended, Metrics};
 
 /// How an attempt ended.
@@ -156,18 +156,26 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
         env.metrics.claimed(event_type, claim.reclaimed);
         let fence = FenceCell::new(claim.fence);
         let lost = CancellationToken::new();
-        let mut beat = Beat {
-            env,
-            fence: fence.clone(),
-            lost: lost.clone(),
-            guard: None,
+        let beat = Beat::new(env, fence.clone(), lost.clone());
+        // The claim beats from one heartbeat interval after the claim on. An attempt that ends
+        // sooner (most do) never needs a heartbeat task: the first interval is timed here, in
+        // the attempt's own task, and the task that beats is spawned only when it passes. A
+        // backend whose attempts exclude other writers stops the beat once the attempt has
+        // begun (nobody can reclaim the row until the attempt commits, and the beat could not
+        // write meanwhile); until then the claim may wait for the write lock behind other
+        // attempts, and must not look silent.
+        let outcome = {
+            let body = attempt(env, &claim, &beat);
+            tokio::pin!(body);
+            tokio::select! {
+                biased;
+                outcome = &mut body => outcome,
+                _ = tokio::time::sleep(env.config.heartbeat_interval) => {
+                    beat.start_after_first_interval();
+                    body.await
+                }
+            }
         };
-        // The claim beats from now on. A backend whose attempts exclude other writers stops
-        // it once the attempt has begun (nobody can reclaim the row until the attempt commits,
-        // and the beat could not write meanwhile); until then the claim may wait for the
-        // write lock behind other attempts, and must not look silent.
-        beat.ensure_running(false);
-        let outcome = attempt(env, &claim, &mut beat).await;
         drop(beat);
         // Both ends of the wait in the queue are the database's times (`CreatedDate` and the
         // claim's `LastModifiedDate`); the attempt itself is timed on this host's monotonic
@@ -189,35 +197,6 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
     .await
 }
 
-/// The heartbeat of one attempt, started when the backend needs it.
-struct Beat<'a> {
-    env: &'a AttemptEnv,
-    fence: FenceCell,
-    lost: CancellationToken,
-    guard: Option<HeartbeatGuard>,
-}
-
-impl Beat<'_> {
-    /// Starts the heartbeat unless it runs; `beat_now` beats at once (the claim may have gone
-    /// without beats so far).
-    fn ensure_running(&mut self, beat_now: bool) {
-        if self.guard.is_none() {
-            self.guard = Some(HeartbeatGuard::start(
-                self.env.repo.clone(),
-                self.fence.clone(),
-                self.env.config.heartbeat_interval,
-                self.lost.clone(),
-                beat_now,
-            ));
-        }
-    }
-
-    /// Stops the heartbeat (a backend whose attempt excludes other writers needs none).
-    fn stop(&mut self) {
-        self.guard = None;
-    }
-}
-
 /// Opens the attempt transaction. A failure to begin (the database is down, the pool is
 /// exhausted, SQLite's writer is busy) is not a failed attempt: the handler never ran, so
 /// nothing is counted. The claim is kept alive while beginning is retried with backoff; a
@@ -225,7 +204,7 @@ impl Beat<'_> {
 async fn begin(
     env: &AttemptEnv,
     event_type: &str,
-    beat: &mut Beat<'_>,
+    beat: &Beat<'_>,
 ) -> Result<Box<dyn Attempt>, AttemptOutcome> {
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for try_number in 1..=DETACHED_MAX_TRIES {
@@ -274,7 +253,7 @@ async fn begin(
     Err(AttemptOutcome::Abandoned)
 }
 
-async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> AttemptOutcome {
+async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> AttemptOutcome {
     let mut tx = match begin(env, &claim.event.event_type, beat).await {
         Ok(tx) => tx,
         Err(outcome) => return outcome,
@@ -329,7 +308,7 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &mut Beat<'_>) -> Attemp
 async fn finish_success(
     env: &AttemptEnv,
     claim: &Claim,
-    beat: &mut Beat<'_>,
+    beat: &Beat<'_>,
     mut tx: Box<dyn Attempt>,
 ) -> AttemptOutcome {
     let fence = beat.fence.clone();
@@ -376,7 +355,7 @@ async fn finish_success(
 async fn finish_failure(
     env: &AttemptEnv,
     claim: &Claim,
-    beat: &mut Beat<'_>,
+    beat: &Beat<'_>,
     mut tx: Box<dyn Attempt>,
     failure: Failure,
 ) -> AttemptOutcome {
@@ -483,7 +462,7 @@ async fn landed_anyway(
 async fn detached(
     env: &AttemptEnv,
     claim: &Claim,
-    beat: &mut Beat<'_>,
+    beat: &Beat<'_>,
     failure: Failure,
     landed: Option<Landed>,
 ) -> AttemptOutcome {

@@ -1,4 +1,5 @@
-//! The heartbeat of one claimed row, and the fence it shares with the attempt's final write.
+//! The heartbeat of one claimed row (started once the attempt outlives its first interval), and
+//! the fence it shares with the attempt's final write.
 //!
 //! The heartbeat refreshes `LastModifiedDate` on a connection of its own, outside the attempt
 //! transaction, so other workers see the claim alive. Every fenced write (heartbeat or status)
@@ -13,6 +14,8 @@ use outbox_persistence::{Fence, OutboxRepository};
 use tokio::sync::{Mutex, MutexGuard};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+
+use crate::attempt::AttemptEnv;
 
 /// The claim's current fence, and whether it was lost.
 #[derive(Debug)]
@@ -90,6 +93,66 @@ impl HeartbeatGuard {
             }
         });
         Self { task }
+    }
+}
+
+/// The heartbeat of one attempt, started when the attempt outlives its first interval or
+/// when the backend needs it.
+pub(crate) struct Beat<'a> {
+    env: &'a AttemptEnv,
+    pub(crate) fence: FenceCell,
+    pub(crate) lost: CancellationToken,
+    guard: std::sync::Mutex<Option<HeartbeatGuard>>,
+    /// Stopped by a backend whose attempt excludes other writers: the first interval passing
+    /// does not start it again.
+    stopped: std::sync::atomic::AtomicBool,
+}
+
+impl<'a> Beat<'a> {
+    /// The beat of a claim fenced by `fence`, not running yet; `lost` is cancelled when the
+    /// claim turns out lost.
+    pub(crate) fn new(env: &'a AttemptEnv, fence: FenceCell, lost: CancellationToken) -> Self {
+        Self {
+            env,
+            fence,
+            lost,
+            guard: std::sync::Mutex::new(None),
+            stopped: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    fn guard(&self) -> std::sync::MutexGuard<'_, Option<HeartbeatGuard>> {
+        self.guard.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts the heartbeat unless it runs; `beat_now` beats at once (the claim may have gone
+    /// without beats so far).
+    pub(crate) fn ensure_running(&self, beat_now: bool) {
+        let mut guard = self.guard();
+        if guard.is_none() {
+            *guard = Some(HeartbeatGuard::start(
+                self.env.repo.clone(),
+                self.fence.clone(),
+                self.env.config.heartbeat_interval,
+                self.lost.clone(),
+                beat_now,
+            ));
+        }
+    }
+
+    /// The first heartbeat interval since the claim has passed with the attempt still running:
+    /// beat now and every interval from here, unless the backend stopped the beat.
+    pub(crate) fn start_after_first_interval(&self) {
+        if !self.stopped.load(std::sync::atomic::Ordering::Acquire) {
+            self.ensure_running(true);
+        }
+    }
+
+    /// Stops the heartbeat (a backend whose attempt excludes other writers needs none).
+    pub(crate) fn stop(&self) {
+        self.stopped
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.guard().take();
     }
 }
 
