@@ -39,7 +39,8 @@ pub use metrics::{
     Metrics, MetricsSnapshot, describe_metrics, names as metric_names, record_queue_gauges,
 };
 pub use prune::{
-    DEFAULT_PRUNE_BATCH_PAUSE, DEFAULT_PRUNE_INTERVAL, RetentionConfig, prune_until_done,
+    DEFAULT_PRUNE_BATCH_PAUSE, DEFAULT_PRUNE_INTERVAL, DEFAULT_PRUNE_PAUSE_FACTOR, PrunePacing,
+    RetentionConfig, prune_until_done,
 };
 pub use trace::{TraceParent, TraceParentError, enqueue};
 

@@ -2,7 +2,9 @@
 //!
 //! SQLite has one writer at a time. Claims and attempts take the write lock up front
 //! (`BEGIN IMMEDIATE`), so a read-then-write transaction never fails on a stale snapshot; waits
-//! are bounded by the busy timeout, which surfaces as [`crate::Error::LockTimeout`]. Timestamps are
+//! are bounded by the busy timeout, which surfaces as [`crate::Error::LockTimeout`]. This
+//! process's outbox writers on one file queue for it first, in order (`gate`), instead of
+//! polling it in SQLite's busy handler. Timestamps are
 //! fixed-width UTC text, so the design's comparisons work on them as written; a trigger rewrites
 //! any other shape that other code writes (see migration 0003).
 //!
