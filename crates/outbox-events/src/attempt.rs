@@ -66,6 +66,24 @@ pub(crate) struct AttemptEnv {
     pub metrics: Arc<Metrics>,
     /// Cancelled at hard shutdown: in-flight attempts roll back.
     pub hard_stop: CancellationToken,
+    /// One permit per worker: a pull worker or a legacy slot holds one from its claim to the
+    /// end of the attempt, so that at most `workers` claims and attempts run at once across
+    /// both paths (pull mode runs the legacy dispatcher beside the pull workers for excluded
+    /// event types), each on one connection: the pool of `workers + 3` holds them.
+    pub attempts: Arc<tokio::sync::Semaphore>,
+}
+
+impl AttemptEnv {
+    /// Waits for an attempt permit, or for `stop` (`None`).
+    pub(crate) async fn attempt_permit(
+        &self,
+        stop: &CancellationToken,
+    ) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        tokio::select! {
+            _ = stop.cancelled() => None,
+            permit = self.attempts.acquire() => Some(permit.expect("the attempt semaphore is never closed")),
+        }
+    }
 }
 
 /// The failure to record, decided from the handler's error and the row's retry count.
@@ -110,6 +128,9 @@ impl ClaimRunner {
                 config,
                 metrics: Arc::default(),
                 hard_stop: CancellationToken::new(),
+                attempts: Arc::new(tokio::sync::Semaphore::new(
+                    tokio::sync::Semaphore::MAX_PERMITS,
+                )),
             },
         }
     }

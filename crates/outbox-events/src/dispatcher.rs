@@ -63,15 +63,24 @@ impl Dispatcher {
     ///
     /// The gate reads the database. A database that is briefly away while the service starts
     /// (restarting, a connection cut, a lock timeout) does not fail the start: the decision is
-    /// tried again with backoff for up to [`DECIDE_RETRY_FOR`], or until the stop token is
-    /// cancelled; any other error, or a database still away after that, is returned.
+    /// tried again with backoff while less than [`DECIDE_RETRY_FOR`] has passed (a try under
+    /// way then may take up to the pool's acquire timeout more), or until the stop token is
+    /// cancelled; any other error (a closed pool among them), or a database still away after
+    /// that, is returned.
     pub async fn decide(&self) -> Result<ModeDecision, outbox_persistence::Error> {
         let started = tokio::time::Instant::now();
         let mut backoff = FIRST_ERROR_BACKOFF;
         loop {
             match ModeDecision::make(&self.repo, &self.handlers.consumers(), &self.config).await {
+                // A closed pool stays closed: only a database that may come back is waited for.
                 Err(e)
                     if e.is_transient()
+                        && !matches!(
+                            e,
+                            outbox_persistence::Error::Unavailable(
+                                outbox_persistence::sqlx::Error::PoolClosed
+                            )
+                        )
                         && started.elapsed() + backoff < DECIDE_RETRY_FOR
                         && !self.stop.is_cancelled() =>
                 {
@@ -109,6 +118,7 @@ impl Dispatcher {
             config: self.config.clone(),
             metrics: self.metrics.clone(),
             hard_stop: hard_stop.clone(),
+            attempts: Arc::new(tokio::sync::Semaphore::new(self.config.workers.max(1))),
         });
         tracing::info!(
             mode = ?self.config.mode,
@@ -228,7 +238,15 @@ async fn pull_worker(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Scope
     let mut idle_wait = FIRST_IDLE_WAIT;
     let mut error_backoff = FIRST_ERROR_BACKOFF;
     while !stop.is_cancelled() {
-        match env.repo.claim_next(policy(&env), &scope).await {
+        // Held from the claim to the attempt's end, released while idle or backing off.
+        let Some(permit) = env.attempt_permit(&stop).await else {
+            break;
+        };
+        let claimed = env.repo.claim_next(policy(&env), &scope).await;
+        if !matches!(claimed, Ok(Some(_))) {
+            drop(permit);
+        }
+        match claimed {
             Ok(Some(claim)) => {
                 idle_wait = FIRST_IDLE_WAIT;
                 error_backoff = FIRST_ERROR_BACKOFF;

@@ -209,6 +209,11 @@ impl<'a> AttemptContext<'a> {
 }
 
 /// Handles the events of one `EventType`.
+///
+/// A handler must not block its thread (synchronous I/O, `std::thread::sleep`, long CPU work):
+/// run such work with `tokio::task::spawn_blocking` and await it. The first heartbeat of an
+/// attempt is timed in the attempt's own task, so a handler that blocks that task for longer than
+/// `stale_after` leaves its claim silent, and another worker may reclaim it while it runs.
 #[async_trait]
 pub trait Handler: Send + Sync + 'static {
     /// Runs the event's effects in `ctx`'s transaction. Must be safe to run again for the same

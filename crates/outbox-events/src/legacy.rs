@@ -61,6 +61,11 @@ pub(crate) async fn run(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Sc
             let env = env.clone();
             running.spawn(async move {
                 for event in events {
+                    // One of the dispatcher's attempt permits from the claim to the attempt's
+                    // end (shared with the pull workers when both run).
+                    let Ok(_permit) = env.attempts.acquire().await else {
+                        return;
+                    };
                     // The legacy path claims each fetched row by id before running it.
                     match env.repo.claim_event(event.id, policy(&env)).await {
                         Ok(Some(claim)) => {

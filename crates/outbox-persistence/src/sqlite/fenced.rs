@@ -113,8 +113,10 @@ impl SqliteOutbox {
         fence: Fence,
         write: FencedWrite<'_>,
     ) -> Result<FenceOutcome> {
-        self.in_turn(write_fenced(&self.pool, self.now(), fence, write))
-            .await
+        // The time is read once this writer's turn has come: a wait at the gate must not
+        // date the write (a retry's delay counts from it).
+        let _turn = self.gate.turn().await?;
+        write_fenced(&self.pool, self.now(), fence, write).await
     }
 
     pub(super) async fn beat(&self, fence: Fence) -> Result<Option<Fence>> {

@@ -127,8 +127,8 @@ impl SqliteOutbox {
     }
 
     /// Opens a write transaction, timing the wait for the lock (a long wait restarts the
-    /// liveness observations; a failed one too).
-    /// The wait includes the wait for this process's writer turn (see `gate`).
+    /// liveness observations; a failed one too). The wait includes the wait for this
+    /// process's writer turn (see `gate`).
     async fn begin_write(&self) -> Result<(WriteTx, Duration)> {
         let started = Instant::now();
         let begun = match self.gate.turn().await {
@@ -145,15 +145,6 @@ impl SqliteOutbox {
                 Err(e)
             }
         }
-    }
-
-    /// Runs `write`, one autocommit write statement, in this process's writer turn.
-    async fn in_turn<T, F>(&self, write: F) -> Result<T>
-    where
-        F: std::future::Future<Output = Result<T>>,
-    {
-        let _turn = self.gate.turn().await?;
-        write.await
     }
 
     /// Looks at the `processing` rows and returns the JSON array of the stale ones' ids.
