@@ -69,7 +69,7 @@ fn startup_cut(stderr: &str) -> bool {
 /// Records how a work process that ended by itself ended: drained or stopped (its JSON report),
 /// aborted by a poison event (SIGABRT after [`POISON_LOG`]), refused to start, stopped while
 /// starting; anything else crashed.
-fn ended(w: &Worker, status: ExitStatus, phase: Phase, chaos: &mut Chaos) {
+fn ended(w: &Worker, backend: Backend, status: ExitStatus, phase: Phase, chaos: &mut Chaos) {
     let out = std::fs::read_to_string(&w.stdout).unwrap_or_default();
     let err = std::fs::read_to_string(w.stdout.with_extension("err")).unwrap_or_default();
     match out.lines().last().map(serde_json::from_str::<Value>) {
@@ -77,7 +77,10 @@ fn ended(w: &Worker, status: ExitStatus, phase: Phase, chaos: &mut Chaos) {
         _ if status.signal() == Some(SIGABRT) && err.contains(POISON_LOG) => {
             chaos.poison_deaths += 1
         }
-        _ if status.code() == Some(1) && startup_cut(&err) => chaos.startup_cuts += 1,
+        // Only PostgreSQL is cut or restarted by the suite: on SQLite such an exit is a crash.
+        _ if backend == Backend::Postgres && status.code() == Some(1) && startup_cut(&err) => {
+            chaos.startup_cuts += 1
+        }
         // SIGINT sent at the end of the chaos reached a process that was still starting,
         // before it listens for SIGINT: stopped, not crashed.
         _ if phase == Phase::Calm && status.signal() == Some(SIGINT) => {
@@ -106,7 +109,7 @@ impl Suite<'_> {
                 continue;
             };
             let w = workers.remove(index);
-            ended(&w, status, phase, chaos);
+            ended(&w, self.backend, status, phase, chaos);
         }
         Ok(())
     }
@@ -138,7 +141,7 @@ impl Suite<'_> {
         let status = w.child.wait()?;
         if status.signal() != Some(SIGKILL) {
             // It had ended by itself (a poison event aborted it) before the signal.
-            ended(&w, status, Phase::Chaos, chaos);
+            ended(&w, self.backend, status, Phase::Chaos, chaos);
             let worker = self.spawn(chaos, workers)?;
             workers.push(worker);
             return Ok(None);
