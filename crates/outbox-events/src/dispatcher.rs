@@ -242,21 +242,20 @@ async fn pull_worker(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Scope
         let Some(permit) = env.attempt_permit(&stop).await else {
             break;
         };
-        let claimed = env.repo.claim_next(policy(&env), &scope).await;
-        if !matches!(claimed, Ok(Some(_))) {
-            drop(permit);
-        }
-        match claimed {
+        match env.repo.claim_next(policy(&env), &scope).await {
             Ok(Some(claim)) => {
                 idle_wait = FIRST_IDLE_WAIT;
                 error_backoff = FIRST_ERROR_BACKOFF;
                 attempt::run(&env, claim).await;
+                drop(permit);
             }
             Ok(None) => {
+                drop(permit);
                 idle(&env, &stop, idle_wait).await;
                 idle_wait = (idle_wait * 2).min(env.config.poll_interval);
             }
             Err(e) => {
+                drop(permit);
                 // A database that is down, or a lock timeout on the claim: nothing was
                 // claimed, so nothing is lost; try again after a pause.
                 if e.is_lock_timeout() {

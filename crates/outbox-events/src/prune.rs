@@ -123,7 +123,8 @@ impl RetentionConfig {
 
 /// Deletes what `policy` lets go, batch after batch ([`OutboxRepository::prune`]), pausing
 /// after each full batch as `pacing` says (a `Duration` is a fixed pause), until a batch is not
-/// full or `stop` is cancelled. Returns the rows deleted. An error ends the run (the rows deleted so far stay deleted; they are logged).
+/// full or `stop` is cancelled. Returns the rows deleted. An error ends the run (the rows
+/// deleted so far stay deleted; they are logged).
 /// Every batch's rows are counted in `outbox_pruned_rows_total` by status.
 pub async fn prune_until_done(
     repo: &dyn OutboxRepository,

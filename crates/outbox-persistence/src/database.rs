@@ -74,8 +74,8 @@ impl ConnectConfig {
     /// `LISTEN` connection (PostgreSQL) and two for the short statements beside the attempts:
     /// heartbeats (every `heartbeat_interval` per running attempt), detached bookkeeping, the
     /// queue gauges and the pruner. The legacy dispatcher of event types excluded from the
-    /// pull rollout holds one connection like a worker, and takes one of those two. Handlers
-    /// that need connections of their own beyond the attempt's transaction must add them.
+    /// pull rollout shares the workers' attempt permits, so it adds none. Handlers that need
+    /// connections of their own beyond the attempt's transaction must add them.
     pub fn for_workers(workers: usize) -> Self {
         let workers = u32::try_from(workers).unwrap_or(u32::MAX);
         Self {
@@ -124,7 +124,7 @@ impl Database {
                 .await?;
             // The outbox's writers in this process queue for the file's write lock, waiting
             // as long as the busy timeout allows (see `sqlite::gate`).
-            crate::sqlite::WriteGate::bound(&pool, config.lock_timeout);
+            crate::sqlite::gate::Gate::bound(&pool, config.lock_timeout);
             Ok(Database::Sqlite(pool))
         } else {
             Err(Error::InvalidUrl(format!(

@@ -4,9 +4,9 @@
 //! (`BEGIN IMMEDIATE`), so a read-then-write transaction never fails on a stale snapshot; waits
 //! are bounded by the busy timeout, which surfaces as [`crate::Error::LockTimeout`]. This
 //! process's outbox writers on one file queue for it first, in order (`gate`), instead of
-//! polling it in SQLite's busy handler. Timestamps are
-//! fixed-width UTC text, so the design's comparisons work on them as written; a trigger rewrites
-//! any other shape that other code writes (see migration 0003).
+//! polling it in SQLite's busy handler. Timestamps are fixed-width UTC text, so the design's
+//! comparisons work on them as written; a trigger rewrites any other shape that other code
+//! writes (see migration 0003).
 //!
 //! Time: SQLite lives on one host, so its timestamps come from that host's clock (plus the
 //! repository's [`ClockShift`]). Staleness does not: a `processing` row is stale when this
@@ -21,7 +21,7 @@
 mod claim;
 mod enqueue;
 mod fenced;
-mod gate;
+pub(crate) mod gate;
 mod keys;
 mod liveness;
 mod ops;
@@ -49,8 +49,6 @@ use crate::{
 };
 use gate::{Gate, Turn};
 use liveness::Liveness;
-
-pub(crate) use gate::Gate as WriteGate;
 
 /// The SQLite outbox repository.
 #[derive(Debug, Clone)]
