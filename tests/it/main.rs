@@ -2,6 +2,7 @@
 //! PostgreSQL (see `outbox_tests::backend_tests!`).
 
 mod adopter;
+mod batch;
 mod create_action;
 mod embedding;
 mod equivalence;

@@ -197,15 +197,29 @@ pub(crate) async fn drain(
     events: usize,
     handlers: Handlers,
 ) -> Result<(Figures, i64)> {
-    let run = start(db, config(mode, workers), handlers).await?;
+    let (f, violations, _) = drain_with(db, config(mode, workers), events, handlers).await?;
+    Ok((f, violations))
+}
+
+/// [`drain`] with a configuration of the caller's; also the rows the pull workers claimed per
+/// claim statement (0 for the legacy dispatcher).
+pub(crate) async fn drain_with(
+    db: &BenchDb,
+    config: WorkerConfig,
+    events: usize,
+    handlers: Handlers,
+) -> Result<(Figures, i64, f64)> {
+    let run = start(db, config, handlers).await?;
     run.wait_for(events as u64).await?;
     let since = run.started;
+    let m = run.handle.metrics();
+    let per_statement = m.claimed as f64 / m.claim_statements.max(1) as f64;
     run.stop().await?;
     let pool = db.connect(1).await?;
     let f = bench::latency(pg(&pool)?, Keys::All, since).await?;
     let violations = bench::order_violations(pg(&pool)?).await?;
     pool.close().await;
-    Ok((f, violations))
+    Ok((f, violations, per_statement))
 }
 
 pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
@@ -214,18 +228,35 @@ pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> 
     let mut pull_unkeyed_8 = None;
     for &workers in sizes.workers {
         for keyed in [true, false] {
-            for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+            // The pull workers as shipped (one claim statement shared by the workers that ask
+            // at the same moment), each worker claiming for itself (`max_claim_batch` 1, the
+            // claim before issue 15's batches), and the legacy dispatcher.
+            let variants: &[(DispatchMode, Option<usize>, &str)] = &[
+                (DispatchMode::Pull, None, "pull"),
+                (DispatchMode::Pull, Some(1), "pull, claim per worker"),
+                (DispatchMode::Legacy, None, "legacy"),
+            ];
+            for &(mode, batch, name) in variants {
                 reset(db).await?;
                 let pool = db.connect(2).await?;
                 let events = keyed_events(sizes.drain_events, sizes.records, keyed);
                 enqueue(&pool.repository(), &events, 1_000).await?;
                 pool.close().await;
+                let mut config = config(mode, workers);
+                if let Some(batch) = batch {
+                    config = config.with_max_claim_batch(batch);
+                }
                 let cpu = super::cpu::ProcessCpu::now();
-                let (f, violations) =
-                    drain(db, mode, workers, sizes.drain_events, handlers(None, None)).await?;
+                let (f, violations, per_statement) =
+                    drain_with(db, config, sizes.drain_events, handlers(None, None)).await?;
+                let claims = if mode == DispatchMode::Pull {
+                    format!("; {per_statement:.1} rows per claim statement")
+                } else {
+                    String::new()
+                };
                 let cpu_us = cpu.per_event_us(f.n);
                 let rate = f.n as f64 / f.span_s.max(1e-9);
-                if mode == DispatchMode::Pull && workers == 8 {
+                if mode == DispatchMode::Pull && batch.is_none() && workers == 8 {
                     if keyed {
                         pull_keyed_8 = Some(rate);
                         report.target(
@@ -249,16 +280,16 @@ pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> 
                             "no RecordKey".into()
                         }
                     ),
-                    dispatcher: mode_name(mode).into(),
+                    dispatcher: name.into(),
                     workers: Some(workers),
                     events: Some(f.n),
                     per_second: Some(rate),
                     p50_ms: Some(f.p50_ms),
                     p99_ms: Some(f.p99_ms),
                     note: if keyed {
-                        format!("order violations {violations}; backlog enqueued before start; client CPU {cpu_us:.0} µs/event")
+                        format!("order violations {violations}; backlog enqueued before start; client CPU {cpu_us:.0} µs/event{claims}")
                     } else {
-                        format!("backlog enqueued before start; client CPU {cpu_us:.0} µs/event")
+                        format!("backlog enqueued before start; client CPU {cpu_us:.0} µs/event{claims}")
                     },
                     ..Row::default()
                 });

@@ -93,6 +93,11 @@ pub struct WorkerConfig {
     /// on `Scope::Only(its types)`, and the service beside it on `Scope::Except(those types)`,
     /// so that neither claims, and fails for want of a handler, the other's events.
     pub scope: Scope,
+    /// Pull mode: the most idle workers one claim statement serves (see
+    /// `docs/state-machine.md`, "Claiming for several workers"): the workers that ask for a row
+    /// while another claims queue behind it and share its next statement. `None`, the default,
+    /// lets one statement serve every worker; `Some(1)` makes each worker claim for itself.
+    pub max_claim_batch: Option<usize>,
     /// The background pruner (retention of terminal rows); `None`, the default, deletes
     /// nothing: deleting rows cannot be undone and terminal rows are what operators and audits
     /// read, so the embedding service chooses the ages. See [`crate::RetentionConfig`] and
@@ -122,6 +127,7 @@ impl Default for WorkerConfig {
             scope: Scope::All,
             retention: None,
             queue_gauges: None,
+            max_claim_batch: None,
         }
     }
 }
@@ -146,6 +152,19 @@ impl WorkerConfig {
     pub fn with_workers(mut self, workers: usize) -> Self {
         self.workers = workers.max(1);
         self
+    }
+    /// Bounds how many idle pull workers one claim statement serves
+    /// ([`WorkerConfig::max_claim_batch`]; at least 1).
+    pub fn with_max_claim_batch(mut self, max: usize) -> Self {
+        self.max_claim_batch = Some(max.max(1));
+        self
+    }
+    /// How many rows one claim statement of the pull workers takes at most: the workers, or
+    /// fewer when [`WorkerConfig::max_claim_batch`] says so.
+    pub fn claim_batch(&self) -> usize {
+        self.max_claim_batch
+            .map_or(self.workers, |max| max.min(self.workers))
+            .max(1)
     }
     /// Refreshes the queue gauges every `every` (one read of the queue per dispatcher; see
     /// [`WorkerConfig::queue_gauges`]).

@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::attempt::{self, AttemptEnv};
+use crate::claims::{Claims, Reply};
 use crate::config::{DispatchMode, WorkerConfig};
 use crate::gate::ModeDecision;
 use crate::handler::Handlers;
@@ -155,9 +156,11 @@ impl Dispatcher {
                     ));
                     narrow(&self.config.scope, Scope::Except(excluded))
                 };
+                let claims = Arc::new(Claims::new(self.config.claim_batch()));
                 for worker in 0..self.config.workers {
                     tracker.spawn(pull_worker(
                         env.clone(),
+                        claims.clone(),
                         stop.clone(),
                         scope.clone(),
                         worker,
@@ -234,7 +237,13 @@ pub(crate) async fn back_off(stop: &CancellationToken, backoff: &mut Duration) {
     *backoff = (*backoff * 2).min(MAX_ERROR_BACKOFF);
 }
 
-async fn pull_worker(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Scope, worker: usize) {
+async fn pull_worker(
+    env: Arc<AttemptEnv>,
+    claims: Arc<Claims>,
+    stop: CancellationToken,
+    scope: Scope,
+    worker: usize,
+) {
     let mut idle_wait = FIRST_IDLE_WAIT;
     let mut error_backoff = FIRST_ERROR_BACKOFF;
     while !stop.is_cancelled() {
@@ -242,26 +251,35 @@ async fn pull_worker(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Scope
         let Some(permit) = env.attempt_permit(&stop).await else {
             break;
         };
-        match env.repo.claim_next(policy(&env), &scope).await {
-            Ok(Some(claim)) => {
+        // The workers that ask at the same moment share one claim statement (`Claims`).
+        match claims
+            .claim(env.repo.as_ref(), &env.metrics, policy(&env), &scope)
+            .await
+        {
+            Reply::Claimed(claim) => {
                 idle_wait = FIRST_IDLE_WAIT;
                 error_backoff = FIRST_ERROR_BACKOFF;
                 attempt::run(&env, claim).await;
                 drop(permit);
             }
-            Ok(None) => {
+            Reply::Nothing => {
                 drop(permit);
                 idle(&env, &stop, idle_wait).await;
                 idle_wait = (idle_wait * 2).min(env.config.poll_interval);
             }
-            Err(e) => {
+            Reply::Failed(error) => {
                 drop(permit);
                 // A database that is down, or a lock timeout on the claim: nothing was
-                // claimed, so nothing is lost; try again after a pause.
-                if e.is_lock_timeout() {
-                    tracing::debug!(worker, error = %e.chain(), "claiming hit the lock timeout; backing off");
-                } else {
-                    tracing::warn!(worker, error = %e.chain(), "claiming failed; backing off");
+                // claimed, so nothing is lost; try again after a pause. The worker that led
+                // the claim reports its error; the others that shared it back off quietly.
+                match error {
+                    Some(e) if e.is_lock_timeout() => {
+                        tracing::debug!(worker, error = %e.chain(), "claiming hit the lock timeout; backing off");
+                    }
+                    Some(e) => {
+                        tracing::warn!(worker, error = %e.chain(), "claiming failed; backing off");
+                    }
+                    None => {}
                 }
                 back_off(&stop, &mut error_backoff).await;
             }

@@ -12,6 +12,7 @@
 #![warn(missing_docs)]
 
 mod attempt;
+mod claims;
 mod config;
 mod consumer;
 mod dispatcher;

@@ -22,6 +22,9 @@ use outbox_persistence::{OutboxStats, PruneReport};
 pub mod names {
     /// Counter, `event_type`: rows claimed (fresh or stale reclaims).
     pub const CLAIMS: &str = "outbox_claims_total";
+    /// Counter: claim statements the pull workers ran (each claims rows for every worker that
+    /// asked at that moment; `outbox_claims_total` over this is the mean batch).
+    pub const CLAIM_STATEMENTS: &str = "outbox_claim_statements_total";
     /// Counter, `event_type`: claims of stale `processing` rows (a worker had stopped).
     pub const STALE_RECLAIMS: &str = "outbox_stale_reclaims_total";
     /// Counter, `event_type`, `outcome` (`processed`, `retried`, `failed`, `lost_claim`,
@@ -60,6 +63,7 @@ pub mod names {
 #[derive(Debug, Default)]
 pub struct Metrics {
     claimed: AtomicU64,
+    claim_statements: AtomicU64,
     processed: AtomicU64,
     retried: AtomicU64,
     failed: AtomicU64,
@@ -75,6 +79,9 @@ pub struct Metrics {
 pub struct MetricsSnapshot {
     /// Rows claimed.
     pub claimed: u64,
+    /// Claim statements of the pull workers (a statement claims for every worker that asked
+    /// at that moment): `claimed / claim_statements` is the mean batch.
+    pub claim_statements: u64,
     /// Attempts that committed `processed`.
     pub processed: u64,
     /// Attempts that ended in a retry.
@@ -146,6 +153,12 @@ impl Metrics {
         }
     }
 
+    /// The pull workers ran a claim statement.
+    pub(crate) fn claim_statement(&self) {
+        bump(&self.claim_statements);
+        counter!(names::CLAIM_STATEMENTS).increment(1);
+    }
+
     /// An attempt ended after `attempt` (from its claim); `queued` is the time from
     /// `CreatedDate` to the claim, for a processed row.
     pub(crate) fn ended(
@@ -209,6 +222,7 @@ impl Metrics {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         MetricsSnapshot {
             claimed: load(&self.claimed),
+            claim_statements: load(&self.claim_statements),
             processed: load(&self.processed),
             retried: load(&self.retried),
             failed: load(&self.failed),
@@ -266,6 +280,10 @@ pub fn describe_metrics() {
         describe_counter!(
             names::CLAIMS,
             "Rows claimed by pull workers, stale reclaims included."
+        );
+        describe_counter!(
+            names::CLAIM_STATEMENTS,
+            "Claim statements of the pull workers; each claims for every worker that asked at that moment."
         );
         describe_counter!(
             names::STALE_RECLAIMS,

@@ -129,6 +129,9 @@ impl Tx {
     }
 }
 
+/// The most rows one [`OutboxRepository::claim_batch`] call claims.
+pub const MAX_CLAIM_BATCH: usize = 256;
+
 /// The repository: one implementation per backend, one conformance suite for all.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
@@ -173,6 +176,28 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// Selects the oldest eligible row and claims it, in as few round trips as the backend
     /// allows. Same rules as `get_pending_events` followed by `claim_event`.
     async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>>;
+
+    /// Claims up to `max` eligible rows at once, oldest first, each with the rules and the
+    /// commit of [`OutboxRepository::claim_next`]: for a process whose `max` workers are idle at
+    /// the same moment (the dispatcher's pull workers share one call; see
+    /// `docs/state-machine.md`, "Claiming for several workers"). The rows are of distinct
+    /// record keys, so no two of them wait on each other. Each claim is committed and its
+    /// heartbeat interval runs from this call on, so the caller must start every attempt at
+    /// once: a claim held back longer than the stale-after interval is reclaimed, and its
+    /// unstarted attempt counted as a dead worker's. Fewer than `max` (possibly none) when
+    /// fewer are eligible; `max` is clamped to `1..=`[`MAX_CLAIM_BATCH`].
+    ///
+    /// The default claims one row with `claim_next`; both backends claim the batch in one
+    /// transaction (one statement on PostgreSQL).
+    async fn claim_batch(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        max: usize,
+    ) -> Result<Vec<Claim>> {
+        let _ = max;
+        Ok(self.claim_next(policy, scope).await?.into_iter().collect())
+    }
 
     /// Refreshes `LastModifiedDate` of a row this worker still holds, on a connection of its
     /// own. `None` when the row is no longer this worker's (reclaimed, or finished elsewhere).

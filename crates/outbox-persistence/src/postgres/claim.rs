@@ -5,7 +5,7 @@
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use super::sql::{CLAIM_EVENT, CLAIM_NEXT_CALL, ELIGIBLE_GUARDED};
+use super::sql::{CLAIM_BATCH_CALL, CLAIM_EVENT, ELIGIBLE_GUARDED};
 use super::{PgOutbox, span};
 use crate::{
     Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
@@ -156,30 +156,45 @@ impl PgOutbox {
         }
     }
 
+    /// Claims up to `max` of the oldest eligible rows in one statement (more only when the
+    /// statement returned rows that ended `failed` as exhausted instead of claimed: it runs again
+    /// for the rest, a bounded number of times). The claims come oldest first.
     pub(super) async fn claim_oldest(
         &self,
         policy: ClaimPolicy,
         scope: &Scope,
-    ) -> Result<Option<Claim>> {
+        max: usize,
+    ) -> Result<Vec<Claim>> {
+        let max = max.clamp(1, crate::MAX_CLAIM_BATCH);
+        let mut claims = Vec::with_capacity(max);
         for _ in 0..MAX_EXHAUSTED_PER_CLAIM {
-            // The statement runs inside `_System_OutboxClaimNext` (migration 0006), whose
+            let want = max - claims.len();
+            // The statement runs inside `_System_OutboxClaimBatch` (migration 0008), whose
             // settings leave the planner only the ordered index walk, so the plan cached for
             // this prepared call stays right however the table's size moved since it was
-            // planned (`CLAIM_NEXT_CALL`).
-            let query = sqlx::query(CLAIM_NEXT_CALL)
+            // planned (`CLAIM_BATCH_CALL`).
+            let rows = sqlx::query(CLAIM_BATCH_CALL)
                 .bind(self.shift())
                 .bind(span(policy.stale_after))
                 .bind(span(policy.retry_delay))
                 .bind(policy.max_retry_attempts)
                 .bind(scope.only())
-                .bind(scope.except());
-            let Some(row) = query.fetch_optional(&self.pool).await? else {
-                return Ok(None);
-            };
-            if let Some(claim) = claimed_or_exhausted(&row)? {
-                return Ok(Some(claim));
+                .bind(scope.except())
+                .bind(want as i32)
+                .fetch_all(&self.pool)
+                .await?;
+            for row in &rows {
+                if let Some(claim) = claimed_or_exhausted(row)? {
+                    claims.push(claim);
+                }
+            }
+            // Fewer rows than asked for: nothing more is eligible now. All of them claimed:
+            // done. Otherwise some ended exhausted, and the rows behind them may be eligible.
+            if rows.len() < want || claims.len() == max {
+                break;
             }
         }
-        Ok(None)
+        claims.sort_by_key(|c| (c.event.created_date, c.event.id));
+        Ok(claims)
     }
 }

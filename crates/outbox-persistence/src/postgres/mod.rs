@@ -152,7 +152,16 @@ impl OutboxRepository for PgOutbox {
     }
 
     async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>> {
-        self.claim_oldest(policy, scope).await
+        Ok(self.claim_oldest(policy, scope, 1).await?.pop())
+    }
+
+    async fn claim_batch(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        max: usize,
+    ) -> Result<Vec<Claim>> {
+        self.claim_oldest(policy, scope, max).await
     }
 
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {

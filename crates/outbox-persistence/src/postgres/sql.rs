@@ -111,11 +111,12 @@ macro_rules! scope_filter {
 /// ceiling), see `docs/queries.md`.
 ///
 /// Time is the database's (`clock` below, read once per statement). Parameters: `$1` the clock
-/// shift, `$2` stale-after, `$3` retry delay (intervals), `$4` `MaxRetryAttempts`; `$scope` is
-/// spliced in, empty for `Scope::All` (so that the statement has no parameter that changes its
-/// plan) or `scope_filter!()`.
+/// shift, `$2` stale-after, `$3` retry delay (intervals), `$4` `MaxRetryAttempts`; `$limit` is
+/// how many rows each stream picks and the statement claims (`"1"`, or `"$7"` for a batch);
+/// `$scope` is spliced in, empty for `Scope::All` (so that the statement has no parameter that
+/// changes its plan) or `scope_filter!()`.
 macro_rules! claim_candidate {
-    ($($scope:tt)*) => {
+    ($limit:literal, $($scope:tt)*) => {
         concat!(
             "\
 WITH clock AS (SELECT ", db_now!(), " AS now),
@@ -129,7 +130,7 @@ head_pick AS (
             key_order!(),
             $($scope)*,
             "  ORDER BY h.CreatedDate, h.Id
-  LIMIT 1
+  LIMIT ", $limit, "
   FOR UPDATE OF e SKIP LOCKED
 ),
 unkeyed_pick AS (
@@ -141,14 +142,14 @@ unkeyed_pick AS (
             key_order!(),
             $($scope)*,
             "  ORDER BY e.CreatedDate, e.Id
-  LIMIT 1
+  LIMIT ", $limit, "
   FOR UPDATE OF e SKIP LOCKED
 ),
 candidate AS (
   SELECT p.Id, p.old_status
   FROM (SELECT * FROM head_pick UNION ALL SELECT * FROM unkeyed_pick) p
   ORDER BY p.CreatedDate, p.Id
-  LIMIT 1
+  LIMIT ", $limit, "
 )"
         )
     };
@@ -209,29 +210,36 @@ LIMIT $3";
 /// `FOR UPDATE OF e SKIP LOCKED` and the update moves it to `processing`. Parameters: `$1` the
 /// clock shift, `$2` stale-after, `$3` retry delay, `$4` `MaxRetryAttempts`, `$5`/`$6` the
 /// scope's event types.
-pub(crate) const CLAIM_NEXT: &str = concat!(claim_candidate!(scope_filter!()), claim_update!());
+/// `outbox explain` shows this one-row form.
+pub(crate) const CLAIM_NEXT: &str =
+    concat!(claim_candidate!("1", scope_filter!()), claim_update!());
 
-/// [`CLAIM_NEXT`] for `Scope::All`: the same statement without the scope predicates.
-/// Parameters: `$1` the clock shift, `$2` stale-after, `$3` retry delay, `$4`
-/// `MaxRetryAttempts`.
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "run by _System_OutboxClaimNext (migration 0006), whose text a unit test holds to it"
-    )
-)]
-pub(super) const CLAIM_NEXT_ALL: &str = concat!(claim_candidate!(""), claim_update!());
+/// [`CLAIM_NEXT`] for `Scope::All`: the same statement without the scope predicates, as
+/// `_System_OutboxClaimNext` (migration 0006, kept for the previous release's binaries) runs
+/// it.
+#[cfg(test)]
+const CLAIM_NEXT_ALL: &str = concat!(claim_candidate!("1", ""), claim_update!());
 
-/// What `claim_next` sends: a call of `_System_OutboxClaimNext` (migration 0006), which runs
-/// [`CLAIM_NEXT_ALL`] when both scope parameters are NULL and [`CLAIM_NEXT`] otherwise, under
-/// [`CLAIM_PLAN_SETTINGS`]. A statement prepared by the client runs from a generic plan cached
-/// after five executions; one cached while the queue was nearly empty keeps sequential scans
-/// when the backlog grows (see `docs/queries.md`, "Plan stability"), and planning at every
-/// call costs more than the claim. Inside the function the settings leave only the index plan.
-/// Parameters: as [`CLAIM_NEXT`].
-pub(super) const CLAIM_NEXT_CALL: &str =
-    "SELECT * FROM _System_OutboxClaimNext($1, $2, $3, $4, $5, $6)";
+/// Select-and-claim of up to `$7` rows in one statement: [`CLAIM_NEXT`] with each candidate
+/// stream picking, and the statement claiming, up to `$7` rows. The keyed candidates are heads
+/// of distinct keys, so one statement never claims two rows of one key.
+#[cfg(test)]
+const CLAIM_BATCH: &str = concat!(claim_candidate!("$7", scope_filter!()), claim_update!());
+
+/// [`CLAIM_BATCH`] for `Scope::All`.
+#[cfg(test)]
+const CLAIM_BATCH_ALL: &str = concat!(claim_candidate!("$7", ""), claim_update!());
+
+/// What `claim_next` and `claim_batch` send: a call of `_System_OutboxClaimBatch` (migration
+/// 0008), which runs the batch statement without the scope predicates when both scope
+/// parameters are NULL and with them otherwise, under [`CLAIM_PLAN_SETTINGS`]. A statement
+/// prepared by the client runs from a generic plan cached after five executions; one cached
+/// while the queue was nearly empty keeps sequential scans when the backlog grows (see
+/// `docs/queries.md`, "Plan stability"), and planning at every call costs more than the claim.
+/// Inside the function the settings leave only the index plan. Parameters: as [`CLAIM_NEXT`],
+/// and `$7` the most rows to claim.
+pub(super) const CLAIM_BATCH_CALL: &str =
+    "SELECT * FROM _System_OutboxClaimBatch($1, $2, $3, $4, $5, $6, $7)";
 
 /// The planner settings `_System_OutboxClaimNext` runs the claim under (its `SET` clauses in
 /// migration 0006): every access path but the ordered index walk priced out, and no JIT (a
@@ -290,7 +298,7 @@ mod tests {
 
     #[test]
     fn the_claim_reads_candidates_from_the_heads_and_the_unkeyed_rows() {
-        for sql in [CLAIM_NEXT, CLAIM_NEXT_ALL] {
+        for sql in [CLAIM_NEXT, CLAIM_NEXT_ALL, CLAIM_BATCH, CLAIM_BATCH_ALL] {
             assert!(sql.contains("FROM _System_OutboxHead h"));
             assert!(sql.contains("WHERE e.RecordKey IS NULL AND e.Status NOT IN"));
             assert_eq!(sql.matches("FOR UPDATE OF e SKIP LOCKED").count(), 2);
@@ -305,27 +313,41 @@ mod tests {
         assert_eq!(ELIGIBLE_GUARDED.matches("$6::text[] IS NULL").count(), 1);
     }
 
-    /// Migration 0006 keeps the claim statements in `_System_OutboxClaimNext`: its body must be
-    /// these constants, verbatim, and its settings [`CLAIM_PLAN_SETTINGS`].
+    /// Migrations 0006 and 0008 keep the claim statements in `_System_OutboxClaimNext` and
+    /// `_System_OutboxClaimBatch`: their bodies must be these constants, verbatim, and their
+    /// settings [`CLAIM_PLAN_SETTINGS`].
     #[test]
-    fn the_claim_function_runs_these_statements_under_these_settings() {
-        let migration = include_str!("../../../../migrations/postgres/0006_claim_function.sql");
-        for (name, sql) in [
-            ("CLAIM_NEXT_ALL", CLAIM_NEXT_ALL),
-            ("CLAIM_NEXT", CLAIM_NEXT),
+    fn the_claim_functions_run_these_statements_under_these_settings() {
+        let next = include_str!("../../../../migrations/postgres/0006_claim_function.sql");
+        let batch = include_str!("../../../../migrations/postgres/0008_claim_batch.sql");
+        for (migration, name, sql) in [
+            (next, "CLAIM_NEXT_ALL", CLAIM_NEXT_ALL),
+            (next, "CLAIM_NEXT", CLAIM_NEXT),
+            (batch, "CLAIM_BATCH_ALL", CLAIM_BATCH_ALL),
+            (batch, "CLAIM_BATCH", CLAIM_BATCH),
         ] {
             assert!(
                 migration.contains(&format!("RETURN QUERY\n{sql};\n")),
-                "migration 0006 no longer runs {name} verbatim: replace the function in a new migration"
+                "a claim function no longer runs {name} verbatim: replace it in a new migration"
             );
         }
-        for (setting, value) in CLAIM_PLAN_SETTINGS {
-            assert!(migration.contains(&format!("\nSET {setting} = {value}\n")));
+        for migration in [next, batch] {
+            for (setting, value) in CLAIM_PLAN_SETTINGS {
+                assert!(migration.contains(&format!("\nSET {setting} = {value}\n")));
+            }
+            let set_clauses = migration
+                .lines()
+                .filter(|l| l.starts_with("SET ") && !l.starts_with("SET Status"))
+                .count();
+            assert_eq!(set_clauses, CLAIM_PLAN_SETTINGS.len());
         }
-        let set_clauses = migration
-            .lines()
-            .filter(|l| l.starts_with("SET ") && !l.starts_with("SET Status"))
-            .count();
-        assert_eq!(set_clauses, CLAIM_PLAN_SETTINGS.len());
+    }
+
+    #[test]
+    fn a_batch_claims_as_many_rows_as_its_limit_in_both_streams() {
+        for sql in [CLAIM_BATCH, CLAIM_BATCH_ALL] {
+            assert_eq!(sql.matches("LIMIT $7\n").count(), 3);
+            assert!(!sql.contains("LIMIT 1\n"));
+        }
     }
 }

@@ -289,39 +289,52 @@ impl SqliteOutbox {
     }
 
     /// One claim transaction: the eligible rows (a few candidates, or the one `id`) are tried
-    /// oldest first until one is claimed.
+    /// oldest first until `max` are claimed (the candidates are heads of distinct keys and
+    /// unkeyed rows, so no two claims share a key) or none is left.
     pub(super) async fn claim_in_tx(
         &self,
         policy: ClaimPolicy,
         scope: &Scope,
         id: Option<EventId>,
-    ) -> Result<Option<Claim>> {
+        max: usize,
+    ) -> Result<Vec<Claim>> {
+        let max = if id.is_some() {
+            1
+        } else {
+            max.clamp(1, crate::MAX_CLAIM_BATCH)
+        };
         let (mut tx, waited) = self.begin_write().await?;
         let stale = self
             .stale_ids(&mut tx, policy.stale_after, Some(waited))
             .await?;
         let now = self.now();
-        let mut claim = None;
+        let mut claims = Vec::with_capacity(max);
         // A candidate failed here may release the rows behind it: look again (bounded).
         for _ in 0..MAX_CANDIDATES_PER_CLAIM {
-            let (found, failed_some) = self
-                .claim_round(&mut tx, &stale, now, policy, scope, id)
+            let failed_some = self
+                .claim_round(&mut tx, &stale, now, policy, scope, id, max, &mut claims)
                 .await?;
-            claim = found;
-            if claim.is_some() || !failed_some {
+            if claims.len() == max || !failed_some {
                 break;
             }
         }
         tx.commit().await?;
-        if let Some(claim) = &claim {
+        // A later round may claim an older row than an earlier one did (one released by a
+        // failed candidate): hand them out oldest first.
+        claims.sort_by_key(|c| (c.event.created_date, c.event.id));
+        for claim in &claims {
             self.liveness()
                 .note(claim.fence.id, claim.fence.last_written, &self.shift);
         }
-        Ok(claim)
+        Ok(claims)
     }
 
-    /// One pass over the eligible candidates: the claim, if any, and whether a candidate was
-    /// failed on the way.
+    /// One pass over the eligible candidates: claims into `claims` until it holds `max`, and
+    /// tells whether a candidate was failed on the way.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one claim transaction's state, passed down from claim_in_tx"
+    )]
     async fn claim_round(
         &self,
         tx: &mut SqliteConnection,
@@ -330,13 +343,16 @@ impl SqliteOutbox {
         policy: ClaimPolicy,
         scope: &Scope,
         id: Option<EventId>,
-    ) -> Result<(Option<Claim>, bool)> {
+        max: usize,
+        claims: &mut Vec<Claim>,
+    ) -> Result<bool> {
         let retry_cutoff = format_ts(now - chrono_span(policy.retry_delay));
+        let wanted = max - claims.len();
         let query = match id {
             None => sqlx::query(CLAIM_CANDIDATES)
                 .bind(stale)
                 .bind(&retry_cutoff)
-                .bind(i64::from(MAX_CANDIDATES_PER_CLAIM))
+                .bind(i64::from(MAX_CANDIDATES_PER_CLAIM) + wanted as i64)
                 .bind(json_list(scope.only()))
                 .bind(json_list(scope.except())),
             Some(id) => sqlx::query(ELIGIBLE_BY_ID)
@@ -347,12 +363,26 @@ impl SqliteOutbox {
         let rows = query.fetch_all(&mut *tx).await?;
         let mut failed_some = false;
         for row in &rows {
+            // A stale row claimed by an earlier round of this transaction still reads as stale
+            // (the stale ids were observed before it): never claim it twice.
+            let id: Option<String> = row.try_get("Id").ok();
+            if claims
+                .iter()
+                .any(|c| id.as_deref() == Some(c.event.id.to_string().as_str()))
+            {
+                continue;
+            }
             match claim_on(&mut *tx, row, now, policy).await? {
-                Candidate::Claimed(claim) => return Ok((Some(claim), failed_some)),
+                Candidate::Claimed(claim) => {
+                    claims.push(claim);
+                    if claims.len() == max {
+                        break;
+                    }
+                }
                 Candidate::Failed => failed_some = true,
                 Candidate::Passed => {}
             }
         }
-        Ok((None, failed_some))
+        Ok(failed_some)
     }
 }

@@ -207,11 +207,23 @@ impl OutboxRepository for SqliteOutbox {
     }
 
     async fn claim_event(&self, id: EventId, policy: ClaimPolicy) -> Result<Option<Claim>> {
-        self.claim_in_tx(policy, &Scope::All, Some(id)).await
+        Ok(self
+            .claim_in_tx(policy, &Scope::All, Some(id), 1)
+            .await?
+            .pop())
     }
 
     async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>> {
-        self.claim_in_tx(policy, scope, None).await
+        Ok(self.claim_in_tx(policy, scope, None, 1).await?.pop())
+    }
+
+    async fn claim_batch(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        max: usize,
+    ) -> Result<Vec<Claim>> {
+        self.claim_in_tx(policy, scope, None, max).await
     }
 
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {

@@ -1,0 +1,327 @@
+//! One claim statement for the pull workers that are idle at the same moment.
+//!
+//! A worker that wants a row asks the dispatcher's [`Claims`]. When no claim is under way it
+//! leads: it claims, in one call of [`OutboxRepository::claim_batch`], one row for itself and one
+//! for every worker that queued behind it meanwhile, hands each of those its row (or nothing,
+//! when fewer were eligible), and passes the lead to the first worker that queued while it
+//! claimed. So at most one claim statement per dispatcher runs at a time, its fixed cost is
+//! shared by the batch, and concurrent claims no longer skip over each other's locked heads.
+//! Each worker still holds its attempt permit from before it asks until its attempt ends, so a
+//! batch never claims more rows than there are workers ready to start them at once; a row is
+//! handed over in memory, and its attempt begins as soon as the worker is woken.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use outbox_persistence::{Claim, ClaimPolicy, OutboxRepository, Scope};
+use tokio::sync::oneshot;
+
+use crate::metrics::Metrics;
+
+/// What a worker is told when it asks for a row.
+#[derive(Debug)]
+pub(crate) enum Reply {
+    /// A row claimed for this worker: start its attempt now.
+    Claimed(Claim),
+    /// Nothing eligible now.
+    Nothing,
+    /// The claim failed; the leader got the error (and logs it); the others back off too.
+    Failed(Option<outbox_persistence::Error>),
+}
+
+/// What the leader sends a queued worker.
+enum Turn {
+    Reply(Reply),
+    /// Claim for yourself and those queued behind you.
+    Lead,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// A worker is claiming.
+    leading: bool,
+    waiting: VecDeque<oneshot::Sender<Turn>>,
+}
+
+/// The dispatcher's claims: one per pull-worker set (one scope).
+pub(crate) struct Claims {
+    queue: Mutex<Queue>,
+    /// The most rows one statement claims (the number of workers).
+    max_batch: usize,
+}
+
+impl Claims {
+    pub(crate) fn new(max_batch: usize) -> Self {
+        Self {
+            queue: Mutex::default(),
+            max_batch: max_batch.clamp(1, outbox_persistence::MAX_CLAIM_BATCH),
+        }
+    }
+
+    /// A row for the calling worker, claimed by it or by the worker leading when it asked.
+    /// Not cancel-safe in spirit: a worker that drops this future after the lead reached it may
+    /// leave rows claimed for it to stale reclaim; the pull worker always awaits it.
+    pub(crate) async fn claim(
+        &self,
+        repo: &dyn OutboxRepository,
+        metrics: &Metrics,
+        policy: ClaimPolicy,
+        scope: &Scope,
+    ) -> Reply {
+        let queued = {
+            let mut queue = self.lock();
+            if queue.leading {
+                let (tx, rx) = oneshot::channel();
+                queue.waiting.push_back(tx);
+                Some(rx)
+            } else {
+                queue.leading = true;
+                None
+            }
+        };
+        if let Some(rx) = queued {
+            match rx.await {
+                Ok(Turn::Reply(reply)) => return reply,
+                Ok(Turn::Lead) => {}
+                // The leader went away without a word (it panicked): lead instead.
+                Err(_) => {
+                    let mut queue = self.lock();
+                    if queue.leading {
+                        return Reply::Nothing;
+                    }
+                    queue.leading = true;
+                }
+            }
+        }
+        let lead = Lead { claims: self };
+        metrics.claim_statement();
+        lead.claim(repo, policy, scope).await
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The lead, passed on when dropped (also when the leader's future is dropped or panics).
+struct Lead<'a> {
+    claims: &'a Claims,
+}
+
+impl Lead<'_> {
+    async fn claim(
+        &self,
+        repo: &dyn OutboxRepository,
+        policy: ClaimPolicy,
+        scope: &Scope,
+    ) -> Reply {
+        let followers: Vec<oneshot::Sender<Turn>> = {
+            let mut queue = self.claims.lock();
+            let n = queue.waiting.len().min(self.claims.max_batch - 1);
+            queue.waiting.drain(..n).collect()
+        };
+        match repo.claim_batch(policy, scope, followers.len() + 1).await {
+            Ok(claims) => {
+                let mut claims = claims.into_iter();
+                let mine = claims.next();
+                for follower in followers {
+                    let reply = match claims.next() {
+                        Some(claim) => Reply::Claimed(claim),
+                        None => Reply::Nothing,
+                    };
+                    if let Err(Turn::Reply(Reply::Claimed(claim))) =
+                        follower.send(Turn::Reply(reply))
+                    {
+                        // Only a worker that panicked stops listening; its row goes stale and
+                        // is reclaimed like any dead worker's.
+                        tracing::error!(event_id = %claim.event.id, "a claimed row's worker went away before it was handed over; the row will be reclaimed when stale");
+                    }
+                }
+                for claim in claims {
+                    tracing::error!(event_id = %claim.event.id, "the claim returned more rows than asked for; the row will be reclaimed when stale");
+                }
+                match mine {
+                    Some(claim) => Reply::Claimed(claim),
+                    None => Reply::Nothing,
+                }
+            }
+            Err(e) => {
+                for follower in followers {
+                    let _ = follower.send(Turn::Reply(Reply::Failed(None)));
+                }
+                Reply::Failed(Some(e))
+            }
+        }
+    }
+}
+
+impl Drop for Lead<'_> {
+    fn drop(&mut self) {
+        let mut queue = self.claims.lock();
+        while let Some(next) = queue.waiting.pop_front() {
+            if next.send(Turn::Lead).is_ok() {
+                return;
+            }
+        }
+        queue.leading = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use outbox_persistence::{EventStatus, Fence, MockOutboxRepository, OutboxEvent, RecordKey};
+
+    use super::*;
+
+    fn claim(n: usize) -> Claim {
+        let id = outbox_persistence::new_event_id();
+        let now = chrono::Utc::now();
+        Claim {
+            fence: Fence {
+                id,
+                last_written: now,
+            },
+            reclaimed: false,
+            event: OutboxEvent {
+                id,
+                event_type: "t".into(),
+                payload: "{}".into(),
+                status: EventStatus::Processing,
+                retry_count: 0,
+                record_key: Some(RecordKey::from_stored(format!("Lead:{n}"))),
+                created_date: now,
+                last_modified_date: now,
+                last_error: None,
+            },
+        }
+    }
+
+    /// A repository whose claim takes 20 ms and has `available` rows in all, and that records
+    /// every batch size it was asked for.
+    fn repo(available: usize, sizes: Arc<Mutex<Vec<usize>>>) -> MockOutboxRepository {
+        let left = Arc::new(AtomicUsize::new(available));
+        let mut repo = MockOutboxRepository::new();
+        repo.expect_claim_batch().returning(move |_, _, max| {
+            sizes.lock().unwrap().push(max);
+            let n = max.min(left.load(Ordering::SeqCst));
+            left.fetch_sub(n, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(20));
+            Ok((0..n).map(claim).collect())
+        });
+        repo
+    }
+
+    async fn ask_all(claims: Arc<Claims>, repo: Arc<MockOutboxRepository>, n: usize) -> Vec<Reply> {
+        let tasks: Vec<_> = (0..n)
+            .map(|_| {
+                let (claims, repo) = (claims.clone(), repo.clone());
+                tokio::spawn(async move {
+                    let scope = Scope::All;
+                    claims
+                        .claim(
+                            repo.as_ref(),
+                            &Metrics::default(),
+                            ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(1), 5),
+                            &scope,
+                        )
+                        .await
+                })
+            })
+            .collect();
+        let mut replies = Vec::new();
+        for task in tasks {
+            replies.push(task.await.unwrap());
+        }
+        replies
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn workers_that_ask_together_share_a_claim_statement() {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let repo = Arc::new(repo(100, sizes.clone()));
+        let claims = Arc::new(Claims::new(8));
+        let replies = ask_all(claims.clone(), repo, 8).await;
+        let ids: std::collections::HashSet<_> = replies
+            .iter()
+            .map(|r| match r {
+                Reply::Claimed(c) => c.event.id,
+                other => panic!("every worker gets a row, got {other:?}"),
+            })
+            .collect();
+        assert_eq!(ids.len(), 8, "each row goes to one worker");
+        let sizes = sizes.lock().unwrap().clone();
+        assert_eq!(
+            sizes.iter().sum::<usize>(),
+            8,
+            "one row asked for per worker: {sizes:?}"
+        );
+        assert!(
+            sizes.len() < 8,
+            "the workers that queued behind the first claim shared one: {sizes:?}"
+        );
+        assert!(!claims.lock().leading, "the lead ends with the last claim");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn workers_beyond_the_eligible_rows_are_told_nothing() {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let repo = Arc::new(repo(3, sizes));
+        let claims = Arc::new(Claims::new(8));
+        let replies = ask_all(claims, repo, 8).await;
+        let claimed = replies
+            .iter()
+            .filter(|r| matches!(r, Reply::Claimed(_)))
+            .count();
+        let nothing = replies
+            .iter()
+            .filter(|r| matches!(r, Reply::Nothing))
+            .count();
+        assert_eq!((claimed, nothing), (3, 5));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_failed_claim_reaches_the_leader_and_backs_off_the_batch() {
+        let mut repo = MockOutboxRepository::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        repo.expect_claim_batch().returning(move |_, _, _| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(20));
+            Err(outbox_persistence::Error::Unavailable(
+                outbox_persistence::sqlx::Error::PoolTimedOut,
+            ))
+        });
+        let claims = Arc::new(Claims::new(8));
+        let replies = ask_all(claims.clone(), Arc::new(repo), 8).await;
+        let errors = replies
+            .iter()
+            .filter(|r| matches!(r, Reply::Failed(Some(_))))
+            .count();
+        assert_eq!(
+            errors,
+            calls.load(Ordering::SeqCst),
+            "each statement's error reaches its leader once"
+        );
+        assert!(replies.iter().all(|r| matches!(r, Reply::Failed(_))));
+        assert!(!claims.lock().leading);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_batch_never_asks_for_more_than_the_workers() {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let repo = Arc::new(repo(100, sizes.clone()));
+        let claims = Arc::new(Claims::new(3));
+        ask_all(claims, repo, 12).await;
+        let sizes = sizes.lock().unwrap().clone();
+        assert_eq!(sizes.iter().sum::<usize>(), 12);
+        assert!(sizes.iter().all(|&n| n <= 3), "{sizes:?}");
+        assert!(
+            sizes.contains(&3),
+            "the queued workers filled batches: {sizes:?}"
+        );
+    }
+}
