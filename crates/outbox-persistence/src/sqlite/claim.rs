@@ -25,8 +25,9 @@ WHERE e.RecordKey IS NOT NULL AND e.Status NOT IN ('processed', 'failed')
     WHERE o.RecordKey = e.RecordKey AND o.Status NOT IN ('processed', 'failed')
       AND (o.CreatedDate, o.Id) < (e.CreatedDate, e.Id))";
 
-/// How many candidates one claim looks at before it reports nothing: each one it passes was
-/// failed as undecodable, failed as exhausted by dead workers, or lost a race.
+/// How many rounds one claim transaction reads candidates in: a round after the first runs only
+/// when the one before failed a candidate (undecodable, or exhausted by dead workers), which may
+/// have released the rows behind it.
 const MAX_CANDIDATES_PER_CLAIM: u32 = 16;
 
 /// Decodes the columns every read selects but the payload, by name. The `RecordKey` is kept
@@ -352,7 +353,10 @@ impl SqliteOutbox {
             None => sqlx::query(CLAIM_CANDIDATES)
                 .bind(stale)
                 .bind(&retry_cutoff)
-                .bind(i64::from(MAX_CANDIDATES_PER_CLAIM) + wanted as i64)
+                // As many as are still wanted: each candidate read costs its rule's probes, and
+                // under the write lock a candidate read is a candidate claimed, unless it is
+                // failed (then the next round reads on).
+                .bind(wanted as i64)
                 .bind(json_list(scope.only()))
                 .bind(json_list(scope.except())),
             Some(id) => sqlx::query(ELIGIBLE_BY_ID)
