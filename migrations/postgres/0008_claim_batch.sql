@@ -15,7 +15,10 @@
 -- The planner settings are 0006's, for the same reason (see that migration). The statements
 -- are CLAIM_BATCH_ALL and CLAIM_BATCH of crates/outbox-persistence/src/postgres/sql.rs,
 -- verbatim ($1..$7 are this function's parameters); a unit test there fails if they drift
--- apart. _System_OutboxClaimNext stays for binaries of the previous release during a rolling
+-- apart. max_claims outside 1..256 is refused (NULL would mean no LIMIT). The eighth
+-- parameter bounds the call's lock waits (text such as '5000ms'; the caller's setting is put
+-- back after the call): a claim shared by every idle worker of a process must not wait
+-- unbounded behind an application's open transaction. _System_OutboxClaimNext stays for binaries of the previous release during a rolling
 -- deploy; this release calls only this function (claim_next is a batch of one).
 CREATE FUNCTION _System_OutboxClaimBatch(
     clock_shift interval,
@@ -24,7 +27,8 @@ CREATE FUNCTION _System_OutboxClaimBatch(
     max_retry_attempts integer,
     only_types text[],
     except_types text[],
-    max_claims integer
+    max_claims integer,
+    claim_lock_timeout text
 )
 RETURNS TABLE (Id uuid, EventType text, Payload text, Status text, RetryCount integer,
                RecordKey text, CreatedDate timestamptz, LastModifiedDate timestamptz,
@@ -40,7 +44,16 @@ SET enable_material = off
 SET jit = off
 AS $claim$
 #variable_conflict use_column
+DECLARE
+    caller_lock_timeout text := current_setting('lock_timeout');
 BEGIN
+IF max_claims IS NULL OR max_claims < 1 OR max_claims > 256 THEN
+    RAISE EXCEPTION 'max_claims must be 1 to 256, got %', max_claims
+        USING ERRCODE = 'invalid_parameter_value';
+END IF;
+-- A claim waits for a lock only in the head trigger of a stale row it ends failed (the key's
+-- head, behind an open enqueue): bounded like every outbox statement, for this call only.
+PERFORM set_config('lock_timeout', claim_lock_timeout, true);
 IF only_types IS NULL AND except_types IS NULL THEN
 RETURN QUERY
 WITH clock AS (SELECT (clock_timestamp() + $1::interval) AS now),
@@ -220,5 +233,6 @@ WHERE t.Id = c.Id
 RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
           t.LastModifiedDate, t.LastError, c.old_status;
 END IF;
+PERFORM set_config('lock_timeout', caller_lock_timeout, true);
 END;
 $claim$;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_persistence::{ClaimPolicy, EventStatus, NewEvent, OutboxRepository, Scope};
-use outbox_tests::{TestDb, backend_tests};
+use outbox_tests::{RawRow, TestDb, backend_tests};
 
 const STALE_AFTER: Duration = Duration::from_secs(30);
 
@@ -118,8 +118,10 @@ async fn concurrent_batches_respect_keys(db: TestDb) {
 }
 
 /// A stale row whose dead attempts used up `MaxRetryAttempts` ends `failed` instead of being
-/// claimed, and the batch fills up with the rows behind it, its own key's next row included.
-async fn a_batch_fills_up_past_exhausted_rows(db: TestDb) {
+/// claimed, and releases the rows behind it, its own key's next row included. (SQLite fills
+/// the batch in the same transaction; PostgreSQL returns the claims its statement made at once,
+/// and the next call takes the rest.)
+async fn exhausted_rows_end_failed_and_release_their_successors(db: TestDb) {
     let repo = db.repository();
     let ids = enqueue(
         &repo,
@@ -140,25 +142,84 @@ async fn a_batch_fills_up_past_exhausted_rows(db: TestDb) {
     repo.stats(policy(1)).await.unwrap();
     db.clock.advance(STALE_AFTER + Duration::from_secs(1));
 
-    let claims = repo.claim_batch(policy(1), &Scope::All, 2).await.unwrap();
+    let claims = claim_all(&repo, policy(1), 2).await;
     let claimed: HashSet<_> = claims.iter().map(|c| c.event.id).collect();
+    assert_eq!(claims.len(), 2, "each row once: {claims:?}");
     assert_eq!(
         claimed,
         HashSet::from([ids[1], ids[2]]),
         "the exhausted row's successor and B"
     );
-    let order: Vec<_> = claims
-        .iter()
-        .map(|c| (c.event.created_date, c.event.id))
-        .collect();
-    assert!(order.is_sorted(), "oldest first: {order:?}");
     let first = repo.get_event(ids[0]).await.unwrap().unwrap();
     assert_eq!(first.status, EventStatus::Failed);
     assert!(first.last_error.unwrap().starts_with("worker died"));
 }
 
+/// `claim_batch` of `max` until it returns nothing; each batch must come oldest first.
+async fn claim_all(
+    repo: &Arc<dyn OutboxRepository>,
+    policy: ClaimPolicy,
+    max: usize,
+) -> Vec<outbox_persistence::Claim> {
+    let mut all = Vec::new();
+    loop {
+        let batch = repo.claim_batch(policy, &Scope::All, max).await.unwrap();
+        if batch.is_empty() {
+            return all;
+        }
+        assert!(batch.len() <= max);
+        let order: Vec<_> = batch
+            .iter()
+            .map(|c| (c.event.created_date, c.event.id))
+            .collect();
+        assert!(order.is_sorted(), "oldest first: {order:?}");
+        all.extend(batch);
+    }
+}
+
+/// One batch over a reclaimable stale row, an exhausted one and pending rows: the stale row is
+/// reclaimed once (its dead attempt counted), the exhausted one ends `failed`, and the places
+/// are filled with the rows behind them, its key's next row included.
+async fn a_batch_reclaims_a_stale_row_once(db: TestDb) {
+    let repo = db.repository();
+    let at = outbox_persistence::truncate_micros(chrono::Utc::now()) - chrono::Duration::hours(1);
+    let row = |key: &str, status: &'static str, retries: i32, secs: i64| {
+        let mut row = RawRow::pending(Some(key), at + chrono::Duration::seconds(secs));
+        row.status = status;
+        row.retry_count = retries;
+        row
+    };
+    let stale = row("lead:a", "processing", 0, 0);
+    let exhausted = row("lead:b", "processing", 4, 1);
+    let behind_exhausted = row("lead:b", "pending", 0, 2);
+    let pending = row("lead:c", "pending", 0, 3);
+    for r in [&stale, &exhausted, &behind_exhausted, &pending] {
+        db.insert_raw(r).await;
+    }
+    // Both claims' workers died: let SQLite observe them, then stale-after pass.
+    repo.stats(policy(5)).await.unwrap();
+    db.clock.advance(STALE_AFTER + Duration::from_secs(1));
+
+    let claims = claim_all(&repo, policy(5), 3).await;
+    let mut ids: Vec<_> = claims.iter().map(|c| c.event.id).collect();
+    ids.sort();
+    let mut expected = vec![stale.id, behind_exhausted.id, pending.id];
+    expected.sort();
+    assert_eq!(ids, expected, "each row once: {claims:?}");
+    let reclaimed = claims.iter().find(|c| c.event.id == stale.id).unwrap();
+    assert!(reclaimed.reclaimed);
+    assert_eq!(
+        reclaimed.event.retry_count, 1,
+        "the dead attempt counted once"
+    );
+    let failed = repo.get_event(exhausted.id).await.unwrap().unwrap();
+    assert_eq!(failed.status, EventStatus::Failed);
+    assert_eq!(failed.retry_count, 5);
+}
+
 backend_tests!(
+    a_batch_reclaims_a_stale_row_once,
     a_batch_claims_the_oldest_heads_of_distinct_keys,
     concurrent_batches_respect_keys,
-    a_batch_fills_up_past_exhausted_rows,
+    exhausted_rows_end_failed_and_release_their_successors,
 );

@@ -2,8 +2,9 @@
 //! claimed while the queue was empty and analyzed holds cached plans built for a one-page
 //! table; when the backlog then grows (a bulk import into a fresh deployment) and no ANALYZE
 //! has run yet, a plan cached for a client-prepared statement keeps its sequential scans, so
-//! every claim reads the whole table. `claim_next` runs inside `_System_OutboxClaimNext`
-//! (migration 0006), whose settings leave only the index plan: on that connection, after the
+//! every claim reads the whole table. `claim_next` and `claim_batch` run inside
+//! `_System_OutboxClaimBatch` (migration 0008; `_System_OutboxClaimNext` of 0006 before it),
+//! whose settings leave only the index plan: on that connection, after the
 //! growth, the claim must read the outbox and its heads without one sequential scan (counted by
 //! `pg_stat_xact_user_tables`), while a statement prepared the ordinary way on the same
 //! connection, the control, does scan, which shows that the check can fail.
@@ -11,8 +12,8 @@
 use outbox_tests::TestDb;
 use sqlx::{Connection as _, PgConnection};
 
-const CLAIM: &str =
-    "SELECT Id FROM _System_OutboxClaimNext('0', '30 seconds', '10 seconds', 5, NULL, NULL)";
+/// A claim of `$1` rows: batches of one and of eight share the function's cached plan.
+const CLAIM: &str = "SELECT Id FROM _System_OutboxClaimBatch('0', '30 seconds', '10 seconds', 5, NULL, NULL, $1, '5000ms')";
 
 /// An ordinary client-prepared read over the same tables: the candidates' walk and its join.
 const CONTROL: &str = "\
@@ -49,12 +50,13 @@ async fn postgres_a_claim_planned_on_an_empty_queue_uses_the_indexes_after_it_gr
     db.execute("VACUUM ANALYZE _System_OutboxHead").await;
 
     let mut conn = PgConnection::connect(&db.url).await.unwrap();
-    for _ in 0..8 {
-        let claimed: Option<uuid::Uuid> = sqlx::query_scalar(CLAIM)
-            .fetch_optional(&mut conn)
+    for i in 0..8 {
+        let claimed: Vec<uuid::Uuid> = sqlx::query_scalar(CLAIM)
+            .bind(if i % 2 == 0 { 1 } else { 8 })
+            .fetch_all(&mut conn)
             .await
             .unwrap();
-        assert_eq!(claimed, None, "the queue is empty");
+        assert!(claimed.is_empty(), "the queue is empty");
         let read: Option<uuid::Uuid> = sqlx::query_scalar(CONTROL)
             .fetch_optional(&mut conn)
             .await
@@ -76,12 +78,18 @@ async fn postgres_a_claim_planned_on_an_empty_queue_uses_the_indexes_after_it_gr
     // flushed to the shared statistics: compare before and after.
     let mut tx = conn.begin().await.unwrap();
     let before = seq_scans(&mut tx).await;
-    for _ in 0..5 {
-        let claimed: Option<uuid::Uuid> = sqlx::query_scalar(CLAIM)
-            .fetch_optional(&mut *tx)
+    for i in 0..5 {
+        let want = if i % 2 == 0 { 1 } else { 8 };
+        let claimed: Vec<uuid::Uuid> = sqlx::query_scalar(CLAIM)
+            .bind(want)
+            .fetch_all(&mut *tx)
             .await
             .unwrap();
-        assert!(claimed.is_some(), "a head of the grown backlog is claimed");
+        assert_eq!(
+            claimed.len(),
+            want as usize,
+            "heads of the grown backlog are claimed"
+        );
     }
     let after_claims = seq_scans(&mut tx).await;
     assert_eq!(

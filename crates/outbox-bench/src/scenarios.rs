@@ -422,7 +422,12 @@ pub(crate) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Repo
     let workers = 32;
     let sleep = Duration::from_millis(50);
     let ideal = workers as f64 / sleep.as_secs_f64();
-    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+    let variants: &[(DispatchMode, Option<usize>, &str)] = &[
+        (DispatchMode::Pull, None, "pull"),
+        (DispatchMode::Pull, Some(1), "pull, claim per worker"),
+        (DispatchMode::Legacy, None, "legacy"),
+    ];
+    for &(mode, batch, name) in variants {
         reset(db).await?;
         let pool = db.connect(2).await?;
         enqueue(
@@ -432,30 +437,33 @@ pub(crate) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Repo
         )
         .await?;
         pool.close().await;
-        let (f, violations) = drain(
-            db,
-            mode,
-            workers,
-            sizes.slow_events,
-            handlers(Some(sleep), None),
-        )
-        .await?;
+        let mut config = config(mode, workers);
+        if let Some(batch) = batch {
+            config = config.with_max_claim_batch(batch);
+        }
+        let (f, violations, per_statement) =
+            drain_with(db, config, sizes.slow_events, handlers(Some(sleep), None)).await?;
         let rate = f.n as f64 / f.span_s.max(1e-9);
+        let claims = if mode == DispatchMode::Pull {
+            format!("; {per_statement:.1} rows per claim statement")
+        } else {
+            String::new()
+        };
         report.push(Row {
             scenario: format!("slow handlers 50 ms, {} events", sizes.slow_events),
-            dispatcher: mode_name(mode).into(),
+            dispatcher: name.into(),
             workers: Some(workers),
             events: Some(f.n),
             per_second: Some(rate),
             p50_ms: Some(f.p50_ms),
             p99_ms: Some(f.p99_ms),
             note: format!(
-                "{:.0}% of the ideal {ideal:.0}/s; order violations {violations}",
+                "{:.0}% of the ideal {ideal:.0}/s; order violations {violations}{claims}",
                 100.0 * rate / ideal
             ),
             ..Row::default()
         });
-        if mode == DispatchMode::Pull {
+        if mode == DispatchMode::Pull && batch.is_none() {
             report.target(
                 "slow handlers (50 ms, 32 workers) reach 90% of the ideal 640/s",
                 format!("{rate:.0}/s = {:.0}%", 100.0 * rate / ideal),

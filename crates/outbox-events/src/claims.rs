@@ -59,8 +59,10 @@ impl Claims {
     }
 
     /// A row for the calling worker, claimed by it or by the worker leading when it asked.
-    /// Not cancel-safe in spirit: a worker that drops this future after the lead reached it may
-    /// leave rows claimed for it to stale reclaim; the pull worker always awaits it.
+    /// With a batch of one (`WorkerConfig::max_claim_batch` 1) every worker claims for itself,
+    /// concurrently, as before batches. Dropping this future while it waits passes on a lead
+    /// it was handed; a row already claimed for it is left to stale reclaim (the pull worker
+    /// never drops it).
     pub(crate) async fn claim(
         &self,
         repo: &dyn OutboxRepository,
@@ -68,23 +70,35 @@ impl Claims {
         policy: ClaimPolicy,
         scope: &Scope,
     ) -> Reply {
+        if self.max_batch == 1 {
+            metrics.claim_statement();
+            return match repo.claim_next(policy, scope).await {
+                Ok(Some(claim)) => Reply::Claimed(claim),
+                Ok(None) => Reply::Nothing,
+                Err(e) => Reply::Failed(Some(e)),
+            };
+        }
         let queued = {
             let mut queue = self.lock();
             if queue.leading {
                 let (tx, rx) = oneshot::channel();
                 queue.waiting.push_back(tx);
-                Some(rx)
+                Some(Waiting {
+                    rx: Some(rx),
+                    claims: self,
+                })
             } else {
                 queue.leading = true;
                 None
             }
         };
-        if let Some(rx) = queued {
-            match rx.await {
-                Ok(Turn::Reply(reply)) => return reply,
-                Ok(Turn::Lead) => {}
-                // The leader went away without a word (it panicked): lead instead.
-                Err(_) => {
+        if let Some(mut waiting) = queued {
+            match waiting.turn().await {
+                Some(Turn::Reply(reply)) => return reply,
+                Some(Turn::Lead) => {}
+                // The leader went away without a word (it panicked): lead instead, unless
+                // another worker already does.
+                None => {
                     let mut queue = self.lock();
                     if queue.leading {
                         return Reply::Nothing;
@@ -103,6 +117,42 @@ impl Claims {
     }
 }
 
+/// A worker queued behind the leader. Dropped before its turn came (its future was dropped),
+/// it passes on a lead it was handed, so the queue never waits for a leader that is gone.
+struct Waiting<'a> {
+    rx: Option<oneshot::Receiver<Turn>>,
+    claims: &'a Claims,
+}
+
+impl Waiting<'_> {
+    /// The leader's word; `None` when the leader went away without one.
+    async fn turn(&mut self) -> Option<Turn> {
+        let rx = self.rx.as_mut().expect("a turn is awaited once");
+        let turn = rx.await.ok();
+        self.rx = None;
+        turn
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        // No send can succeed after `close`, and whatever was sent before is still there.
+        rx.close();
+        match rx.try_recv() {
+            Ok(Turn::Lead) => drop(Lead {
+                claims: self.claims,
+            }),
+            Ok(Turn::Reply(Reply::Claimed(claim))) => {
+                tracing::error!(event_id = %claim.event.id, "a worker stopped waiting after a row was claimed for it; the row will be reclaimed when stale");
+            }
+            _ => {}
+        }
+    }
+}
+
 /// The lead, passed on when dropped (also when the leader's future is dropped or panics).
 struct Lead<'a> {
     claims: &'a Claims,
@@ -117,6 +167,8 @@ impl Lead<'_> {
     ) -> Reply {
         let followers: Vec<oneshot::Sender<Turn>> = {
             let mut queue = self.claims.lock();
+            // No row for a worker that stopped waiting.
+            queue.waiting.retain(|follower| !follower.is_closed());
             let n = queue.waiting.len().min(self.claims.max_batch - 1);
             queue.waiting.drain(..n).collect()
         };
@@ -323,5 +375,84 @@ mod tests {
             sizes.contains(&3),
             "the queued workers filled batches: {sizes:?}"
         );
+    }
+
+    #[test]
+    fn a_worker_that_stops_waiting_passes_on_the_lead_it_was_handed() {
+        let claims = Claims::new(8);
+        claims.lock().leading = true;
+        let (tx, rx) = oneshot::channel();
+        let waiting = Waiting {
+            rx: Some(rx),
+            claims: &claims,
+        };
+        tx.send(Turn::Lead).ok().expect("the worker still waits");
+        drop(waiting);
+        assert!(
+            !claims.lock().leading,
+            "the lead was passed on (to nobody), not lost with the worker"
+        );
+
+        // A worker that stopped waiting before its turn is passed over.
+        claims.lock().leading = true;
+        let (gone, gone_rx) = oneshot::channel();
+        let (next, mut next_rx) = oneshot::channel();
+        claims.lock().waiting.extend([gone, next]);
+        drop(Waiting {
+            rx: Some(gone_rx),
+            claims: &claims,
+        });
+        drop(Lead { claims: &claims });
+        assert!(matches!(next_rx.try_recv(), Ok(Turn::Lead)));
+        assert!(claims.lock().leading, "the next worker leads now");
+    }
+
+    #[tokio::test]
+    async fn no_row_is_claimed_for_a_worker_that_stopped_waiting() {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let repo = repo(100, sizes.clone());
+        let claims = Claims::new(8);
+        claims.lock().leading = true;
+        let (gone, gone_rx) = oneshot::channel();
+        let (waiting, mut waiting_rx) = oneshot::channel();
+        claims.lock().waiting.extend([gone, waiting]);
+        drop(gone_rx);
+        let scope = Scope::All;
+        let lead = Lead { claims: &claims };
+        let mine = lead
+            .claim(
+                &repo,
+                ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(1), 5),
+                &scope,
+            )
+            .await;
+        drop(lead);
+        assert!(matches!(mine, Reply::Claimed(_)));
+        assert!(matches!(
+            waiting_rx.try_recv(),
+            Ok(Turn::Reply(Reply::Claimed(_)))
+        ));
+        assert_eq!(
+            *sizes.lock().unwrap(),
+            vec![2],
+            "the leader and the one still waiting"
+        );
+        assert!(!claims.lock().leading);
+    }
+
+    /// A batch of one restores the claim before batches: each worker calls `claim_next`
+    /// itself, past the queue (which would serialize them), so claims run concurrently.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn with_a_batch_of_one_every_worker_claims_for_itself() {
+        let mut repo = MockOutboxRepository::new();
+        repo.expect_claim_next()
+            .times(4)
+            .returning(|_, _| Ok(Some(claim(0))));
+        repo.expect_claim_batch().never();
+        let claims = Arc::new(Claims::new(1));
+        let replies = ask_all(claims.clone(), Arc::new(repo), 4).await;
+        assert!(replies.iter().all(|r| matches!(r, Reply::Claimed(_))));
+        let queue = claims.lock();
+        assert!(!queue.leading && queue.waiting.is_empty(), "nobody queued");
     }
 }

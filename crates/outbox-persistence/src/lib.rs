@@ -180,23 +180,34 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// Claims up to `max` eligible rows at once, oldest first, each with the rules and the
     /// commit of [`OutboxRepository::claim_next`]: for a process whose `max` workers are idle at
     /// the same moment (the dispatcher's pull workers share one call; see
-    /// `docs/state-machine.md`, "Claiming for several workers"). The rows are of distinct
+    /// `docs/state-machine.md`, "Claiming for several workers"). The keyed rows are of distinct
     /// record keys, so no two of them wait on each other. Each claim is committed and its
     /// heartbeat interval runs from this call on, so the caller must start every attempt at
     /// once: a claim held back longer than the stale-after interval is reclaimed, and its
     /// unstarted attempt counted as a dead worker's. Fewer than `max` (possibly none) when
-    /// fewer are eligible; `max` is clamped to `1..=`[`MAX_CLAIM_BATCH`].
+    /// fewer are eligible, or when exhausted stale rows (ended `failed` instead of claimed)
+    /// took places in the batch (PostgreSQL); `max` is clamped to `1..=`[`MAX_CLAIM_BATCH`].
     ///
-    /// The default claims one row with `claim_next`; both backends claim the batch in one
-    /// transaction (one statement on PostgreSQL).
+    /// The default calls `claim_next` until it has `max` rows or none is left (a committed
+    /// claim is returned even when a later call fails). PostgreSQL claims the batch in one
+    /// statement (a statement that found only exhausted stale rows, which it ends `failed`,
+    /// runs again, committed on its own), SQLite in one write transaction.
     async fn claim_batch(
         &self,
         policy: ClaimPolicy,
         scope: &Scope,
         max: usize,
     ) -> Result<Vec<Claim>> {
-        let _ = max;
-        Ok(self.claim_next(policy, scope).await?.into_iter().collect())
+        let mut claims = Vec::new();
+        while claims.len() < max.clamp(1, MAX_CLAIM_BATCH) {
+            match self.claim_next(policy, scope).await {
+                Ok(Some(claim)) => claims.push(claim),
+                Ok(None) => break,
+                Err(e) if claims.is_empty() => return Err(e),
+                Err(_) => break,
+            }
+        }
+        Ok(claims)
     }
 
     /// Refreshes `LastModifiedDate` of a row this worker still holds, on a connection of its

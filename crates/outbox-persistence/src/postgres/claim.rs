@@ -39,8 +39,9 @@ FROM _System_OutboxEvent
 WHERE RecordKey IS NOT NULL AND Status NOT IN ('processed', 'failed')
 ORDER BY RecordKey, CreatedDate, Id;";
 
-/// How many exhausted stale rows one `claim_next` call fails before it reports nothing to
-/// claim (the worker calls again at once after an empty answer only when woken).
+/// How many claim statements one `claim_next` or `claim_batch` call runs while each returns
+/// only exhausted stale rows (failed, not claimed) before it reports nothing to claim (the
+/// worker calls again at once after an empty answer only when woken).
 const MAX_EXHAUSTED_PER_CLAIM: usize = 16;
 
 /// Decodes the columns every read selects but the payload (by name: PostgreSQL folds the
@@ -156,9 +157,13 @@ impl PgOutbox {
         }
     }
 
-    /// Claims up to `max` of the oldest eligible rows in one statement (more only when the
-    /// statement returned rows that ended `failed` as exhausted instead of claimed: it runs again
-    /// for the rest, a bounded number of times). The claims come oldest first.
+    /// Claims up to `max` of the oldest eligible rows in one statement. A statement that
+    /// returned only rows it ended `failed` as exhausted (their dead attempts used up
+    /// `MaxRetryAttempts`) claimed nothing, and the rows behind them may be eligible now: it
+    /// runs again, a bounded number of times. Once a statement claimed a row, its claims are
+    /// returned at once (committed claims never wait for, or get lost in, another statement),
+    /// even when exhausted rows took some of the batch's places. The claims come oldest
+    /// first.
     pub(super) async fn claim_oldest(
         &self,
         policy: ClaimPolicy,
@@ -166,9 +171,7 @@ impl PgOutbox {
         max: usize,
     ) -> Result<Vec<Claim>> {
         let max = max.clamp(1, crate::MAX_CLAIM_BATCH);
-        let mut claims = Vec::with_capacity(max);
         for _ in 0..MAX_EXHAUSTED_PER_CLAIM {
-            let want = max - claims.len();
             // The statement runs inside `_System_OutboxClaimBatch` (migration 0008), whose
             // settings leave the planner only the ordered index walk, so the plan cached for
             // this prepared call stays right however the table's size moved since it was
@@ -180,21 +183,35 @@ impl PgOutbox {
                 .bind(policy.max_retry_attempts)
                 .bind(scope.only())
                 .bind(scope.except())
-                .bind(want as i32)
+                .bind(max as i32)
+                .bind(self.lock_timeout())
                 .fetch_all(&self.pool)
                 .await?;
-            for row in &rows {
-                if let Some(claim) = claimed_or_exhausted(row)? {
-                    claims.push(claim);
-                }
-            }
-            // Fewer rows than asked for: nothing more is eligible now. All of them claimed:
-            // done. Otherwise some ended exhausted, and the rows behind them may be eligible.
-            if rows.len() < want || claims.len() == max {
+            if rows.is_empty() {
                 break;
             }
+            let mut claims = Vec::with_capacity(rows.len());
+            let mut undecodable = None;
+            for row in &rows {
+                // Every returned row is committed: decode them all before reporting an error,
+                // so that no committed claim is dropped unseen.
+                match claimed_or_exhausted(row) {
+                    Ok(Some(claim)) => claims.push(claim),
+                    Ok(None) => {}
+                    Err(e) => undecodable = Some(e),
+                }
+            }
+            if let Some(e) = undecodable {
+                if claims.is_empty() {
+                    return Err(e);
+                }
+                tracing::error!(error = %e.chain(), "a claimed row could not be decoded; it will be reclaimed when stale");
+            }
+            if !claims.is_empty() {
+                claims.sort_by_key(|c| (c.event.created_date, c.event.id));
+                return Ok(claims);
+            }
         }
-        claims.sort_by_key(|c| (c.event.created_date, c.event.id));
-        Ok(claims)
+        Ok(Vec::new())
     }
 }

@@ -231,7 +231,7 @@ async fn plans(
             .fetch_all(&mut *tx)
             .await?;
     let no_types: Option<Vec<String>> = None;
-    // The claim runs inside `_System_OutboxClaimNext` under these settings (migration 0006);
+    // The claim runs inside `_System_OutboxClaimBatch` under these settings (migration 0008);
     // `EXPLAIN` cannot see into a function, so the statement is planned under them here.
     for (setting, value) in CLAIM_PLAN_SETTINGS {
         sqlx::query("SELECT set_config($1, $2, true)")

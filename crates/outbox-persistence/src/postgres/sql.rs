@@ -237,12 +237,13 @@ const CLAIM_BATCH_ALL: &str = concat!(claim_candidate!("$7", ""), claim_update!(
 /// while the queue was nearly empty keeps sequential scans when the backlog grows (see
 /// `docs/queries.md`, "Plan stability"), and planning at every call costs more than the claim.
 /// Inside the function the settings leave only the index plan. Parameters: as [`CLAIM_NEXT`],
-/// and `$7` the most rows to claim.
+/// `$7` the most rows to claim (1 to 256) and `$8` the call's lock timeout (text such as
+/// `5000ms`).
 pub(super) const CLAIM_BATCH_CALL: &str =
-    "SELECT * FROM _System_OutboxClaimBatch($1, $2, $3, $4, $5, $6, $7)";
+    "SELECT * FROM _System_OutboxClaimBatch($1, $2, $3, $4, $5, $6, $7, $8)";
 
-/// The planner settings `_System_OutboxClaimNext` runs the claim under (its `SET` clauses in
-/// migration 0006): every access path but the ordered index walk priced out, and no JIT (a
+/// The planner settings the claim functions run the claim under (their `SET` clauses in
+/// migrations 0006 and 0008): every access path but the ordered index walk priced out, and no JIT (a
 /// priced-out node's cost would trigger it). `outbox explain` applies them too.
 pub(crate) const CLAIM_PLAN_SETTINGS: &[(&str, &str)] = &[
     ("enable_seqscan", "off"),
@@ -341,6 +342,12 @@ mod tests {
                 .count();
             assert_eq!(set_clauses, CLAIM_PLAN_SETTINGS.len());
         }
+    }
+
+    #[test]
+    fn the_batch_function_refuses_more_rows_than_a_batch_may_claim() {
+        let batch = include_str!("../../../../migrations/postgres/0008_claim_batch.sql");
+        assert!(batch.contains(&format!("max_claims > {}", crate::MAX_CLAIM_BATCH)));
     }
 
     #[test]

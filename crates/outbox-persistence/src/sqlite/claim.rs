@@ -355,8 +355,9 @@ impl SqliteOutbox {
                 .bind(&retry_cutoff)
                 // As many as are still wanted: each candidate read costs its rule's probes, and
                 // under the write lock a candidate read is a candidate claimed, unless it is
-                // failed (then the next round reads on).
-                .bind(wanted as i64)
+                // failed (then the next round reads on), or a stale row this transaction has
+                // already reclaimed (it still reads as stale, and is skipped below).
+                .bind((wanted + claims.len()) as i64)
                 .bind(json_list(scope.only()))
                 .bind(json_list(scope.except())),
             Some(id) => sqlx::query(ELIGIBLE_BY_ID)
