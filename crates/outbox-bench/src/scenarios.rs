@@ -349,9 +349,18 @@ async fn feed_steadily(repo: &Arc<dyn OutboxRepository>, sizes: &Sizes) -> Resul
 
 pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("head-of-line");
-    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+    let variants: &[(DispatchMode, Option<usize>, &str)] = &[
+        (DispatchMode::Pull, None, "pull"),
+        (DispatchMode::Pull, Some(1), "pull, claim per worker"),
+        (DispatchMode::Legacy, None, "legacy"),
+    ];
+    for &(mode, batch, name) in variants {
         reset(db).await?;
-        let run = start(db, config(mode, 8), handlers(None, Some(BLOCKED_KEY))).await?;
+        let mut config = config(mode, 8);
+        if let Some(batch) = batch {
+            config = config.with_max_claim_batch(batch);
+        }
+        let run = start(db, config, handlers(None, Some(BLOCKED_KEY))).await?;
         let feeder = db.connect(2).await?;
         let repo = feeder.repository();
         // Hold the row lock the blocked record's handler needs.
@@ -390,7 +399,7 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
                 sizes.block.as_secs(),
                 sizes.block_events
             ),
-            dispatcher: mode_name(mode).into(),
+            dispatcher: name.into(),
             workers: Some(8),
             events: Some(f.n),
             per_second: Some(rate),
@@ -406,7 +415,7 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
             ),
             ..Row::default()
         });
-        if mode == DispatchMode::Pull {
+        if mode == DispatchMode::Pull && batch.is_none() {
             report.target(
                 "head-of-line: other records' p99 < 100 ms while one record is blocked",
                 format!("p99 {:.1} ms", f.p99_ms),
