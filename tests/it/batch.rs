@@ -8,21 +8,12 @@ use std::time::Duration;
 use outbox_persistence::{ClaimPolicy, EventStatus, NewEvent, OutboxRepository, Scope};
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
+use crate::repository::{enqueue, lead};
+
 const STALE_AFTER: Duration = Duration::from_secs(30);
 
 fn policy(max_retry_attempts: i32) -> ClaimPolicy {
     ClaimPolicy::new(STALE_AFTER, Duration::from_secs(10), max_retry_attempts)
-}
-
-fn lead(id: &str) -> String {
-    format!(r#"{{"object":"Lead","record_id":"{id}","snapshot":{{"Status":"Open"}}}}"#)
-}
-
-async fn enqueue(repo: &Arc<dyn OutboxRepository>, events: &[NewEvent]) -> Vec<uuid::Uuid> {
-    let mut tx = repo.begin().await.unwrap();
-    let ids = repo.enqueue(&mut tx, events).await.unwrap();
-    tx.commit().await.unwrap();
-    ids
 }
 
 /// A batch takes the oldest eligible rows, oldest first: each key's head and the unkeyed rows,

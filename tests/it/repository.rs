@@ -42,11 +42,16 @@ async fn let_stale_after_pass(db: &TestDb, repo: &Arc<dyn OutboxRepository>) {
     db.clock.advance(STALE_AFTER);
 }
 
-fn lead(id: &str) -> String {
+/// The payload of an event about Lead `id`.
+pub(crate) fn lead(id: &str) -> String {
     format!(r#"{{"object":"Lead","record_id":"{id}","snapshot":{{"Status":"Open"}}}}"#)
 }
 
-async fn enqueue(repo: &Arc<dyn OutboxRepository>, events: &[NewEvent]) -> Vec<uuid::Uuid> {
+/// Enqueues `events` in a transaction of their own; their ids.
+pub(crate) async fn enqueue(
+    repo: &Arc<dyn OutboxRepository>,
+    events: &[NewEvent],
+) -> Vec<uuid::Uuid> {
     let mut tx = repo.begin().await.unwrap();
     let ids = repo.enqueue(&mut tx, events).await.unwrap();
     tx.commit().await.unwrap();

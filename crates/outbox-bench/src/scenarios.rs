@@ -222,77 +222,134 @@ pub(crate) async fn drain_with(
     Ok((f, violations, per_statement))
 }
 
+/// A dispatcher a scenario runs: the pull workers as shipped (one claim statement shared by
+/// the workers that ask at the same moment), each pull worker claiming for itself
+/// (`max_claim_batch` 1, the claim before issue 15's batches), or the legacy dispatcher.
+#[derive(Clone, Copy)]
+pub(crate) struct Variant {
+    mode: DispatchMode,
+    batch: Option<usize>,
+    name: &'static str,
+}
+
+/// Every dispatcher the drains, the head-of-line and the slow handlers compare, in order.
+pub(crate) const VARIANTS: [Variant; 3] = [
+    Variant {
+        mode: DispatchMode::Pull,
+        batch: None,
+        name: "pull",
+    },
+    Variant {
+        mode: DispatchMode::Pull,
+        batch: Some(1),
+        name: "pull, claim per worker",
+    },
+    Variant {
+        mode: DispatchMode::Legacy,
+        batch: None,
+        name: "legacy",
+    },
+];
+
+impl Variant {
+    fn config(self, workers: usize) -> WorkerConfig {
+        let config = config(self.mode, workers);
+        match self.batch {
+            Some(batch) => config.with_max_claim_batch(batch),
+            None => config,
+        }
+    }
+
+    /// The pull workers as shipped: the one the targets are read from.
+    fn shipped_pull(self) -> bool {
+        self.mode == DispatchMode::Pull && self.batch.is_none()
+    }
+
+    /// The rows claimed per claim statement, for a note (pull workers only).
+    fn claims_note(self, per_statement: f64) -> String {
+        if self.mode == DispatchMode::Pull {
+            format!("; {per_statement:.1} rows per claim statement")
+        } else {
+            String::new()
+        }
+    }
+}
+
+/// One drain of `sizes.drain_events` no-op events (over `sizes.records` records when `keyed`)
+/// by `variant` with `workers`, reported; its rate and client CPU per event.
+async fn drain_variant(
+    db: &BenchDb,
+    sizes: &Sizes,
+    report: &mut Report,
+    (workers, keyed): (usize, bool),
+    variant: Variant,
+) -> Result<(f64, f64)> {
+    reset(db).await?;
+    let pool = db.connect(2).await?;
+    let events = keyed_events(sizes.drain_events, sizes.records, keyed);
+    enqueue(&pool.repository(), &events, 1_000).await?;
+    pool.close().await;
+    let cpu = super::cpu::ProcessCpu::now();
+    let (f, violations, per_statement) = drain_with(
+        db,
+        variant.config(workers),
+        sizes.drain_events,
+        handlers(None, None),
+    )
+    .await?;
+    let claims = variant.claims_note(per_statement);
+    let cpu_us = cpu.per_event_us(f.n);
+    let rate = f.n as f64 / f.span_s.max(1e-9);
+    report.push(Row {
+        scenario: format!(
+            "drain {} no-op, {}",
+            sizes.drain_events,
+            if keyed {
+                format!("{} records", sizes.records)
+            } else {
+                "no RecordKey".into()
+            }
+        ),
+        dispatcher: variant.name.into(),
+        workers: Some(workers),
+        events: Some(f.n),
+        per_second: Some(rate),
+        p50_ms: Some(f.p50_ms),
+        p99_ms: Some(f.p99_ms),
+        note: if keyed {
+            format!("order violations {violations}; backlog enqueued before start; client CPU {cpu_us:.0} µs/event{claims}")
+        } else {
+            format!("backlog enqueued before start; client CPU {cpu_us:.0} µs/event{claims}")
+        },
+        ..Row::default()
+    });
+    Ok((rate, cpu_us))
+}
+
 pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("drains");
     let mut pull_keyed_8 = None;
     let mut pull_unkeyed_8 = None;
     for &workers in sizes.workers {
         for keyed in [true, false] {
-            // The pull workers as shipped (one claim statement shared by the workers that ask
-            // at the same moment), each worker claiming for itself (`max_claim_batch` 1, the
-            // claim before issue 15's batches), and the legacy dispatcher.
-            let variants: &[(DispatchMode, Option<usize>, &str)] = &[
-                (DispatchMode::Pull, None, "pull"),
-                (DispatchMode::Pull, Some(1), "pull, claim per worker"),
-                (DispatchMode::Legacy, None, "legacy"),
-            ];
-            for &(mode, batch, name) in variants {
-                reset(db).await?;
-                let pool = db.connect(2).await?;
-                let events = keyed_events(sizes.drain_events, sizes.records, keyed);
-                enqueue(&pool.repository(), &events, 1_000).await?;
-                pool.close().await;
-                let mut config = config(mode, workers);
-                if let Some(batch) = batch {
-                    config = config.with_max_claim_batch(batch);
+            for variant in VARIANTS {
+                let (rate, cpu_us) =
+                    drain_variant(db, sizes, report, (workers, keyed), variant).await?;
+                if !(variant.shipped_pull() && workers == 8) {
+                    continue;
                 }
-                let cpu = super::cpu::ProcessCpu::now();
-                let (f, violations, per_statement) =
-                    drain_with(db, config, sizes.drain_events, handlers(None, None)).await?;
-                let claims = if mode == DispatchMode::Pull {
-                    format!("; {per_statement:.1} rows per claim statement")
+                if keyed {
+                    pull_keyed_8 = Some(rate);
+                    report.target(
+                        "client CPU per event, 8 pull workers, keyed no-op drain, <= half of the first figure",
+                        format!(
+                            "{cpu_us:.0} µs/event vs {CPU_BASELINE_US:.0} µs/event on 2026-12-02 (user + system of the bench process, which runs the workers)"
+                        ),
+                        cpu_us <= CPU_BASELINE_US / 2.0,
+                    );
                 } else {
-                    String::new()
-                };
-                let cpu_us = cpu.per_event_us(f.n);
-                let rate = f.n as f64 / f.span_s.max(1e-9);
-                if mode == DispatchMode::Pull && batch.is_none() && workers == 8 {
-                    if keyed {
-                        pull_keyed_8 = Some(rate);
-                        report.target(
-                            "client CPU per event, 8 pull workers, keyed no-op drain, <= half of the first figure",
-                            format!(
-                                "{cpu_us:.0} µs/event vs {CPU_BASELINE_US:.0} µs/event on 2026-12-02 (user + system of the bench process, which runs the workers)"
-                            ),
-                            cpu_us <= CPU_BASELINE_US / 2.0,
-                        );
-                    } else {
-                        pull_unkeyed_8 = Some(rate);
-                    }
+                    pull_unkeyed_8 = Some(rate);
                 }
-                report.push(Row {
-                    scenario: format!(
-                        "drain {} no-op, {}",
-                        sizes.drain_events,
-                        if keyed {
-                            format!("{} records", sizes.records)
-                        } else {
-                            "no RecordKey".into()
-                        }
-                    ),
-                    dispatcher: name.into(),
-                    workers: Some(workers),
-                    events: Some(f.n),
-                    per_second: Some(rate),
-                    p50_ms: Some(f.p50_ms),
-                    p99_ms: Some(f.p99_ms),
-                    note: if keyed {
-                        format!("order violations {violations}; backlog enqueued before start; client CPU {cpu_us:.0} µs/event{claims}")
-                    } else {
-                        format!("backlog enqueued before start; client CPU {cpu_us:.0} µs/event{claims}")
-                    },
-                    ..Row::default()
-                });
             }
         }
     }
@@ -349,18 +406,9 @@ async fn feed_steadily(repo: &Arc<dyn OutboxRepository>, sizes: &Sizes) -> Resul
 
 pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("head-of-line");
-    let variants: &[(DispatchMode, Option<usize>, &str)] = &[
-        (DispatchMode::Pull, None, "pull"),
-        (DispatchMode::Pull, Some(1), "pull, claim per worker"),
-        (DispatchMode::Legacy, None, "legacy"),
-    ];
-    for &(mode, batch, name) in variants {
+    for variant in VARIANTS {
         reset(db).await?;
-        let mut config = config(mode, 8);
-        if let Some(batch) = batch {
-            config = config.with_max_claim_batch(batch);
-        }
-        let run = start(db, config, handlers(None, Some(BLOCKED_KEY))).await?;
+        let run = start(db, variant.config(8), handlers(None, Some(BLOCKED_KEY))).await?;
         let feeder = db.connect(2).await?;
         let repo = feeder.repository();
         // Hold the row lock the blocked record's handler needs.
@@ -399,7 +447,7 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
                 sizes.block.as_secs(),
                 sizes.block_events
             ),
-            dispatcher: name.into(),
+            dispatcher: variant.name.into(),
             workers: Some(8),
             events: Some(f.n),
             per_second: Some(rate),
@@ -415,7 +463,7 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
             ),
             ..Row::default()
         });
-        if mode == DispatchMode::Pull && batch.is_none() {
+        if variant.shipped_pull() {
             report.target(
                 "head-of-line: other records' p99 < 100 ms while one record is blocked",
                 format!("p99 {:.1} ms", f.p99_ms),
@@ -431,12 +479,7 @@ pub(crate) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Repo
     let workers = 32;
     let sleep = Duration::from_millis(50);
     let ideal = workers as f64 / sleep.as_secs_f64();
-    let variants: &[(DispatchMode, Option<usize>, &str)] = &[
-        (DispatchMode::Pull, None, "pull"),
-        (DispatchMode::Pull, Some(1), "pull, claim per worker"),
-        (DispatchMode::Legacy, None, "legacy"),
-    ];
-    for &(mode, batch, name) in variants {
+    for variant in VARIANTS {
         reset(db).await?;
         let pool = db.connect(2).await?;
         enqueue(
@@ -446,21 +489,18 @@ pub(crate) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Repo
         )
         .await?;
         pool.close().await;
-        let mut config = config(mode, workers);
-        if let Some(batch) = batch {
-            config = config.with_max_claim_batch(batch);
-        }
-        let (f, violations, per_statement) =
-            drain_with(db, config, sizes.slow_events, handlers(Some(sleep), None)).await?;
+        let (f, violations, per_statement) = drain_with(
+            db,
+            variant.config(workers),
+            sizes.slow_events,
+            handlers(Some(sleep), None),
+        )
+        .await?;
         let rate = f.n as f64 / f.span_s.max(1e-9);
-        let claims = if mode == DispatchMode::Pull {
-            format!("; {per_statement:.1} rows per claim statement")
-        } else {
-            String::new()
-        };
+        let claims = variant.claims_note(per_statement);
         report.push(Row {
             scenario: format!("slow handlers 50 ms, {} events", sizes.slow_events),
-            dispatcher: name.into(),
+            dispatcher: variant.name.into(),
             workers: Some(workers),
             events: Some(f.n),
             per_second: Some(rate),
@@ -472,7 +512,7 @@ pub(crate) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Repo
             ),
             ..Row::default()
         });
-        if mode == DispatchMode::Pull && batch.is_none() {
+        if variant.shipped_pull() {
             report.target(
                 "slow handlers (50 ms, 32 workers) reach 90% of the ideal 640/s",
                 format!("{rate:.0}/s = {:.0}%", 100.0 * rate / ideal),
