@@ -441,7 +441,8 @@ mod tests {
     }
 
     /// A batch of one restores the claim before batches: each worker calls `claim_next`
-    /// itself, past the queue (which would serialize them), so claims run concurrently.
+    /// itself, past the queue (which would serialize them), so claims can run concurrently
+    /// (mockall serializes calls into a mock, so this checks the path, not the overlap).
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn with_a_batch_of_one_every_worker_claims_for_itself() {
         let mut repo = MockOutboxRepository::new();

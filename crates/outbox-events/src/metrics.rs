@@ -22,8 +22,9 @@ use outbox_persistence::{OutboxStats, PruneReport};
 pub mod names {
     /// Counter, `event_type`: rows claimed (fresh or stale reclaims).
     pub const CLAIMS: &str = "outbox_claims_total";
-    /// Counter: claim statements the pull workers ran (each claims rows for every worker that
-    /// asked at that moment; `outbox_claims_total` over this is the mean batch).
+    /// Counter: claim calls of the pull workers (one `claim_batch` for every worker that asked
+    /// at that moment, or one `claim_next` with a batch of one; `outbox_claims_total` over this
+    /// is the mean batch).
     pub const CLAIM_STATEMENTS: &str = "outbox_claim_statements_total";
     /// Counter, `event_type`: claims of stale `processing` rows (a worker had stopped).
     pub const STALE_RECLAIMS: &str = "outbox_stale_reclaims_total";
@@ -79,8 +80,8 @@ pub struct Metrics {
 pub struct MetricsSnapshot {
     /// Rows claimed.
     pub claimed: u64,
-    /// Claim statements of the pull workers (a statement claims for every worker that asked
-    /// at that moment): `claimed / claim_statements` is the mean batch.
+    /// Claim calls of the pull workers (a call claims for every worker that asked at that
+    /// moment): `claimed / claim_statements` is the mean batch.
     pub claim_statements: u64,
     /// Attempts that committed `processed`.
     pub processed: u64,
@@ -153,7 +154,7 @@ impl Metrics {
         }
     }
 
-    /// The pull workers ran a claim statement.
+    /// The pull workers made a claim call.
     pub(crate) fn claim_statement(&self) {
         bump(&self.claim_statements);
         counter!(names::CLAIM_STATEMENTS).increment(1);
@@ -283,7 +284,7 @@ pub fn describe_metrics() {
         );
         describe_counter!(
             names::CLAIM_STATEMENTS,
-            "Claim statements of the pull workers; each claims for every worker that asked at that moment."
+            "Claim calls of the pull workers; each claims for every worker that asked at that moment."
         );
         describe_counter!(
             names::STALE_RECLAIMS,

@@ -204,7 +204,10 @@ pub trait OutboxRepository: Send + Sync + 'static {
                 Ok(Some(claim)) => claims.push(claim),
                 Ok(None) => break,
                 Err(e) if claims.is_empty() => return Err(e),
-                Err(_) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e.chain(), "claiming the rest of a batch failed; returning the claims made");
+                    break;
+                }
             }
         }
         Ok(claims)

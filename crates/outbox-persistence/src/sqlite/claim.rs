@@ -348,16 +348,16 @@ impl SqliteOutbox {
         claims: &mut Vec<Claim>,
     ) -> Result<bool> {
         let retry_cutoff = format_ts(now - chrono_span(policy.retry_delay));
-        let wanted = max - claims.len();
         let query = match id {
             None => sqlx::query(CLAIM_CANDIDATES)
                 .bind(stale)
                 .bind(&retry_cutoff)
-                // As many as are still wanted: each candidate read costs its rule's probes, and
-                // under the write lock a candidate read is a candidate claimed, unless it is
-                // failed (then the next round reads on), or a stale row this transaction has
-                // already reclaimed (it still reads as stale, and is skipped below).
-                .bind((wanted + claims.len()) as i64)
+                // As many as the batch: each candidate read costs its rule's probes, and under
+                // the write lock a candidate read is a candidate claimed, unless it is failed
+                // (then the next round reads on), or a stale row this transaction has already
+                // reclaimed (it still reads as stale, and is skipped below; there are at most
+                // as many of those as claims, so `max` leaves room for the rest).
+                .bind(max as i64)
                 .bind(json_list(scope.only()))
                 .bind(json_list(scope.except())),
             Some(id) => sqlx::query(ELIGIBLE_BY_ID)
