@@ -8,7 +8,7 @@ use std::time::Duration;
 use outbox_persistence::{ClaimPolicy, EventStatus, NewEvent, OutboxRepository, Scope};
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
-use crate::repository::{enqueue, lead};
+use crate::repository::{distinct_claims, enqueue, lead};
 
 const STALE_AFTER: Duration = Duration::from_secs(30);
 
@@ -97,15 +97,11 @@ async fn concurrent_batches_respect_keys(db: TestDb) {
             mine
         }));
     }
-    let mut ids = HashSet::new();
-    let mut keys = HashSet::new();
-    for task in tasks {
-        for (id, key) in task.await.unwrap() {
-            assert!(ids.insert(id), "row {id} claimed twice");
-            assert!(keys.insert(key.clone()), "two rows of {key:?} in flight");
-        }
-    }
-    assert_eq!(keys.len(), 30, "every key's head was claimed, once");
+    assert_eq!(
+        distinct_claims(tasks).await,
+        30,
+        "every key's head was claimed, once"
+    );
 }
 
 /// A stale row whose dead attempts used up `MaxRetryAttempts` ends `failed` instead of being

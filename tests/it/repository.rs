@@ -310,6 +310,24 @@ async fn claim_race_has_one_winner(db: TestDb) {
     }
 }
 
+/// The claims one concurrent task made, each `(id, record key)`.
+pub(crate) type TaskClaims =
+    tokio::task::JoinHandle<Vec<(uuid::Uuid, Option<outbox_persistence::RecordKey>)>>;
+
+/// The claims concurrent `tasks` made: asserts that no row was claimed
+/// twice and no key had two rows in flight; the number of keys claimed.
+pub(crate) async fn distinct_claims(tasks: Vec<TaskClaims>) -> usize {
+    let mut ids = HashSet::new();
+    let mut keys = HashSet::new();
+    for task in tasks {
+        for (id, key) in task.await.unwrap() {
+            assert!(ids.insert(id), "row {id} claimed twice");
+            assert!(keys.insert(key.clone()), "two rows of {key:?} in flight");
+        }
+    }
+    keys.len()
+}
+
 /// Concurrent `claim_next` callers never share a row and never take two rows of one key.
 async fn concurrent_claim_next_respects_keys(db: TestDb) {
     let repo = db.repository();
@@ -333,16 +351,8 @@ async fn concurrent_claim_next_respects_keys(db: TestDb) {
             mine
         }));
     }
-    let mut ids = HashSet::new();
-    let mut keys = HashSet::new();
-    for task in tasks {
-        for (id, key) in task.await.unwrap() {
-            assert!(ids.insert(id), "row {id} claimed twice");
-            assert!(keys.insert(key.clone()), "two rows of {key:?} in flight");
-        }
-    }
     assert_eq!(
-        keys.len(),
+        distinct_claims(tasks).await,
         20,
         "one head per key is claimable, and all of them were claimed"
     );

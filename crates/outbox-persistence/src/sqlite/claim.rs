@@ -28,7 +28,7 @@ WHERE e.RecordKey IS NOT NULL AND e.Status NOT IN ('processed', 'failed')
 /// How many rounds one claim transaction reads candidates in: a round after the first runs only
 /// when the one before failed a candidate (undecodable, or exhausted by dead workers), which may
 /// have released the rows behind it.
-const MAX_CANDIDATES_PER_CLAIM: u32 = 16;
+const MAX_ROUNDS_PER_CLAIM: u32 = 16;
 
 /// Decodes the columns every read selects but the payload, by name. The `RecordKey` is kept
 /// exactly as stored.
@@ -311,7 +311,7 @@ impl SqliteOutbox {
         let now = self.now();
         let mut claims = Vec::with_capacity(max);
         // A candidate failed here may release the rows behind it: look again (bounded).
-        for _ in 0..MAX_CANDIDATES_PER_CLAIM {
+        for _ in 0..MAX_ROUNDS_PER_CLAIM {
             let failed_some = self
                 .claim_round(&mut tx, &stale, now, policy, scope, id, max, &mut claims)
                 .await?;
@@ -370,11 +370,11 @@ impl SqliteOutbox {
         for row in &rows {
             // A stale row claimed by an earlier round of this transaction still reads as stale
             // (the stale ids were observed before it): never claim it twice.
-            let id: Option<String> = row.try_get("Id").ok();
-            if claims
-                .iter()
-                .any(|c| id.as_deref() == Some(c.event.id.to_string().as_str()))
-            {
+            let id = row
+                .try_get::<String, _>("Id")
+                .ok()
+                .and_then(|id| parse_id(&id).ok());
+            if claims.iter().any(|c| Some(c.event.id) == id) {
                 continue;
             }
             match claim_on(&mut *tx, row, now, policy).await? {
