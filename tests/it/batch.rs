@@ -5,7 +5,11 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_persistence::{ClaimPolicy, EventStatus, NewEvent, OutboxRepository, Scope};
+use outbox_persistence::postgres::PgOutbox;
+use outbox_persistence::sqlx::postgres::PgPoolOptions;
+use outbox_persistence::{
+    ClaimPolicy, EventStatus, FenceOutcome, NewEvent, OutboxRepository, Scope,
+};
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
 use crate::repository::{distinct_claims, enqueue, lead};
@@ -216,7 +220,123 @@ async fn a_batch_reclaims_a_stale_row_once(db: TestDb) {
     assert_eq!(failed.retry_count, 5);
 }
 
+/// A server crash can lose a claim (claims commit without waiting for the WAL flush on
+/// PostgreSQL): the row is then exactly as it was before the claim. Simulated here by putting
+/// the row back as it was. The worker that held the lost claim never starts its handler and
+/// writes nothing; the row is claimed again, in its key's order, and processed once.
+async fn a_claim_lost_in_a_crash_is_claimed_again_in_order(db: TestDb) {
+    let repo = db.repository();
+    let ids = enqueue(
+        &repo,
+        &[
+            NewEvent::new("t", lead("lost")),
+            NewEvent::new("t", lead("lost")),
+        ],
+    )
+    .await;
+    db.execute(
+        "CREATE TABLE before_claim AS
+         SELECT Id, Status, RetryCount, LastModifiedDate, LastError FROM _System_OutboxEvent",
+    )
+    .await;
+    let lost = repo.claim_batch(policy(5), &Scope::All, 8).await.unwrap();
+    assert_eq!(lost.len(), 1, "one row per key: {lost:?}");
+    assert_eq!(lost[0].event.id, ids[0]);
+    let lost = lost[0].fence;
+
+    // The crash: the claim's transaction never reached the disk.
+    db.execute(
+        "UPDATE _System_OutboxEvent SET
+           Status = (SELECT b.Status FROM before_claim b WHERE b.Id = _System_OutboxEvent.Id),
+           RetryCount = (SELECT b.RetryCount FROM before_claim b WHERE b.Id = _System_OutboxEvent.Id),
+           LastModifiedDate = (SELECT b.LastModifiedDate FROM before_claim b
+                               WHERE b.Id = _System_OutboxEvent.Id),
+           LastError = (SELECT b.LastError FROM before_claim b WHERE b.Id = _System_OutboxEvent.Id)
+         WHERE Id IN (SELECT Id FROM before_claim)",
+    )
+    .await;
+
+    // The worker that held it is fenced out before its handler starts, and everywhere else.
+    assert!(
+        repo.begin_attempt(Duration::from_secs(5), lost)
+            .await
+            .unwrap()
+            .is_none(),
+        "a handler never starts on a claim the crash lost"
+    );
+    assert_eq!(repo.heartbeat(lost).await.unwrap(), None);
+    assert_eq!(
+        repo.increment_retry(lost, Duration::ZERO, "late")
+            .await
+            .unwrap(),
+        FenceOutcome::Lost
+    );
+
+    // Claimed again, still before its successor; the lost claim left no count behind.
+    let again = repo.claim_batch(policy(5), &Scope::All, 8).await.unwrap();
+    let again_ids: Vec<_> = again.iter().map(|c| c.event.id).collect();
+    assert_eq!(again_ids, vec![ids[0]], "the same row, its successor waits");
+    assert!(!again[0].reclaimed);
+    assert_eq!(again[0].event.retry_count, 0);
+    let mut attempt = repo
+        .begin_attempt(Duration::from_secs(5), again[0].fence)
+        .await
+        .unwrap()
+        .expect("the new claim holds");
+    assert_eq!(
+        attempt.mark_processed(again[0].fence).await.unwrap(),
+        FenceOutcome::Written
+    );
+    attempt.commit().await.unwrap();
+    let next = repo.claim_batch(policy(5), &Scope::All, 8).await.unwrap();
+    let next_ids: Vec<_> = next.iter().map(|c| c.event.id).collect();
+    assert_eq!(next_ids, vec![ids[1]], "then its successor");
+    let row = repo.get_event(ids[0]).await.unwrap().unwrap();
+    assert_eq!(row.status, EventStatus::Processed);
+    assert_eq!(row.retry_count, 0);
+}
+
+/// The claim's asynchronous commit is set for the claim's own transaction: the connection goes
+/// back to the pool with the session's `synchronous_commit` (and `lock_timeout`) untouched, so
+/// the application's transactions on the same pool stay durable. Durable claims leave them
+/// alone too.
+async fn claims_leave_the_sessions_durability_alone(db: TestDb) {
+    let Some(pool) = db.pg() else {
+        return; // SQLite has no such setting: its claims commit like any other write.
+    };
+    let one = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    let settings = || async {
+        let row: (String, String) = sqlx::query_as(
+            "SELECT current_setting('synchronous_commit'), current_setting('lock_timeout')",
+        )
+        .fetch_one(&one)
+        .await
+        .unwrap();
+        row
+    };
+    let before = settings().await;
+    assert_eq!(before.0, "on", "the server's default");
+    enqueue(
+        &db.repository(),
+        &[NewEvent::new("t", lead("a")), NewEvent::new("t", lead("b"))],
+    )
+    .await;
+    for durable in [false, true] {
+        let repo = PgOutbox::new(one.clone()).with_durable_claims(durable);
+        let claims = repo.claim_batch(policy(5), &Scope::All, 1).await.unwrap();
+        assert_eq!(claims.len(), 1);
+        assert_eq!(settings().await, before, "durable claims: {durable}");
+    }
+    one.close().await;
+}
+
 backend_tests!(
+    a_claim_lost_in_a_crash_is_claimed_again_in_order,
+    claims_leave_the_sessions_durability_alone,
     a_batch_reclaims_a_stale_row_once,
     a_batch_claims_the_oldest_heads_of_distinct_keys,
     concurrent_batches_respect_keys,

@@ -9,7 +9,7 @@ use outbox_persistence::sqlx::PgPool;
 use outbox_persistence::test_support::bench::{self, TableCounters};
 
 use crate::report::{Report, Row};
-use crate::scenarios::{config, enqueue, handlers, keyed_events, mode_name, pg, reset, start};
+use crate::scenarios::{config, enqueue, handlers, keyed_events, pg, reset, start, start_with};
 use crate::{BenchDb, Sizes};
 
 async fn counters(pool: &PgPool) -> Result<TableCounters> {
@@ -23,7 +23,11 @@ async fn counters(pool: &PgPool) -> Result<TableCounters> {
 pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("cost per event");
     // No-op drains: WAL, dead tuples and updates per event.
-    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
+    for (mode, durable_claims, name) in [
+        (DispatchMode::Pull, false, "pull"),
+        (DispatchMode::Pull, true, "pull, durable claims"),
+        (DispatchMode::Legacy, true, "legacy"),
+    ] {
         reset(db).await?;
         let pool = db.connect(2).await?;
         let n = sizes.drain_events;
@@ -34,7 +38,7 @@ pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Re
         )
         .await?;
         let before = counters(pg(&pool)?).await?;
-        let run = start(db, config(mode, 8), handlers(None, None)).await?;
+        let run = start_with(db, config(mode, 8), handlers(None, None), durable_claims).await?;
         run.wait_for(n as u64).await?;
         run.stop().await?;
         let after = counters(pg(&pool)?).await?;
@@ -42,12 +46,13 @@ pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Re
         let per = |v: f64| v / n as f64;
         report.push(Row {
             scenario: format!("cost per no-op event ({n} drained)"),
-            dispatcher: mode_name(mode).into(),
+            dispatcher: name.into(),
             workers: Some(8),
             events: Some(n),
             note: format!(
-                "WAL {:.0} B/event (server-wide); dead tuples left {:.2}/event; updates {:.2}/event, HOT {:.2}/event; heads table writes {:.2}/event",
+                "WAL {:.0} B/event and {:.2} WAL flushes/event (server-wide); dead tuples left {:.2}/event; updates {:.2}/event, HOT {:.2}/event; heads table writes {:.2}/event",
                 per(after.wal_bytes - before.wal_bytes),
+                per((after.wal_syncs - before.wal_syncs) as f64),
                 per((after.dead - before.dead) as f64),
                 per((after.updates - before.updates) as f64),
                 per((after.hot_updates - before.hot_updates) as f64),
@@ -56,7 +61,11 @@ pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Re
             ..Row::default()
         });
     }
-    // Heartbeats: handlers that outlive several heartbeat intervals.
+    heartbeats(db, sizes, report).await
+}
+
+/// Heartbeats: handlers that outlive several heartbeat intervals.
+async fn heartbeats(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     reset(db).await?;
     let pool = db.connect(2).await?;
     let n = 256;

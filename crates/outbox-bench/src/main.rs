@@ -19,6 +19,7 @@ mod relay;
 mod report;
 mod retention;
 mod scenarios;
+mod slow;
 mod sqlite;
 
 use std::process::ExitCode;
@@ -239,7 +240,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
         hot_key::hot_key(db, &sizes, &mut report).await?;
     }
     if wanted("slow") {
-        scenarios::slow_handlers(db, &sizes, &mut report).await?;
+        slow::slow_handlers(db, &sizes, &mut report).await?;
     }
     if wanted("enqueue") {
         enqueue::enqueue_rate(db, &sizes, &mut report).await?;

@@ -13,6 +13,7 @@ use outbox_events::{
     AttemptContext, DispatchMode, Dispatcher, DispatcherHandle, Handler, HandlerError, Handlers,
     OutboxEvent, WorkerConfig,
 };
+use outbox_persistence::postgres::PgOutbox;
 use outbox_persistence::sqlx::PgPool;
 use outbox_persistence::test_support::bench::{self, Figures, Keys};
 use outbox_persistence::{ConnectConfig, Database, NewEvent, OutboxRepository};
@@ -149,11 +150,24 @@ pub(crate) async fn start(
     config: WorkerConfig,
     handlers: Handlers,
 ) -> Result<Running> {
+    start_with(db, config, handlers, false).await
+}
+
+/// [`start`], with claims that wait for the WAL flush when `durable_claims`
+/// (`PgOutbox::with_durable_claims`; by default they do not).
+pub(crate) async fn start_with(
+    db: &BenchDb,
+    config: WorkerConfig,
+    handlers: Handlers,
+    durable_claims: bool,
+) -> Result<Running> {
     let pool = db
         .connect(ConnectConfig::for_workers(config.workers).max_connections)
         .await?;
+    let repository: Arc<dyn OutboxRepository> =
+        Arc::new(PgOutbox::new(pg(&pool)?.clone()).with_durable_claims(durable_claims));
     let started = Utc::now();
-    let handle = Dispatcher::new(pool.repository(), handlers, config)
+    let handle = Dispatcher::new(repository, handlers, config)
         .start()
         .await?;
     Ok(Running {
@@ -197,76 +211,113 @@ pub(crate) async fn drain(
     events: usize,
     handlers: Handlers,
 ) -> Result<(Figures, i64)> {
-    let (f, violations, _) = drain_with(db, config(mode, workers), events, handlers).await?;
-    Ok((f, violations))
+    let d = drain_with(db, (config(mode, workers), false), events, handlers).await?;
+    Ok((d.figures, d.violations))
 }
 
-/// [`drain`] with a configuration of the caller's; also the rows the pull workers claimed per
-/// claim statement (0 for the legacy dispatcher).
+/// What [`drain_with`] measured.
+pub(crate) struct Drained {
+    pub(crate) figures: Figures,
+    /// Rows of a key processed before an older row of it.
+    pub(crate) violations: i64,
+    /// Rows the pull workers claimed per claim statement (0 for the legacy dispatcher).
+    pub(crate) per_statement: f64,
+    /// When the rows ended, from the dispatcher's start.
+    pub(crate) timeline: bench::Timeline,
+}
+
+/// [`drain`] with a configuration of the caller's, and durable claims or not (see
+/// [`start_with`]).
 pub(crate) async fn drain_with(
     db: &BenchDb,
-    config: WorkerConfig,
+    (config, durable_claims): (WorkerConfig, bool),
     events: usize,
     handlers: Handlers,
-) -> Result<(Figures, i64, f64)> {
-    let run = start(db, config, handlers).await?;
+) -> Result<Drained> {
+    let run = start_with(db, config, handlers, durable_claims).await?;
     run.wait_for(events as u64).await?;
     let since = run.started;
     let m = run.handle.metrics();
     let per_statement = m.claimed as f64 / m.claim_statements.max(1) as f64;
     run.stop().await?;
     let pool = db.connect(1).await?;
-    let f = bench::latency(pg(&pool)?, Keys::All, since).await?;
+    let figures = bench::latency(pg(&pool)?, Keys::All, since).await?;
     let violations = bench::order_violations(pg(&pool)?).await?;
+    let timeline = bench::timeline(pg(&pool)?, since).await?;
     pool.close().await;
-    Ok((f, violations, per_statement))
+    Ok(Drained {
+        figures,
+        violations,
+        per_statement,
+        timeline,
+    })
 }
 
 /// A dispatcher a scenario runs: the pull workers as shipped (one claim statement shared by
-/// the workers that ask at the same moment), each pull worker claiming for itself
-/// (`max_claim_batch` 1, the claim before issue 15's batches), or the legacy dispatcher.
+/// the workers that ask at the same moment, claims committed without waiting for the WAL
+/// flush), the same with durable claims (the claims before this was the default), each pull
+/// worker claiming for itself (`max_claim_batch` 1, the claim before issue 15's batches), or the
+/// legacy dispatcher.
 #[derive(Clone, Copy)]
 pub(crate) struct Variant {
     mode: DispatchMode,
     batch: Option<usize>,
-    name: &'static str,
+    durable_claims: bool,
+    pub(crate) name: &'static str,
 }
 
 /// Every dispatcher the drains, the head-of-line and the slow handlers compare, in order.
-pub(crate) const VARIANTS: [Variant; 3] = [
+pub(crate) const VARIANTS: [Variant; 4] = [
     Variant {
         mode: DispatchMode::Pull,
         batch: None,
+        durable_claims: false,
         name: "pull",
     },
     Variant {
         mode: DispatchMode::Pull,
+        batch: None,
+        durable_claims: true,
+        name: "pull, durable claims",
+    },
+    Variant {
+        mode: DispatchMode::Pull,
         batch: Some(1),
-        name: "pull, claim per worker",
+        durable_claims: true,
+        name: "pull, durable claim per worker",
     },
     Variant {
         mode: DispatchMode::Legacy,
         batch: None,
+        durable_claims: true,
         name: "legacy",
     },
 ];
 
 impl Variant {
-    fn config(self, workers: usize) -> WorkerConfig {
+    /// The dispatcher's configuration for `workers`, and whether its claims are durable.
+    pub(crate) fn setup(self, workers: usize) -> (WorkerConfig, bool) {
         let config = config(self.mode, workers);
-        match self.batch {
+        let config = match self.batch {
             Some(batch) => config.with_max_claim_batch(batch),
             None => config,
-        }
+        };
+        (config, self.durable_claims)
+    }
+
+    /// Starts the dispatcher with `workers` and `handlers`.
+    async fn start(self, db: &BenchDb, workers: usize, handlers: Handlers) -> Result<Running> {
+        let (config, durable_claims) = self.setup(workers);
+        start_with(db, config, handlers, durable_claims).await
     }
 
     /// The pull workers as shipped: the one the targets are read from.
-    fn shipped_pull(self) -> bool {
-        self.mode == DispatchMode::Pull && self.batch.is_none()
+    pub(crate) fn shipped_pull(self) -> bool {
+        self.mode == DispatchMode::Pull && self.batch.is_none() && !self.durable_claims
     }
 
     /// The rows claimed per claim statement, for a note (pull workers only).
-    fn claims_note(self, per_statement: f64) -> String {
+    pub(crate) fn claims_note(self, per_statement: f64) -> String {
         if self.mode == DispatchMode::Pull {
             format!("; {per_statement:.1} rows per claim statement")
         } else {
@@ -290,9 +341,14 @@ async fn drain_variant(
     enqueue(&pool.repository(), &events, 1_000).await?;
     pool.close().await;
     let cpu = super::cpu::ProcessCpu::now();
-    let (f, violations, per_statement) = drain_with(
+    let Drained {
+        figures: f,
+        violations,
+        per_statement,
+        ..
+    } = drain_with(
         db,
-        variant.config(workers),
+        variant.setup(workers),
         sizes.drain_events,
         handlers(None, None),
     )
@@ -408,7 +464,9 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
     eprintln!("head-of-line");
     for variant in VARIANTS {
         reset(db).await?;
-        let run = start(db, variant.config(8), handlers(None, Some(BLOCKED_KEY))).await?;
+        let run = variant
+            .start(db, 8, handlers(None, Some(BLOCKED_KEY)))
+            .await?;
         let feeder = db.connect(2).await?;
         let repo = feeder.repository();
         // Hold the row lock the blocked record's handler needs.
@@ -468,55 +526,6 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
                 "head-of-line: other records' p99 < 100 ms while one record is blocked",
                 format!("p99 {:.1} ms", f.p99_ms),
                 f.p99_ms < 100.0,
-            );
-        }
-    }
-    Ok(())
-}
-
-pub(crate) async fn slow_handlers(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
-    eprintln!("slow handlers");
-    let workers = 32;
-    let sleep = Duration::from_millis(50);
-    let ideal = workers as f64 / sleep.as_secs_f64();
-    for variant in VARIANTS {
-        reset(db).await?;
-        let pool = db.connect(2).await?;
-        enqueue(
-            &pool.repository(),
-            &keyed_events(sizes.slow_events, sizes.records, true),
-            1_000,
-        )
-        .await?;
-        pool.close().await;
-        let (f, violations, per_statement) = drain_with(
-            db,
-            variant.config(workers),
-            sizes.slow_events,
-            handlers(Some(sleep), None),
-        )
-        .await?;
-        let rate = f.n as f64 / f.span_s.max(1e-9);
-        let claims = variant.claims_note(per_statement);
-        report.push(Row {
-            scenario: format!("slow handlers 50 ms, {} events", sizes.slow_events),
-            dispatcher: variant.name.into(),
-            workers: Some(workers),
-            events: Some(f.n),
-            per_second: Some(rate),
-            p50_ms: Some(f.p50_ms),
-            p99_ms: Some(f.p99_ms),
-            note: format!(
-                "{:.0}% of the ideal {ideal:.0}/s; order violations {violations}{claims}",
-                100.0 * rate / ideal
-            ),
-            ..Row::default()
-        });
-        if variant.shipped_pull() {
-            report.target(
-                "slow handlers (50 ms, 32 workers) reach 90% of the ideal 640/s",
-                format!("{rate:.0}/s = {:.0}%", 100.0 * rate / ideal),
-                rate >= 0.9 * ideal,
             );
         }
     }

@@ -5,7 +5,7 @@
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use super::sql::{CLAIM_BATCH_CALL, CLAIM_EVENT, ELIGIBLE_GUARDED};
+use super::sql::{CLAIM_BATCH_CALL, CLAIM_BATCH_CALL_DURABLE, CLAIM_EVENT, ELIGIBLE_GUARDED};
 use super::{PgOutbox, span};
 use crate::{
     Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
@@ -175,8 +175,14 @@ impl PgOutbox {
             // The statement runs inside `_System_OutboxClaimBatch` (migration 0008), whose
             // settings leave the planner only the ordered index walk, so the plan cached for
             // this prepared call stays right however the table's size moved since it was
-            // planned (`CLAIM_BATCH_CALL`).
-            let rows = sqlx::query(CLAIM_BATCH_CALL)
+            // planned (`CLAIM_BATCH_CALL`). Its commit waits for the disk only with durable
+            // claims (`with_durable_claims`).
+            let call = if self.durable_claims {
+                CLAIM_BATCH_CALL_DURABLE
+            } else {
+                CLAIM_BATCH_CALL
+            };
+            let rows = sqlx::query(call)
                 .bind(self.shift())
                 .bind(span(policy.stale_after))
                 .bind(span(policy.retry_delay))

@@ -66,6 +66,7 @@ pub struct PgOutbox {
     wake: Arc<listen::Wake>,
     shift: ClockShift,
     lock_timeout: Duration,
+    durable_claims: bool,
 }
 
 impl PgOutbox {
@@ -76,7 +77,21 @@ impl PgOutbox {
             wake: Arc::default(),
             shift: ClockShift::default(),
             lock_timeout: crate::DEFAULT_LOCK_TIMEOUT,
+            durable_claims: false,
         }
+    }
+
+    /// Whether the pull workers' claims (`claim_next`, `claim_batch`) wait for the WAL flush
+    /// when they commit. By default they do not (`synchronous_commit = off` for the claim's own
+    /// transaction only): a claim lost in a server crash leaves the row as it was before the
+    /// claim, which the design's redelivery already allows, and the attempt's commit, which
+    /// records the outcome, stays durable and makes the claim durable with it. That saves one
+    /// WAL flush per event. `true` makes every claim durable on its own, so that a dead
+    /// attempt cut short by a server crash is still counted towards `MaxRetryAttempts`. See
+    /// `docs/state-machine.md`, "Claims commit without waiting for the disk".
+    pub fn with_durable_claims(mut self, durable: bool) -> Self {
+        self.durable_claims = durable;
+        self
     }
 
     /// Bounds the lock waits of the outbox's own writes outside attempts (heartbeats, detached

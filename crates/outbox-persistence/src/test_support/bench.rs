@@ -261,6 +261,47 @@ pub async fn latency(pool: &PgPool, keys: Keys<'_>, since: DateTime<Utc>) -> Res
     })
 }
 
+/// When the processed rows ended, in seconds from `since`: the first, the 10th and 90th
+/// percentiles and the last (a run's ramp, steady part and tail).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Timeline {
+    /// The first processed row.
+    pub first_s: f64,
+    /// 10% of the rows were processed by then.
+    pub p10_s: f64,
+    /// 90% of the rows were processed by then.
+    pub p90_s: f64,
+    /// The last processed row.
+    pub last_s: f64,
+}
+
+impl Timeline {
+    /// Rows per second between the 10th and 90th percentiles of `n` rows (the steady part).
+    pub fn steady_rate(&self, n: usize) -> f64 {
+        0.8 * n as f64 / (self.p90_s - self.p10_s).max(1e-9)
+    }
+}
+
+/// The [`Timeline`] of every processed row since `since`.
+pub async fn timeline(pool: &PgPool, since: DateTime<Utc>) -> Result<Timeline> {
+    let row = sqlx::query(
+        "SELECT min(t), percentile_cont(0.1) WITHIN GROUP (ORDER BY t),
+                percentile_cont(0.9) WITHIN GROUP (ORDER BY t), max(t)
+         FROM (SELECT EXTRACT(EPOCH FROM (LastModifiedDate - $1))::float8 AS t
+               FROM _System_OutboxEvent WHERE Status = 'processed') s",
+    )
+    .bind(since)
+    .fetch_one(pool)
+    .await?;
+    let at = |i: usize| -> Result<f64> { Ok(row.try_get::<Option<f64>, _>(i)?.unwrap_or(0.0)) };
+    Ok(Timeline {
+        first_s: at(0)?,
+        p10_s: at(1)?,
+        p90_s: at(2)?,
+        last_s: at(3)?,
+    })
+}
+
 /// Processed rows of `keys` whose outcome was written at or before `until`.
 pub async fn processed_until(pool: &PgPool, keys: Keys<'_>, until: DateTime<Utc>) -> Result<i64> {
     Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -298,6 +339,9 @@ pub struct TableCounters {
     pub dead: i64,
     /// The WAL position, bytes.
     pub wal_bytes: f64,
+    /// WAL flushes to disk since the server's statistics were reset (`pg_stat_wal.wal_sync`,
+    /// server-wide): about one per transaction that waits for its commit to be durable.
+    pub wal_syncs: i64,
     /// Row writes (inserts, updates, deletes) of the heads table `_System_OutboxHead`, the
     /// claim's derived candidate list (migration 0004).
     pub head_writes: i64,
@@ -310,7 +354,8 @@ pub async fn table_counters(pool: &PgPool) -> Result<TableCounters> {
         "SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup,
                 pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8,
                 (SELECT n_tup_ins + n_tup_upd + n_tup_del FROM pg_stat_user_tables
-                 WHERE relname = '_system_outboxhead')
+                 WHERE relname = '_system_outboxhead'),
+                (SELECT wal_sync FROM pg_stat_wal)
          FROM pg_stat_user_tables WHERE relname = '_system_outboxevent'",
     )
     .fetch_one(pool)
@@ -321,5 +366,6 @@ pub async fn table_counters(pool: &PgPool) -> Result<TableCounters> {
         dead: row.try_get(2)?,
         wal_bytes: row.try_get(3)?,
         head_writes: row.try_get::<Option<i64>, _>(4)?.unwrap_or(0),
+        wal_syncs: row.try_get::<Option<i64>, _>(5)?.unwrap_or(0),
     })
 }
