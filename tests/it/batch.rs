@@ -220,10 +220,10 @@ async fn a_batch_reclaims_a_stale_row_once(db: TestDb) {
     assert_eq!(failed.retry_count, 5);
 }
 
-/// A server crash can lose a claim (claims commit without waiting for the WAL flush on
-/// PostgreSQL): the row is then exactly as it was before the claim. Simulated here by putting
-/// the row back as it was. The worker that held the lost claim never starts its handler and
-/// writes nothing; the row is claimed again, in its key's order, and processed once.
+/// A claim that never reached the disk (`PgOutbox::with_async_claims`, then a server crash)
+/// leaves the row exactly as it was before the claim. Simulated here by putting the row back as
+/// it was. The worker that held the lost claim writes nothing and never starts its handler if it
+/// had not yet; the row is claimed again, in its key's order, and processed once.
 async fn a_claim_lost_in_a_crash_is_claimed_again_in_order(db: TestDb) {
     let repo = db.repository();
     let ids = enqueue(
@@ -296,10 +296,10 @@ async fn a_claim_lost_in_a_crash_is_claimed_again_in_order(db: TestDb) {
     assert_eq!(row.retry_count, 0);
 }
 
-/// The claim's asynchronous commit is set for the claim's own transaction: the connection goes
-/// back to the pool with the session's `synchronous_commit` (and `lock_timeout`) untouched, so
-/// the application's transactions on the same pool stay durable. Durable claims leave them
-/// alone too.
+/// Asynchronous claims (`PgOutbox::with_async_claims`) set `synchronous_commit` for the
+/// claim's own transaction only: the connection goes back to the pool with the session's
+/// `synchronous_commit` (and `lock_timeout`) untouched, so the application's transactions on the
+/// same pool stay durable. Durable claims, the default, leave them alone too.
 async fn claims_leave_the_sessions_durability_alone(db: TestDb) {
     let Some(pool) = db.pg() else {
         return; // SQLite has no such setting: its claims commit like any other write.
@@ -307,6 +307,11 @@ async fn claims_leave_the_sessions_durability_alone(db: TestDb) {
     let one = PgPoolOptions::new()
         .max_connections(1)
         .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    // Whatever the server's default, the session asks for durable commits.
+    sqlx::query("SET synchronous_commit = on")
+        .execute(&one)
         .await
         .unwrap();
     let settings = || async {
@@ -319,17 +324,17 @@ async fn claims_leave_the_sessions_durability_alone(db: TestDb) {
         row
     };
     let before = settings().await;
-    assert_eq!(before.0, "on", "the server's default");
+    assert_eq!(before.0, "on");
     enqueue(
         &db.repository(),
         &[NewEvent::new("t", lead("a")), NewEvent::new("t", lead("b"))],
     )
     .await;
-    for durable in [false, true] {
-        let repo = PgOutbox::new(one.clone()).with_durable_claims(durable);
+    for async_claims in [true, false] {
+        let repo = PgOutbox::new(one.clone()).with_async_claims(async_claims);
         let claims = repo.claim_batch(policy(5), &Scope::All, 1).await.unwrap();
         assert_eq!(claims.len(), 1);
-        assert_eq!(settings().await, before, "durable claims: {durable}");
+        assert_eq!(settings().await, before, "async claims: {async_claims}");
     }
     one.close().await;
 }

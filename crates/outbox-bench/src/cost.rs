@@ -23,10 +23,10 @@ async fn counters(pool: &PgPool) -> Result<TableCounters> {
 pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("cost per event");
     // No-op drains: WAL, dead tuples and updates per event.
-    for (mode, durable_claims, name) in [
+    for (mode, async_claims, name) in [
         (DispatchMode::Pull, false, "pull"),
-        (DispatchMode::Pull, true, "pull, durable claims"),
-        (DispatchMode::Legacy, true, "legacy"),
+        (DispatchMode::Pull, true, "pull, async claims"),
+        (DispatchMode::Legacy, false, "legacy"),
     ] {
         reset(db).await?;
         let pool = db.connect(2).await?;
@@ -38,7 +38,7 @@ pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Re
         )
         .await?;
         let before = counters(pg(&pool)?).await?;
-        let run = start_with(db, config(mode, 8), handlers(None, None), durable_claims).await?;
+        let run = start_with(db, config(mode, 8), handlers(None, None), async_claims).await?;
         run.wait_for(n as u64).await?;
         run.stop().await?;
         let after = counters(pg(&pool)?).await?;
@@ -50,9 +50,12 @@ pub(crate) async fn cost(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Re
             workers: Some(8),
             events: Some(n),
             note: format!(
-                "WAL {:.0} B/event and {:.2} WAL flushes/event (server-wide); dead tuples left {:.2}/event; updates {:.2}/event, HOT {:.2}/event; heads table writes {:.2}/event",
+                "WAL {:.0} B/event and {} WAL flushes/event (server-wide); dead tuples left {:.2}/event; updates {:.2}/event, HOT {:.2}/event; heads table writes {:.2}/event",
                 per(after.wal_bytes - before.wal_bytes),
-                per((after.wal_syncs - before.wal_syncs) as f64),
+                match (before.wal_syncs, after.wal_syncs) {
+                    (Some(b), Some(a)) => format!("{:.2}", per((a - b) as f64)),
+                    _ => "n/a".into(),
+                },
                 per((after.dead - before.dead) as f64),
                 per((after.updates - before.updates) as f64),
                 per((after.hot_updates - before.hot_updates) as f64),

@@ -153,19 +153,19 @@ pub(crate) async fn start(
     start_with(db, config, handlers, false).await
 }
 
-/// [`start`], with claims that wait for the WAL flush when `durable_claims`
-/// (`PgOutbox::with_durable_claims`; by default they do not).
+/// [`start`], with claims that do not wait for the WAL flush when `async_claims`
+/// (`PgOutbox::with_async_claims`; off by default).
 pub(crate) async fn start_with(
     db: &BenchDb,
     config: WorkerConfig,
     handlers: Handlers,
-    durable_claims: bool,
+    async_claims: bool,
 ) -> Result<Running> {
     let pool = db
         .connect(ConnectConfig::for_workers(config.workers).max_connections)
         .await?;
     let repository: Arc<dyn OutboxRepository> =
-        Arc::new(PgOutbox::new(pg(&pool)?.clone()).with_durable_claims(durable_claims));
+        Arc::new(PgOutbox::new(pg(&pool)?.clone()).with_async_claims(async_claims));
     let started = Utc::now();
     let handle = Dispatcher::new(repository, handlers, config)
         .start()
@@ -226,15 +226,15 @@ pub(crate) struct Drained {
     pub(crate) timeline: bench::Timeline,
 }
 
-/// [`drain`] with a configuration of the caller's, and durable claims or not (see
+/// [`drain`] with a configuration of the caller's, and asynchronous claims or not (see
 /// [`start_with`]).
 pub(crate) async fn drain_with(
     db: &BenchDb,
-    (config, durable_claims): (WorkerConfig, bool),
+    (config, async_claims): (WorkerConfig, bool),
     events: usize,
     handlers: Handlers,
 ) -> Result<Drained> {
-    let run = start_with(db, config, handlers, durable_claims).await?;
+    let run = start_with(db, config, handlers, async_claims).await?;
     run.wait_for(events as u64).await?;
     let since = run.started;
     let m = run.handle.metrics();
@@ -254,15 +254,14 @@ pub(crate) async fn drain_with(
 }
 
 /// A dispatcher a scenario runs: the pull workers as shipped (one claim statement shared by
-/// the workers that ask at the same moment, claims committed without waiting for the WAL
-/// flush), the same with durable claims (the claims before this was the default), each pull
-/// worker claiming for itself (`max_claim_batch` 1, the claim before issue 15's batches), or the
-/// legacy dispatcher.
+/// the workers that ask at the same moment), the same with claims that do not wait for the WAL
+/// flush (`PgOutbox::with_async_claims`), each pull worker claiming for itself
+/// (`max_claim_batch` 1, the claim before issue 15's batches), or the legacy dispatcher.
 #[derive(Clone, Copy)]
 pub(crate) struct Variant {
     mode: DispatchMode,
     batch: Option<usize>,
-    durable_claims: bool,
+    async_claims: bool,
     pub(crate) name: &'static str,
 }
 
@@ -271,49 +270,49 @@ pub(crate) const VARIANTS: [Variant; 4] = [
     Variant {
         mode: DispatchMode::Pull,
         batch: None,
-        durable_claims: false,
+        async_claims: false,
         name: "pull",
     },
     Variant {
         mode: DispatchMode::Pull,
         batch: None,
-        durable_claims: true,
-        name: "pull, durable claims",
+        async_claims: true,
+        name: "pull, async claims",
     },
     Variant {
         mode: DispatchMode::Pull,
         batch: Some(1),
-        durable_claims: true,
-        name: "pull, durable claim per worker",
+        async_claims: false,
+        name: "pull, claim per worker",
     },
     Variant {
         mode: DispatchMode::Legacy,
         batch: None,
-        durable_claims: true,
+        async_claims: false,
         name: "legacy",
     },
 ];
 
 impl Variant {
-    /// The dispatcher's configuration for `workers`, and whether its claims are durable.
+    /// The dispatcher's configuration for `workers`, and whether its claims are asynchronous.
     pub(crate) fn setup(self, workers: usize) -> (WorkerConfig, bool) {
         let config = config(self.mode, workers);
         let config = match self.batch {
             Some(batch) => config.with_max_claim_batch(batch),
             None => config,
         };
-        (config, self.durable_claims)
+        (config, self.async_claims)
     }
 
     /// Starts the dispatcher with `workers` and `handlers`.
     async fn start(self, db: &BenchDb, workers: usize, handlers: Handlers) -> Result<Running> {
-        let (config, durable_claims) = self.setup(workers);
-        start_with(db, config, handlers, durable_claims).await
+        let (config, async_claims) = self.setup(workers);
+        start_with(db, config, handlers, async_claims).await
     }
 
     /// The pull workers as shipped: the one the targets are read from.
     pub(crate) fn shipped_pull(self) -> bool {
-        self.mode == DispatchMode::Pull && self.batch.is_none() && !self.durable_claims
+        self.mode == DispatchMode::Pull && self.batch.is_none() && !self.async_claims
     }
 
     /// The rows claimed per claim statement, for a note (pull workers only).

@@ -174,7 +174,10 @@ pub trait OutboxRepository: Send + Sync + 'static {
     async fn claim_event(&self, id: EventId, policy: ClaimPolicy) -> Result<Option<Claim>>;
 
     /// Selects the oldest eligible row and claims it, in as few round trips as the backend
-    /// allows. Same rules as `get_pending_events` followed by `claim_event`.
+    /// allows. Same rules as `get_pending_events` followed by `claim_event`. Committed and
+    /// durable before this returns, unless the PostgreSQL repository was built
+    /// `with_async_claims` (committed, visible, not yet flushed: see
+    /// `docs/state-machine.md`, "Claims that do not wait for the disk").
     async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>>;
 
     /// Claims up to `max` eligible rows at once, oldest first, each with the rules and the

@@ -5,7 +5,7 @@
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use super::sql::{CLAIM_BATCH_CALL, CLAIM_BATCH_CALL_DURABLE, CLAIM_EVENT, ELIGIBLE_GUARDED};
+use super::sql::{CLAIM_BATCH_CALL, CLAIM_BATCH_CALL_ASYNC, CLAIM_EVENT, ELIGIBLE_GUARDED};
 use super::{PgOutbox, span};
 use crate::{
     Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
@@ -175,10 +175,10 @@ impl PgOutbox {
             // The statement runs inside `_System_OutboxClaimBatch` (migration 0008), whose
             // settings leave the planner only the ordered index walk, so the plan cached for
             // this prepared call stays right however the table's size moved since it was
-            // planned (`CLAIM_BATCH_CALL`). Its commit waits for the disk only with durable
-            // claims (`with_durable_claims`).
-            let call = if self.durable_claims {
-                CLAIM_BATCH_CALL_DURABLE
+            // planned (`CLAIM_BATCH_CALL`). Its commit waits for the disk unless the
+            // repository was built `with_async_claims`.
+            let call = if self.async_claims {
+                CLAIM_BATCH_CALL_ASYNC
             } else {
                 CLAIM_BATCH_CALL
             };

@@ -66,7 +66,7 @@ pub struct PgOutbox {
     wake: Arc<listen::Wake>,
     shift: ClockShift,
     lock_timeout: Duration,
-    durable_claims: bool,
+    async_claims: bool,
 }
 
 impl PgOutbox {
@@ -77,20 +77,21 @@ impl PgOutbox {
             wake: Arc::default(),
             shift: ClockShift::default(),
             lock_timeout: crate::DEFAULT_LOCK_TIMEOUT,
-            durable_claims: false,
+            async_claims: false,
         }
     }
 
-    /// Whether the pull workers' claims (`claim_next`, `claim_batch`) wait for the WAL flush
-    /// when they commit. By default they do not (`synchronous_commit = off` for the claim's own
-    /// transaction only): a claim lost in a server crash leaves the row as it was before the
-    /// claim, which the design's redelivery already allows, and the attempt's commit, which
-    /// records the outcome, stays durable and makes the claim durable with it. That saves one
-    /// WAL flush per event. `true` makes every claim durable on its own, so that a dead
-    /// attempt cut short by a server crash is still counted towards `MaxRetryAttempts`. See
-    /// `docs/state-machine.md`, "Claims commit without waiting for the disk".
-    pub fn with_durable_claims(mut self, durable: bool) -> Self {
-        self.durable_claims = durable;
+    /// Lets the claims (`claim_next`, `claim_batch`) commit without waiting for the WAL flush
+    /// (`synchronous_commit = off` for the claim's own transaction only). Off by default: a
+    /// server crash, or a failover to a standby, can lose such a claim while its handler still
+    /// runs, and the row is then claimable again at once, so until that handler's next
+    /// heartbeat notices the loss the event can run twice at the same time and its record's
+    /// next event can start beside it (their network effects out of order), and the dead
+    /// attempt is not counted towards `MaxRetryAttempts`. In exchange each event waits for
+    /// one WAL flush instead of two. Turn it on only when every handler's effects tolerate
+    /// that; see `docs/state-machine.md`, "Claims that do not wait for the disk".
+    pub fn with_async_claims(mut self, on: bool) -> Self {
+        self.async_claims = on;
         self
     }
 

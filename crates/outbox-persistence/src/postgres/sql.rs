@@ -238,19 +238,18 @@ const CLAIM_BATCH_ALL: &str = concat!(claim_candidate!("$7", ""), claim_update!(
 /// `docs/queries.md`, "Plan stability"), and planning at every call costs more than the claim.
 /// Inside the function the settings leave only the index plan. Parameters: as [`CLAIM_NEXT`],
 /// `$7` the most rows to claim (1 to 256) and `$8` the call's lock timeout (text such as
-/// `5000ms`). The claim's commit waits for the WAL flush: see [`CLAIM_BATCH_CALL`] for the
-/// default.
-pub(super) const CLAIM_BATCH_CALL_DURABLE: &str =
+/// `5000ms`). Its commit waits for the WAL flush, as the session says.
+pub(super) const CLAIM_BATCH_CALL: &str =
     "SELECT * FROM _System_OutboxClaimBatch($1, $2, $3, $4, $5, $6, $7, $8)";
 
-/// [`CLAIM_BATCH_CALL_DURABLE`] committed without waiting for the WAL flush: the statement is
-/// its own transaction (sent on the pool, outside any transaction block), and `set_config(…,
-/// true)` sets `synchronous_commit` for that transaction only, so its commit is asynchronous
-/// and the connection goes back to the pool with the session's setting untouched. The setting
-/// is applied with every returned row (a call that claims nothing commits as the session
-/// says, and has nothing to lose). Why a claim lost in a server crash is harmless:
-/// `docs/state-machine.md`, "Claims commit without waiting for the disk".
-pub(super) const CLAIM_BATCH_CALL: &str =
+/// [`CLAIM_BATCH_CALL`] committed without waiting for the WAL flush, for
+/// `PgOutbox::with_async_claims`: the statement is its own transaction (sent on the pool,
+/// never inside a transaction block), and `set_config(…, true)` sets `synchronous_commit` for
+/// that transaction only, so the connection goes back to the pool with the session's setting
+/// untouched. `set_config` is volatile, so it is a filter evaluated with every returned row
+/// (a call that returns no row claimed nothing, and commits as the session says). What a
+/// server crash can then lose: `docs/state-machine.md`, "Claims that do not wait for the disk".
+pub(super) const CLAIM_BATCH_CALL_ASYNC: &str =
     "SELECT * FROM _System_OutboxClaimBatch($1, $2, $3, $4, $5, $6, $7, $8)
      WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL";
 

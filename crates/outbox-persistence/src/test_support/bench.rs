@@ -340,8 +340,9 @@ pub struct TableCounters {
     /// The WAL position, bytes.
     pub wal_bytes: f64,
     /// WAL flushes to disk since the server's statistics were reset (`pg_stat_wal.wal_sync`,
-    /// server-wide): about one per transaction that waits for its commit to be durable.
-    pub wal_syncs: i64,
+    /// server-wide, the WAL writer's included; one flush serves every commit waiting for it).
+    /// `None` where the server does not count them there (before PostgreSQL 14, from 18 on).
+    pub wal_syncs: Option<i64>,
     /// Row writes (inserts, updates, deletes) of the heads table `_System_OutboxHead`, the
     /// claim's derived candidate list (migration 0004).
     pub head_writes: i64,
@@ -354,18 +355,25 @@ pub async fn table_counters(pool: &PgPool) -> Result<TableCounters> {
         "SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup,
                 pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8,
                 (SELECT n_tup_ins + n_tup_upd + n_tup_del FROM pg_stat_user_tables
-                 WHERE relname = '_system_outboxhead'),
-                (SELECT wal_sync FROM pg_stat_wal)
+                 WHERE relname = '_system_outboxhead')
          FROM pg_stat_user_tables WHERE relname = '_system_outboxevent'",
     )
     .fetch_one(pool)
     .await?;
+    // Read by name through JSON, so that a server without the column answers NULL.
+    let wal_syncs = sqlx::query_scalar::<_, Option<i64>>(
+        "SELECT (to_jsonb(w) ->> 'wal_sync')::bigint FROM pg_stat_wal w",
+    )
+    .fetch_one(pool)
+    .await
+    .ok()
+    .flatten();
     Ok(TableCounters {
         updates: row.try_get(0)?,
         hot_updates: row.try_get(1)?,
         dead: row.try_get(2)?,
         wal_bytes: row.try_get(3)?,
         head_writes: row.try_get::<Option<i64>, _>(4)?.unwrap_or(0),
-        wal_syncs: row.try_get::<Option<i64>, _>(5)?.unwrap_or(0),
+        wal_syncs,
     })
 }
