@@ -7,6 +7,7 @@ mod create_action;
 mod embedding;
 mod equivalence;
 mod gate;
+mod heads;
 mod hostile;
 mod migrations;
 mod plans;

@@ -27,6 +27,8 @@ pub const DEFAULT_MAX_RETRY_ATTEMPTS: i32 = 5;
 pub use outbox_persistence::DEFAULT_LOCK_TIMEOUT;
 /// Default time in-flight attempts get to finish at shutdown before they are cancelled.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default interval of the heads repair ([`WorkerConfig::heads_repair`]).
+pub const DEFAULT_HEADS_REPAIR_EVERY: Duration = Duration::from_secs(30);
 
 /// Which dispatcher runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,6 +105,15 @@ pub struct WorkerConfig {
     /// read, so the embedding service chooses the ages. See [`crate::RetentionConfig`] and
     /// `docs/retention.md`.
     pub retention: Option<crate::RetentionConfig>,
+    /// How often the dispatcher repairs the heads table
+    /// ([`outbox_persistence::OutboxRepository::repair_heads`], at most
+    /// [`outbox_persistence::DEFAULT_HEADS_REPAIR_KEYS`] keys a run, first one interval after
+    /// the start); `None` never. Default [`DEFAULT_HEADS_REPAIR_EVERY`]. The claim does not
+    /// depend on it (it reads each key's oldest row itself); a head out of place only changes
+    /// which record is looked at first, and is put right within this interval (see
+    /// `docs/queries.md`, "Why a head cannot hide a row"). Each key repaired is logged and
+    /// counted (`outbox_heads_repaired_total`).
+    pub heads_repair: Option<Duration>,
 }
 
 impl Default for WorkerConfig {
@@ -128,6 +139,7 @@ impl Default for WorkerConfig {
             retention: None,
             queue_gauges: None,
             max_claim_batch: None,
+            heads_repair: Some(DEFAULT_HEADS_REPAIR_EVERY),
         }
     }
 }
@@ -237,6 +249,12 @@ impl WorkerConfig {
         self.legacy_batch_size = n.max(1);
         self
     }
+    /// Sets the heads repair's interval (`None`: never); see [`WorkerConfig::heads_repair`].
+    pub fn with_heads_repair(mut self, every: Option<Duration>) -> Self {
+        self.heads_repair = every;
+        self
+    }
+
     /// Runs the background pruner with `retention` (see [`WorkerConfig::retention`]).
     pub fn with_retention(mut self, retention: crate::RetentionConfig) -> Self {
         self.retention = Some(retention);

@@ -136,6 +136,9 @@ impl Dispatcher {
                 stop.clone(),
             ));
         }
+        if let Some(every) = self.config.heads_repair {
+            tracker.spawn(crate::heads::run(env.repo.clone(), every, stop.clone()));
+        }
         if let Some(retention) = self.config.retention {
             tracker.spawn(crate::prune::run(env.repo.clone(), retention, stop.clone()));
         }

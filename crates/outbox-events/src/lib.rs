@@ -19,6 +19,7 @@ mod dispatcher;
 mod gate;
 mod gauges;
 mod handler;
+mod heads;
 mod heartbeat;
 mod legacy;
 mod metrics;
@@ -27,7 +28,7 @@ pub mod trace;
 
 pub use attempt::{AttemptOutcome, ClaimRunner};
 pub use config::{
-    DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_RETRY_ATTEMPTS,
+    DEFAULT_HEADS_REPAIR_EVERY, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_RETRY_ATTEMPTS,
     DEFAULT_MAX_RETRY_DELAY, DEFAULT_POLL_INTERVAL, DEFAULT_RETRY_DELAY, DEFAULT_SHUTDOWN_TIMEOUT,
     DEFAULT_STALE_AFTER, DEFAULT_WORKERS, DispatchMode, OUTBOX_PULL_WORKER, WorkerConfig,
 };

@@ -58,6 +58,10 @@ pub mod names {
     /// Counter, `status` (`processed`, `failed`): terminal rows deleted by the pruner
     /// ([`crate::prune_until_done`], the dispatcher's retention task).
     pub const PRUNED_ROWS: &str = "outbox_pruned_rows_total";
+    /// Counter, `repair` (`misplaced`, `left_over`, `missing`): record keys whose head the
+    /// dispatcher's heads repair put right (see `docs/queries.md`, "Why a head cannot hide a
+    /// row"). `missing` means rows were written around the outbox's triggers.
+    pub const HEADS_REPAIRED: &str = "outbox_heads_repaired_total";
 }
 
 /// Attempt counters, shared by all workers of a dispatcher.
@@ -267,6 +271,19 @@ pub(crate) fn pruned(batch: &PruneReport) {
     }
 }
 
+/// Counts the keys one heads repair put right, by kind.
+pub(crate) fn heads_repaired(report: &outbox_persistence::HeadsRepair) {
+    for (repair, keys) in [
+        ("misplaced", &report.misplaced),
+        ("left_over", &report.left_over),
+        ("missing", &report.missing),
+    ] {
+        if !keys.is_empty() {
+            counter!(names::HEADS_REPAIRED, "repair" => repair).increment(keys.len() as u64);
+        }
+    }
+}
+
 /// Counts a failed queue read of the gauge task.
 pub(crate) fn gauge_read_failed() {
     counter!(names::GAUGE_READ_ERRORS).increment(1);
@@ -339,6 +356,10 @@ pub fn describe_metrics() {
         describe_counter!(
             names::PRUNED_ROWS,
             "Terminal rows deleted by the retention pruner, by status."
+        );
+        describe_counter!(
+            names::HEADS_REPAIRED,
+            "Record keys whose head the heads repair put right, by repair."
         );
     });
 }

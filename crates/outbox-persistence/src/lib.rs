@@ -22,6 +22,7 @@
 mod attempt;
 mod database;
 mod error;
+mod heads;
 mod keys;
 mod listing;
 mod model;
@@ -44,6 +45,7 @@ pub use database::{
     Database, MIGRATIONS_TABLE, redact as redact_url,
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
+pub use heads::{DEFAULT_HEADS_REPAIR_KEYS, HeadsRepair};
 pub use keys::{BlockedKey, HeadState, KeyReport, explain_head, key_report};
 pub use listing::{EventFilter, EventRow};
 pub use model::*;
@@ -315,6 +317,16 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// A dry run of retention: counts every row [`OutboxRepository::prune`] would delete now
     /// under `policy` (all batches), changing nothing. `more` is `false`.
     async fn count_prunable(&self, policy: PrunePolicy) -> Result<PruneReport>;
+
+    /// Puts the heads table right for at most `max_keys` keys whose head differs from the
+    /// outbox rows: a head out of place moves to its key's oldest non-terminal row, a head
+    /// whose key has none left is deleted, a key with non-terminal rows and no head gets one.
+    /// Never waits for a lock: a head another transaction holds is left for the next call.
+    /// The claim never depends on a head's position (it reads each key's oldest row itself),
+    /// so this is upkeep, not a precondition; the dispatcher calls it periodically
+    /// (`WorkerConfig::heads_repair`) and counts what it changed. On PostgreSQL one caller
+    /// repairs at a time (others get [`HeadsRepair::skipped`]).
+    async fn repair_heads(&self, max_keys: u32) -> Result<HeadsRepair>;
 }
 
 /// The attempt transaction of one claimed row. The handler's effects go through

@@ -287,8 +287,22 @@ pub struct BackfillPage {
     pub underivable: Vec<(EventId, String)>,
     /// Rows whose stored `RecordKey` differs from the one the payload derives; left as they are.
     pub mismatched: Vec<EventId>,
+    /// Rows that were being run (`processing`) when the page keyed its rows: left unkeyed,
+    /// since keying a running row could put two rows of one record in flight. They finish
+    /// unordered, or get their key from a later backfill if they are pending again.
+    pub in_flight: Vec<EventId>,
     /// Where the next page starts, or `None` when the scan is complete.
     pub next_after: Option<EventId>,
+}
+
+impl BackfillPage {
+    /// Records which of the rows meant to be keyed (`meant`) were (`keyed`): `updated` counts
+    /// those, the rest are in flight.
+    pub(crate) fn settle(&mut self, meant: &[EventId], keyed: &[EventId]) {
+        let keyed: std::collections::HashSet<&EventId> = keyed.iter().collect();
+        self.in_flight = meant.iter().filter(|id| !keyed.contains(id)).copied().collect();
+        self.updated = keyed.len() as u64;
+    }
 }
 
 /// Which failed rows an operator returns to `pending`.

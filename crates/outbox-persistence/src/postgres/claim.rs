@@ -8,8 +8,8 @@ use sqlx::postgres::PgRow;
 use super::sql::{CLAIM_BATCH_CALL, CLAIM_BATCH_CALL_ASYNC, CLAIM_EVENT, ELIGIBLE_GUARDED};
 use super::{PgOutbox, span};
 use crate::{
-    Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
-    Result, Scope,
+    Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, HeadsRepair, OutboxEvent,
+    RecordKey, Result, Scope,
 };
 
 /// The keys where `_System_OutboxHead` differs from the oldest non-terminal row of each key.
@@ -38,6 +38,16 @@ SELECT DISTINCT ON (RecordKey) RecordKey, CreatedDate, Id
 FROM _System_OutboxEvent
 WHERE RecordKey IS NOT NULL AND Status NOT IN ('processed', 'failed')
 ORDER BY RecordKey, CreatedDate, Id;";
+
+/// Takes the claim-exclusion lock shared (see `super::CLAIM_EXCLUSION_NAMESPACE`).
+const CLAIMS_SHARE_EXCLUSION: &str = "SELECT pg_advisory_xact_lock_shared(3479, 0)::text";
+
+/// Whether another caller is repairing the heads now (the function tries the same lock and
+/// returns nothing when it is taken; asking first tells a skipped run from a clean one).
+const HEADS_REPAIR_FREE: &str = "SELECT pg_try_advisory_xact_lock(3480, 0)";
+
+/// The repair (migration 0009): `(RecordKey, repair)` for every key it changed.
+const HEADS_REPAIR: &str = "SELECT * FROM _System_OutboxHeadRepair($1)";
 
 /// How many claim statements one `claim_next` or `claim_batch` call runs while each returns
 /// only exhausted stale rows (failed, not claimed) before it reports nothing to claim (the
@@ -104,6 +114,37 @@ impl PgOutbox {
         Ok(sqlx::query_scalar(HEADS_DIFF).fetch_all(&self.pool).await?)
     }
 
+    /// Repairs the heads of at most `max_keys` keys (see
+    /// [`crate::OutboxRepository::repair_heads`]): one call of `_System_OutboxHeadRepair`
+    /// (migration 0009) in a transaction of its own, under the repository's lock timeout.
+    pub(super) async fn repair_head_rows(&self, max_keys: u32) -> Result<HeadsRepair> {
+        let mut tx = self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(format!(
+                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{}'",
+                self.lock_timeout()
+            )))
+            .await?;
+        let free: bool = sqlx::query_scalar(HEADS_REPAIR_FREE)
+            .fetch_one(&mut *tx)
+            .await?;
+        let mut report = HeadsRepair::default();
+        if !free {
+            report.skipped = true;
+            tx.rollback().await?;
+            return Ok(report);
+        }
+        let rows: Vec<(String, String)> = sqlx::query_as(HEADS_REPAIR)
+            .bind(i32::try_from(max_keys).unwrap_or(i32::MAX))
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        for (key, kind) in rows {
+            report.add(key, &kind);
+        }
+        Ok(report)
+    }
+
     /// Rebuilds `_System_OutboxHead` from the outbox rows (see
     /// [`crate::Database::rebuild_heads`]); returns the number of heads.
     pub async fn rebuild_heads(&self) -> Result<u64> {
@@ -143,14 +184,28 @@ impl PgOutbox {
         id: EventId,
         policy: ClaimPolicy,
     ) -> Result<Option<Claim>> {
+        // The claim-exclusion lock in a statement of its own, so that the claim's snapshot is
+        // taken after it (as `_System_OutboxClaimBatch` does; see
+        // `super::CLAIM_EXCLUSION_NAMESPACE`).
+        let mut tx = self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(format!(
+                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{}'",
+                self.lock_timeout()
+            )))
+            .await?;
+        sqlx::query(CLAIMS_SHARE_EXCLUSION)
+            .execute(&mut *tx)
+            .await?;
         let row = sqlx::query(CLAIM_EVENT)
             .bind(self.shift())
             .bind(span(policy.stale_after))
             .bind(span(policy.retry_delay))
             .bind(policy.max_retry_attempts)
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *tx)
             .await?;
+        tx.commit().await?;
         match row {
             Some(row) => claimed_or_exhausted(&row),
             None => Ok(None),

@@ -33,7 +33,7 @@ pub use ops::{explain, explain_analyze};
 use crate::attempt::FencedWrite;
 use crate::{
     Attempt, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter, EventId,
-    EventRow, Fence, FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
+    EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
     PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
 };
 
@@ -48,12 +48,18 @@ pub const ENQUEUE_LOCK_NAMESPACE: i32 = 3477;
 /// The advisory-lock namespace of the lock buckets enqueue takes (one of 64 per record key).
 pub const ENQUEUE_BUCKET_NAMESPACE: i32 = 3478;
 
-/// How long a row returned to `pending` by `retry_failed` waits before it may be claimed: its
-/// `LastModifiedDate` is set this far ahead, and a pending row is never claimed before its
-/// `LastModifiedDate`. A claim statement that read the row as still `failed` and is claiming a
-/// younger row of its record has committed long before (claims never wait on locks), so the
-/// retried row then sees that row running and waits for it (the in-flight guard).
-pub const RETRY_NOT_BEFORE: Duration = Duration::from_secs(2);
+/// The advisory-lock namespace of the claim exclusion (`(3479, 0)`, the two-key form). Every
+/// claim takes it shared, in a statement of its own before the claim statement (whose snapshot
+/// is therefore taken after it); an operator retry and the `RecordKey` backfill take it
+/// exclusively for their one short transaction. So no claim straddles their commit: a claim
+/// either committed before they changed a row, or reads their rows as committed. (Before
+/// migration 0009 a retried row was held back two seconds instead, which assumed claims never
+/// wait.)
+pub const CLAIM_EXCLUSION_NAMESPACE: i32 = 3479;
+
+/// The advisory-lock namespace (`(3480, 0)`) that `_System_OutboxHeadRepair` tries, so that one
+/// repair runs at a time across every process; the others skip their run.
+pub const HEADS_REPAIR_NAMESPACE: i32 = 3480;
 
 /// The SQLSTATE `_System_OutboxCheckFence` raises when an attempt's claim was taken over
 /// before the attempt began.
@@ -251,6 +257,10 @@ impl OutboxRepository for PgOutbox {
 
     async fn count_prunable(&self, policy: PrunePolicy) -> Result<PruneReport> {
         self.count_prunable_rows(policy).await
+    }
+
+    async fn repair_heads(&self, max_keys: u32) -> Result<HeadsRepair> {
+        self.repair_head_rows(max_keys).await
     }
 
     async fn wait_for_work(&self, timeout: Duration) -> Result<()> {

@@ -8,7 +8,7 @@ use sqlx::PgPool;
 
 use super::claim::{event_from_row, row_from};
 use super::sql::{CLAIM_NEXT, CLAIM_PLAN_SETTINGS, ELIGIBLE_QUERY, db_now};
-use super::{PgOutbox, RETRY_NOT_BEFORE, interval, span};
+use super::{PgOutbox, interval, span};
 use crate::stats::{STATUS_COUNTS, blocked_heads, count_blocked, count_statuses};
 use crate::{
     BackfillPage, ClaimPolicy, EventFilter, EventId, EventRow, OutboxEvent, OutboxStats, Result,
@@ -47,22 +47,18 @@ const BLOCKED_KEYS: &str = concat!(
     blocked_heads!()
 );
 
-/// Locks every non-terminal row of the keys an operator retry affects (see `retry_failed`).
-const LOCK_RETRIED_KEYS: &str = "SELECT 1 FROM _System_OutboxEvent k
-     WHERE k.Status NOT IN ('processed', 'failed')
-       AND k.RecordKey IN (
-         SELECT f.RecordKey FROM _System_OutboxEvent f
-         WHERE f.Status = 'failed' AND f.RecordKey IS NOT NULL
-           AND (($2 AND ($3::text IS NULL OR f.EventType = $3)) OR f.Id = $1))
-     ORDER BY k.Id
-     FOR UPDATE OF k";
+/// Holds every claim off until this transaction ends (see [`super::CLAIM_EXCLUSION_NAMESPACE`]):
+/// a claim that is running commits first, and one that starts later takes its snapshot after
+/// this transaction committed.
+pub(super) const EXCLUDE_CLAIMS: &str = "SELECT pg_advisory_xact_lock(3479, 0)::text";
 
-/// `failed` rows back to `pending`, not claimable before `$5` from now.
+/// `failed` rows back to `pending`, claimable at once (no claim straddles this transaction:
+/// [`EXCLUDE_CLAIMS`]).
 const RETRY_FAILED: &str = concat!(
     "UPDATE _System_OutboxEvent SET Status = 'pending', RetryCount = 0,
        LastModifiedDate = GREATEST(",
     db_now!(),
-    " + $5::interval, LastModifiedDate + interval '1 microsecond')
+    ", LastModifiedDate + interval '1 microsecond')
      WHERE Status = 'failed'
        AND (($3 AND ($4::text IS NULL OR EventType = $4)) OR Id = $2)"
 );
@@ -85,9 +81,12 @@ const BACKFILL_SCAN: &str = "SELECT Id, Payload, RecordKey FROM _System_OutboxEv
      WHERE Status NOT IN ('processed', 'failed') AND ($1::uuid IS NULL OR Id > $1)
      ORDER BY Id LIMIT $2";
 
+/// Keys only `pending` rows: a row being run keeps running unkeyed (keying it would put a
+/// second row of its key in flight); see [`BackfillPage::in_flight`].
 const BACKFILL_SET: &str = "UPDATE _System_OutboxEvent t SET RecordKey = u.key
      FROM UNNEST($1::uuid[], $2::text[]) AS u(id, key)
-     WHERE t.Id = u.id AND t.RecordKey IS NULL";
+     WHERE t.Id = u.id AND t.RecordKey IS NULL AND t.Status = 'pending'
+     RETURNING t.Id";
 
 impl PgOutbox {
     pub(super) async fn read_stats(&self, policy: ClaimPolicy) -> Result<OutboxStats> {
@@ -117,34 +116,32 @@ impl PgOutbox {
             RetryFilter::Id(id) => (Some(id), false, None),
             RetryFilter::Failed { event_type } => (None, true, event_type),
         };
-        let mut tx = self
-            .pool
-            .begin_with(sqlx::AssertSqlSafe(format!(
-                "BEGIN; SET LOCAL lock_timeout = '{}'",
-                self.lock_timeout()
-            )))
-            .await?;
-        // Wait for every claim that holds a row of the affected keys: it commits first, so the
-        // retried row is then seen beside that `processing` row and waits for it (the in-flight
-        // guard). A claim that read the row as still `failed` but locks a younger row of its key
-        // only after this commits is covered by RETRY_NOT_BEFORE.
-        sqlx::query(LOCK_RETRIED_KEYS)
-            .bind(id)
-            .bind(all)
-            .bind(event_type.as_deref())
-            .execute(&mut *tx)
-            .await?;
+        let mut tx = self.begin_excluding_claims().await?;
         let rows = sqlx::query(RETRY_FAILED)
             .bind(self.shift())
             .bind(id)
             .bind(all)
             .bind(event_type.as_deref())
-            .bind(span(RETRY_NOT_BEFORE))
             .execute(&mut *tx)
             .await?
             .rows_affected();
         tx.commit().await?;
         Ok(rows)
+    }
+
+    /// A transaction (READ COMMITTED, the repository's lock timeout) that holds every claim
+    /// off until it ends ([`EXCLUDE_CLAIMS`]); its later statements read what was committed
+    /// before it took the lock, claims included.
+    async fn begin_excluding_claims(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        let mut tx = self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(format!(
+                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{}'",
+                self.lock_timeout()
+            )))
+            .await?;
+        sqlx::query(EXCLUDE_CLAIMS).execute(&mut *tx).await?;
+        Ok(tx)
     }
 
     pub(super) async fn backfill(
@@ -162,12 +159,17 @@ impl PgOutbox {
         if !dry_run && !updates.is_empty() {
             let ids: Vec<EventId> = updates.iter().map(|(id, _)| *id).collect();
             let keys: Vec<&str> = updates.iter().map(|(_, k)| k.as_str()).collect();
-            page.updated = sqlx::query(BACKFILL_SET)
+            // Like a retry, the backfill holds claims off while it keys rows, so no claim
+            // reads a row as unkeyed and claims it, or a row of its new key, after the key is
+            // set.
+            let mut tx = self.begin_excluding_claims().await?;
+            let keyed: Vec<EventId> = sqlx::query_scalar(BACKFILL_SET)
                 .bind(&ids)
                 .bind(&keys)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            page.settle(&ids, &keyed);
         }
         Ok(page)
     }

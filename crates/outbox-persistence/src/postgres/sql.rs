@@ -123,11 +123,18 @@ WITH clock AS (SELECT ", db_now!(), " AS now),
 head_pick AS (
   SELECT e.Id, e.Status AS old_status, e.CreatedDate
   FROM _System_OutboxHead h
-  JOIN _System_OutboxEvent e ON e.Id = h.Id
-  WHERE
+  CROSS JOIN LATERAL (
+    SELECT o.Id
+    FROM _System_OutboxEvent o
+    WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
+    ORDER BY o.CreatedDate, o.Id
+    LIMIT 1
+  ) first
+  JOIN _System_OutboxEvent e ON e.Id = first.Id
+  WHERE e.RecordKey = h.RecordKey AND
 ",
             claimable_state!(),
-            key_order!(),
+            in_flight_guard!(),
             $($scope)*,
             "  ORDER BY h.CreatedDate, h.Id
   LIMIT ", $limit, "
@@ -312,6 +319,9 @@ mod tests {
     fn the_claim_reads_candidates_from_the_heads_and_the_unkeyed_rows() {
         for sql in [CLAIM_NEXT, CLAIM_NEXT_ALL, CLAIM_BATCH, CLAIM_BATCH_ALL] {
             assert!(sql.contains("FROM _System_OutboxHead h"));
+            // The head only orders the keys: the key's oldest non-terminal row is read here.
+            assert!(sql.contains("CROSS JOIN LATERAL"));
+            assert!(!sql.contains("e.Id = h.Id"));
             assert!(sql.contains("WHERE e.RecordKey IS NULL AND e.Status NOT IN"));
             assert_eq!(sql.matches("FOR UPDATE OF e SKIP LOCKED").count(), 2);
             assert!(!sql.contains("WITH RECURSIVE"));
@@ -325,40 +335,56 @@ mod tests {
         assert_eq!(ELIGIBLE_GUARDED.matches("$6::text[] IS NULL").count(), 1);
     }
 
-    /// Migrations 0006 and 0008 keep the claim statements in `_System_OutboxClaimNext` and
-    /// `_System_OutboxClaimBatch`: their bodies must be these constants, verbatim, and their
-    /// settings [`CLAIM_PLAN_SETTINGS`].
+    /// Migrations 0006 and 0008 created `_System_OutboxClaimNext` and
+    /// `_System_OutboxClaimBatch`; migration 0009 replaced both: their bodies must be these
+    /// constants, verbatim, and their settings [`CLAIM_PLAN_SETTINGS`].
     #[test]
     fn the_claim_functions_run_these_statements_under_these_settings() {
-        let next = include_str!("../../../../migrations/postgres/0006_claim_function.sql");
-        let batch = include_str!("../../../../migrations/postgres/0008_claim_batch.sql");
-        for (migration, name, sql) in [
-            (next, "CLAIM_NEXT_ALL", CLAIM_NEXT_ALL),
-            (next, "CLAIM_NEXT", CLAIM_NEXT),
-            (batch, "CLAIM_BATCH_ALL", CLAIM_BATCH_ALL),
-            (batch, "CLAIM_BATCH", CLAIM_BATCH),
+        let latest = include_str!("../../../../migrations/postgres/0009_heads_never_wedge.sql");
+        for (name, sql) in [
+            ("CLAIM_NEXT_ALL", CLAIM_NEXT_ALL),
+            ("CLAIM_NEXT", CLAIM_NEXT),
+            ("CLAIM_BATCH_ALL", CLAIM_BATCH_ALL),
+            ("CLAIM_BATCH", CLAIM_BATCH),
         ] {
             assert!(
-                migration.contains(&format!("RETURN QUERY\n{sql};\n")),
+                latest.contains(&format!("RETURN QUERY\n{sql};\n")),
                 "a claim function no longer runs {name} verbatim: replace it in a new migration"
             );
         }
-        for migration in [next, batch] {
-            for (setting, value) in CLAIM_PLAN_SETTINGS {
-                assert!(migration.contains(&format!("\nSET {setting} = {value}\n")));
-            }
-            let set_clauses = migration
-                .lines()
-                .filter(|l| l.starts_with("SET ") && !l.starts_with("SET Status"))
-                .count();
-            assert_eq!(set_clauses, CLAIM_PLAN_SETTINGS.len());
+        let functions = latest.matches("CREATE OR REPLACE FUNCTION _System_OutboxClaim").count();
+        assert_eq!(functions, 2);
+        for (setting, value) in CLAIM_PLAN_SETTINGS {
+            assert_eq!(
+                latest.matches(&format!("\nSET {setting} = {value}\n")).count(),
+                functions
+            );
         }
+        let set_clauses = latest
+            .lines()
+            .filter(|l| l.starts_with("SET ") && !l.starts_with("SET Status"))
+            .count();
+        assert_eq!(set_clauses, CLAIM_PLAN_SETTINGS.len() * functions);
+        // Each takes the claim-exclusion lock in a statement of its own, before its claim.
+        assert_eq!(
+            latest
+                .matches(&format!(
+                    "PERFORM pg_advisory_xact_lock_shared({}, 0);",
+                    super::super::CLAIM_EXCLUSION_NAMESPACE
+                ))
+                .count(),
+            functions
+        );
     }
 
     #[test]
     fn the_batch_function_refuses_more_rows_than_a_batch_may_claim() {
-        let batch = include_str!("../../../../migrations/postgres/0008_claim_batch.sql");
-        assert!(batch.contains(&format!("max_claims > {}", crate::MAX_CLAIM_BATCH)));
+        for batch in [
+            include_str!("../../../../migrations/postgres/0008_claim_batch.sql"),
+            include_str!("../../../../migrations/postgres/0009_heads_never_wedge.sql"),
+        ] {
+            assert!(batch.contains(&format!("max_claims > {}", crate::MAX_CLAIM_BATCH)));
+        }
     }
 
     #[test]

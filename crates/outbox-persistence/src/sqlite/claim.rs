@@ -12,8 +12,8 @@ use super::time::{format_ts, next_written, parse_id, parse_ts};
 use super::{SqliteOutbox, json_list};
 use crate::attempt::chrono_span;
 use crate::{
-    Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
-    Result, Scope, clip_error,
+    Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, HeadsRepair, OutboxEvent,
+    RecordKey, Result, Scope, clip_error,
 };
 
 /// Each key's oldest non-terminal row, as the outbox rows say.
@@ -248,6 +248,59 @@ impl SqliteOutbox {
         Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .fetch_all(&self.pool)
             .await?)
+    }
+
+    /// Repairs the heads of at most `max_keys` keys (see
+    /// [`crate::OutboxRepository::repair_heads`]). SQLite has one writer, so its triggers keep
+    /// the heads exact; what differs was written around them (a head changed by hand, rows
+    /// copied in with the triggers dropped). The check reads without the write lock; only a
+    /// difference takes it, and each key is looked at again under it.
+    pub(super) async fn repair_head_rows(&self, max_keys: u32) -> Result<HeadsRepair> {
+        let mut report = HeadsRepair::default();
+        let keys = self.check_heads().await?;
+        if keys.is_empty() {
+            return Ok(report);
+        }
+        let (mut tx, _) = self.begin_write().await?;
+        for key in keys.into_iter().take(max_keys as usize) {
+            let truth: Option<(String, String)> = sqlx::query_as(
+                "SELECT CreatedDate, Id FROM _System_OutboxEvent
+                 WHERE RecordKey = ?1 AND Status NOT IN ('processed', 'failed')
+                 ORDER BY CreatedDate, Id LIMIT 1",
+            )
+            .bind(&key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let head: Option<(String, String)> = sqlx::query_as(
+                "SELECT CreatedDate, Id FROM _System_OutboxHead WHERE RecordKey = ?1",
+            )
+            .bind(&key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let kind = match (&truth, &head) {
+                (Some(t), Some(h)) if t != h => "misplaced",
+                (Some(_), None) => "missing",
+                (None, Some(_)) => "left over",
+                _ => continue,
+            };
+            sqlx::query("DELETE FROM _System_OutboxHead WHERE RecordKey = ?1")
+                .bind(&key)
+                .execute(&mut *tx)
+                .await?;
+            if let Some((created, id)) = truth {
+                sqlx::query(
+                    "INSERT INTO _System_OutboxHead (RecordKey, CreatedDate, Id) VALUES (?1, ?2, ?3)",
+                )
+                .bind(&key)
+                .bind(created)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            }
+            report.add(key, kind);
+        }
+        tx.commit().await?;
+        Ok(report)
     }
 
     /// Rebuilds `_System_OutboxHead` from the outbox rows (see

@@ -44,7 +44,7 @@ pub use time::{format_ts, parse_ts};
 use crate::attempt::FencedWrite;
 use crate::{
     Attempt, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter, EventId,
-    EventRow, Fence, FenceOutcome, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
+    EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
     PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
 };
 use gate::{Gate, Turn};
@@ -306,6 +306,10 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn count_prunable(&self, policy: PrunePolicy) -> Result<PruneReport> {
         self.count_prunable_rows(policy).await
+    }
+
+    async fn repair_heads(&self, max_keys: u32) -> Result<HeadsRepair> {
+        self.repair_head_rows(max_keys).await
     }
 
     async fn wait_for_work(&self, timeout: Duration) -> Result<()> {

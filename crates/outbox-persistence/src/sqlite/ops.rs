@@ -141,19 +141,26 @@ impl SqliteOutbox {
         let (mut page, updates) = crate::classify_backfill(&scanned, batch);
         if !dry_run && !updates.is_empty() {
             let (mut tx, _) = self.begin_write().await?;
-            let mut done = 0;
+            let mut keyed = Vec::with_capacity(updates.len());
+            // Only `pending` rows: keying a running row could put two rows of its new key in
+            // flight (see `BackfillPage::in_flight`).
             for (id, key) in &updates {
-                done += sqlx::query(
-                    "UPDATE _System_OutboxEvent SET RecordKey = ?2 WHERE Id = ?1 AND RecordKey IS NULL",
+                let done = sqlx::query(
+                    "UPDATE _System_OutboxEvent SET RecordKey = ?2
+                     WHERE Id = ?1 AND RecordKey IS NULL AND Status = 'pending'",
                 )
                 .bind(id.to_string())
                 .bind(key)
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();
+                if done > 0 {
+                    keyed.push(*id);
+                }
             }
             tx.commit().await?;
-            page.updated = done;
+            let meant: Vec<EventId> = updates.iter().map(|(id, _)| *id).collect();
+            page.settle(&meant, &keyed);
         }
         Ok(page)
     }
