@@ -15,7 +15,8 @@ use outbox_events::{
     WorkerConfig,
 };
 use outbox_persistence::{
-    ClaimPolicy, ConnectConfig, Database, FenceOutcome, NewEvent, OutboxRepository, RetryFilter, Scope,
+    ClaimPolicy, ConnectConfig, Database, FenceOutcome, NewEvent, OutboxRepository, RetryFilter,
+    Scope,
 };
 use outbox_tests::{Backend, RawRow, TestDb, backend_tests};
 
@@ -245,7 +246,8 @@ async fn foreign_writers_beside_pull_workers_wedge_no_record(db: TestDb) {
         let stop = stop.clone();
         let repo = repo.clone();
         tasks.push(tokio::spawn(async move {
-            let mut draw = Draw(0x9E37_79B9_7F4A_7C15 ^ (w as u64 + 1).wrapping_mul(0x2545_F491_4F6C_DD1D));
+            let mut draw =
+                Draw(0x9E37_79B9_7F4A_7C15 ^ (w as u64 + 1).wrapping_mul(0x2545_F491_4F6C_DD1D));
             while !stop.load(Ordering::SeqCst) {
                 let record = format!("R{}", draw.below(records));
                 if w % 4 == 3 {
@@ -525,7 +527,10 @@ async fn sqlite_an_open_write_counts_nothing_against_an_attempt() {
         app.commit().await.unwrap();
     });
     let mut attempt = loop {
-        match repo.begin_attempt(Duration::from_millis(100), claim.fence).await {
+        match repo
+            .begin_attempt(Duration::from_millis(100), claim.fence)
+            .await
+        {
             Ok(attempt) => break attempt.expect("the claim is live"),
             Err(e) => assert!(e.is_transient(), "{e}"),
         }
@@ -607,7 +612,10 @@ async fn postgres_a_retry_never_straddles_a_claim() {
         tokio::spawn(async move { repo.retry_failed(RetryFilter::Id(failed.id)).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!retry.is_finished(), "the retry waits for the claim in progress");
+    assert!(
+        !retry.is_finished(),
+        "the retry waits for the claim in progress"
+    );
     claim_tx.commit().await.unwrap();
     assert_eq!(retry.await.unwrap().unwrap(), 1);
     let claim = claim_id(&repo)

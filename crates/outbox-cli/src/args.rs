@@ -109,8 +109,12 @@ pub struct RetryArgs {
 pub struct HeadsArgs {
     /// Rebuild the heads table from the outbox rows (holds the outbox's writers off while it
     /// runs), then check again.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "repair")]
     pub rebuild: bool,
+    /// Repair the keys that differ without holding anybody off (what the dispatchers do
+    /// periodically: a key another transaction holds is left as it is), then check again.
+    #[arg(long)]
+    pub repair: bool,
     /// Print one JSON document instead of text.
     #[arg(long)]
     pub json: bool,

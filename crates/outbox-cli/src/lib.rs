@@ -59,7 +59,7 @@ pub enum OperatorCommand {
     /// Set missing RecordKey values of non-terminal rows, in resumable batches.
     BackfillRecordKeys(BackfillArgs),
     /// Check the claim's derived heads table against the outbox rows (exit 1 when they differ);
-    /// `--rebuild` recomputes it.
+    /// `--repair` puts differing keys right without blocking, `--rebuild` recomputes it.
     Heads(HeadsArgs),
     /// Print the consumer map: every registered consumer, its effects and its verdict.
     Consumers(JsonArg),

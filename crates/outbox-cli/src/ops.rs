@@ -68,22 +68,55 @@ struct HeadsReport {
     differing_keys: Vec<String>,
     /// Heads after a rebuild, when `--rebuild` ran one.
     rebuilt_heads: Option<u64>,
-    /// Keys that still differ after the rebuild (empty unless writers raced a broken trigger).
+    /// Keys `--repair` put right, by kind.
+    repaired: Option<RepairedHeads>,
+    /// Keys that still differ after the rebuild or repair (after a repair: keys another
+    /// transaction held, or that writers changed meanwhile).
     differing_after_rebuild: Option<Vec<String>>,
 }
 
-/// `outbox heads [--rebuild]`: the claim's candidate list (`_System_OutboxHead`, derived state)
-/// checked against the outbox rows; exits 1 when they differ (and were not rebuilt).
+/// The keys one repair changed.
+#[derive(Debug, Serialize)]
+struct RepairedHeads {
+    misplaced: Vec<String>,
+    left_over: Vec<String>,
+    missing: Vec<String>,
+}
+
+/// `outbox heads [--rebuild | --repair]`: the claim's candidate list (`_System_OutboxHead`,
+/// derived state) checked against the outbox rows; exits 1 when they differ (and still differ
+/// after a rebuild or repair). While writers race, a key can differ until the dispatchers'
+/// next repair (see `docs/queries.md`, "Why a head cannot hide a row").
 pub async fn heads(url: Option<&str>, args: HeadsArgs) -> Result<ExitCode> {
     let db = db::open(url, ConnectConfig::default()).await?;
     let differing_keys = db.check_heads().await?;
     let mut report = HeadsReport {
         differing_keys,
         rebuilt_heads: None,
+        repaired: None,
         differing_after_rebuild: None,
     };
     if args.rebuild {
         report.rebuilt_heads = Some(db.rebuild_heads().await?);
+        report.differing_after_rebuild = Some(db.check_heads().await?);
+    } else if args.repair && !report.differing_keys.is_empty() {
+        let mut repair = db
+            .repository()
+            .repair_heads(outbox_persistence::DEFAULT_HEADS_REPAIR_KEYS)
+            .await?;
+        if repair.skipped {
+            // A dispatcher is repairing at this moment: let it finish, then repair again.
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            repair = db
+                .repository()
+                .repair_heads(outbox_persistence::DEFAULT_HEADS_REPAIR_KEYS)
+                .await?;
+        }
+        report.repaired = Some(RepairedHeads {
+            misplaced: repair.misplaced,
+            left_over: repair.left_over,
+            missing: repair.missing,
+        });
         report.differing_after_rebuild = Some(db.check_heads().await?);
     }
     db.close().await;
@@ -108,7 +141,7 @@ fn print_heads(report: &HeadsReport) {
         println!("heads: consistent with the outbox rows");
     } else {
         println!(
-            "heads: {} keys differ from the outbox rows (a claim may miss their rows until rebuilt):",
+            "heads: {} keys differ from the outbox rows (their records still run; the order in which records are looked at is off, or the table holds rows it need not, until repaired):",
             report.differing_keys.len()
         );
         for key in &report.differing_keys {
@@ -117,11 +150,22 @@ fn print_heads(report: &HeadsReport) {
     }
     if let Some(n) = report.rebuilt_heads {
         println!("rebuilt: {n} heads");
-        match &report.differing_after_rebuild {
-            Some(after) if after.is_empty() => println!("heads: consistent after the rebuild"),
-            Some(after) => println!("heads: {} keys still differ after the rebuild", after.len()),
-            None => {}
-        }
+    }
+    if let Some(r) = &report.repaired {
+        println!(
+            "repaired: {} out of place, {} left over, {} missing",
+            r.misplaced.len(),
+            r.left_over.len(),
+            r.missing.len()
+        );
+    }
+    match &report.differing_after_rebuild {
+        Some(after) if after.is_empty() => println!("heads: consistent now"),
+        Some(after) => println!(
+            "heads: {} keys still differ (held by another transaction, or changed meanwhile): run again",
+            after.len()
+        ),
+        None => {}
     }
 }
 
@@ -154,6 +198,7 @@ pub async fn backfill(url: Option<&str>, args: BackfillArgs) -> Result<ExitCode>
     let repo = db.repository();
     let mut after = args.after;
     let (mut scanned, mut updated, mut already, mut no_record) = (0, 0, 0, 0);
+    let mut in_flight = Vec::new();
     let mut underivable = Vec::new();
     let mut mismatched = Vec::new();
     loop {
@@ -166,6 +211,7 @@ pub async fn backfill(url: Option<&str>, args: BackfillArgs) -> Result<ExitCode>
         no_record += page.no_record;
         underivable.extend(page.underivable);
         mismatched.extend(page.mismatched);
+        in_flight.extend(page.in_flight);
         after = page.next_after;
         match after {
             Some(last) => eprintln!(
@@ -176,7 +222,7 @@ pub async fn backfill(url: Option<&str>, args: BackfillArgs) -> Result<ExitCode>
         }
     }
     println!(
-        "backfill {}: {scanned} non-terminal rows scanned, {updated} keys {}, {already} already set, {no_record} about no record, {} underivable, {} stored keys that differ from the payload",
+        "backfill {}: {scanned} non-terminal rows scanned, {updated} keys {}, {already} already set, {no_record} about no record, {} underivable, {} stored keys that differ from the payload, {} in flight (left unkeyed: run again to key them if they return to pending)",
         if args.dry_run {
             "(dry run)"
         } else {
@@ -184,13 +230,17 @@ pub async fn backfill(url: Option<&str>, args: BackfillArgs) -> Result<ExitCode>
         },
         if args.dry_run { "missing" } else { "set" },
         underivable.len(),
-        mismatched.len()
+        mismatched.len(),
+        in_flight.len()
     );
     for (id, why) in &underivable {
         println!("  underivable {id}: {why}");
     }
     for id in &mismatched {
         println!("  mismatched  {id}");
+    }
+    for id in &in_flight {
+        println!("  in flight   {id}");
     }
     db.close().await;
     Ok(ExitCode::SUCCESS)

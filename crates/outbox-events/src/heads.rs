@@ -22,7 +22,9 @@ pub(crate) async fn run(repo: Arc<dyn OutboxRepository>, every: Duration, stop: 
         }
         match repo.repair_heads(DEFAULT_HEADS_REPAIR_KEYS).await {
             Ok(report) => log_repair(&report),
-            Err(e) => tracing::warn!(error = %e.chain(), "could not repair the heads table; trying again at the next interval"),
+            Err(e) => {
+                tracing::warn!(error = %e.chain(), "could not repair the heads table; trying again at the next interval")
+            }
         }
     }
 }

@@ -300,7 +300,11 @@ impl BackfillPage {
     /// those, the rest are in flight.
     pub(crate) fn settle(&mut self, meant: &[EventId], keyed: &[EventId]) {
         let keyed: std::collections::HashSet<&EventId> = keyed.iter().collect();
-        self.in_flight = meant.iter().filter(|id| !keyed.contains(id)).copied().collect();
+        self.in_flight = meant
+            .iter()
+            .filter(|id| !keyed.contains(id))
+            .copied()
+            .collect();
         self.updated = keyed.len() as u64;
     }
 }

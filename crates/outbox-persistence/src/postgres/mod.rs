@@ -33,8 +33,8 @@ pub use ops::{explain, explain_analyze};
 use crate::attempt::FencedWrite;
 use crate::{
     Attempt, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter, EventId,
-    EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
-    PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
+    EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository,
+    OutboxStats, PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
 };
 
 /// The notification channel the enqueue trigger signals.

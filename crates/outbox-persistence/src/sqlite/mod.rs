@@ -44,8 +44,8 @@ pub use time::{format_ts, parse_ts};
 use crate::attempt::FencedWrite;
 use crate::{
     Attempt, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter, EventId,
-    EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository, OutboxStats,
-    PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
+    EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository,
+    OutboxStats, PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
 };
 use gate::{Gate, Turn};
 use liveness::Liveness;
