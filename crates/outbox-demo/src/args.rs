@@ -36,6 +36,10 @@ pub enum Command {
     Work(WorkArgs),
     /// Check the demo invariants from the database.
     Verify(outbox_cli::args::JsonArg),
+    /// Write rows the way other code does, beside the workers (the fault suite's foreign
+    /// writers): plain inserts for the demo's records with older `CreatedDate`s, sleeping
+    /// inside their transactions, some rolled back.
+    Foreign(ForeignArgs),
     #[command(flatten)]
     Operator(OperatorCommand),
 }
@@ -94,6 +98,17 @@ pub struct SeedArgs {
     /// restarts dead processes; the demo itself runs in one process and seeds none.
     #[arg(long, default_value_t = 0)]
     pub poison_events: usize,
+}
+
+/// `outbox-demo foreign`.
+#[derive(Debug, Args)]
+pub struct ForeignArgs {
+    /// How long to write, in seconds.
+    #[arg(long, default_value_t = 10)]
+    pub secs: u64,
+    /// Concurrent writers, each with its own connection.
+    #[arg(long, default_value_t = 4)]
+    pub writers: usize,
 }
 
 /// `outbox-demo work`.

@@ -25,6 +25,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Seed(args)) => seed_command(url, args).await,
         Some(Command::Work(args)) => crate::work::work_command(url, args).await,
         Some(Command::Verify(a)) => verify_command(url, a.json).await,
+        Some(Command::Foreign(args)) => crate::foreign::foreign_command(url, args).await,
         Some(Command::Operator(command)) => {
             let consumers = consumers(&Actions::new()?).to_vec();
             outbox_cli::run_operator(url, command, &consumers).await

@@ -15,7 +15,9 @@ use outbox_persistence::with_tx;
 
 use super::journal::{JournaledRun, Mark};
 use super::sink::MailSink;
-use super::workload::{ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, SLOW_REPORT, WELCOME_EMAIL};
+use super::workload::{
+    ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, RECORD_TOUCHED, SLOW_REPORT, WELCOME_EMAIL,
+};
 
 /// The handler id the welcome mail's delivery ledger is keyed by.
 pub const WELCOME_HANDLER_ID: &str = "welcome-mail/v1";
@@ -381,7 +383,7 @@ impl<H: Handler> Handler for Poisonable<H> {
 
 /// The demo's consumer declarations, derived from the actions themselves where they can
 /// classify their own effects. This list is the binary's consumer map.
-pub fn consumers(actions: &Actions) -> [Consumer; 5] {
+pub fn consumers(actions: &Actions) -> [Consumer; 6] {
     let account = field_set_effect(
         &actions.account_capture,
         Consumer::new("account-field-capture", ACCOUNT_UPDATED),
@@ -412,13 +414,18 @@ pub fn consumers(actions: &Actions) -> [Consumer; 5] {
         "no record change: sleeps SleepMs from the snapshot, then appends its effect-log row (a slow handler for the fault suite)",
         None,
     );
-    [account, lead, conversion, mail, slow]
+    let touched = Consumer::new("foreign-touch", RECORD_TOUCHED).effect(
+        EffectKind::DeterministicFieldSet,
+        "no effect: rows written by other code beside the workers (the fault suite's foreign writers)",
+        None,
+    );
+    [account, lead, conversion, mail, slow, touched]
 }
 
 /// The demo's handlers, each registered with its consumer declaration and made
 /// [`Poisonable`] (the declarations, and so the consumer map and the gate, do not change).
 pub fn handlers(actions: Arc<Actions>, sink: MailSink, faults: Arc<Faults>) -> Handlers {
-    let [account, lead, conversion, mail, slow] = consumers(&actions);
+    let [account, lead, conversion, mail, slow, touched] = consumers(&actions);
     Handlers::new()
         .register_consumer(
             account,
@@ -462,6 +469,22 @@ pub fn handlers(actions: Arc<Actions>, sink: MailSink, faults: Arc<Faults>) -> H
         )
         .register_consumer(
             slow,
-            Poisonable::new(SlowReport { sink: sink.clone() }, sink),
+            Poisonable::new(SlowReport { sink: sink.clone() }, sink.clone()),
         )
+        .register_consumer(touched, Poisonable::new(Touched, sink))
+}
+
+/// The handler of [`RECORD_TOUCHED`] rows: nothing to do (the rows exist to be written out of
+/// order beside the workers; running them in their record's order is the outbox's part).
+struct Touched;
+
+#[async_trait]
+impl Handler for Touched {
+    async fn handle(
+        &self,
+        _event: &OutboxEvent,
+        _ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        Ok(())
+    }
 }

@@ -7,6 +7,7 @@ mod args;
 mod commands;
 mod demo;
 mod faults;
+mod foreign;
 mod handlers;
 mod integrity;
 mod journal;

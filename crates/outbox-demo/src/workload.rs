@@ -23,6 +23,11 @@ pub const WELCOME_EMAIL: &str = "account.welcome_email";
 /// for the fault suite's "a slow handler is never reclaimed" check).
 pub const SLOW_REPORT: &str = "report.slow";
 
+/// A row written by other code beside the workers (`outbox-demo foreign`, the fault suite's
+/// foreign writers): its handler does nothing; it exists to put out-of-order rows on the
+/// demo's records. No check of effects reads it.
+pub const RECORD_TOUCHED: &str = "record.touched";
+
 /// The change feed's event types (seeded with `--relay` only): every application write also
 /// enqueues, in its transaction, its record's change for the NATS relay to publish.
 pub const ACCOUNT_CHANGED: &str = "account.changed";

@@ -54,6 +54,9 @@ pub(super) struct Chaos {
     pub(super) process_reports: Vec<Value>,
     pub(super) spawned: usize,
     pub(super) chaos_time: Duration,
+    /// The foreign writers' summary line (`outbox-demo foreign`), and the rows they committed.
+    pub(super) foreign: Option<String>,
+    pub(super) foreign_rows: u64,
 }
 
 /// The state of the loop in [`Suite::chaos_loop`].
@@ -70,6 +73,8 @@ struct Run<'r, 'a> {
     watches: Vec<KillWatch>,
     /// The `psql` sessions holding row locks.
     holders: Vec<Child>,
+    /// The foreign writers (`outbox-demo foreign`), until they exit.
+    foreign: Option<Child>,
     last_status: Instant,
     last_progress: Instant,
     phase: Phase,
@@ -84,6 +89,7 @@ impl Suite<'_> {
             let worker = self.spawn(chaos, &workers)?;
             workers.push(worker);
         }
+        let foreign = self.spawn_foreign()?;
         let start = Instant::now();
         let mut run = Run {
             suite: self,
@@ -97,6 +103,7 @@ impl Suite<'_> {
             restarted: false,
             watches: Vec::new(),
             holders: Vec::new(),
+            foreign: Some(foreign),
             last_status: Instant::now(),
             last_progress: Instant::now(),
             // Chaos, then calm (the chaos processes stopping), then the final drain by one
@@ -107,7 +114,45 @@ impl Suite<'_> {
         for mut holder in run.holders {
             let _ = holder.wait();
         }
+        if let Some(mut foreign) = run.foreign.take() {
+            let _ = foreign.wait();
+        }
+        let summary = std::fs::read_to_string(self.dir.join("foreign.out")).unwrap_or_default();
+        let line = summary.lines().find(|l| l.starts_with("foreign: "));
+        run.chaos.foreign_rows = line
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        run.chaos.foreign = line.map(str::to_string);
         Ok(())
+    }
+
+    /// Starts `outbox-demo foreign`: writers that insert rows for the demo's records the way
+    /// other code does (older `CreatedDate`s, sleeps inside their transactions, some rolled
+    /// back) for [`super::profile::Profile::foreign_secs`], beside the work processes. Their
+    /// connections are not among those the cuts pick.
+    fn spawn_foreign(&self) -> Result<Child> {
+        let url = match self.backend {
+            super::profile::Backend::Postgres => {
+                postgres::with_parameter(&self.url, "application_name", "outbox-foreign")
+            }
+            super::profile::Backend::Sqlite => self.url.clone(),
+        };
+        let out = self.dir.join("foreign.out");
+        Ok(Command::new(self.binaries.demo)
+            .args([
+                "foreign",
+                "--secs",
+                &self.profile.foreign_secs.to_string(),
+                "--writers",
+                "4",
+            ])
+            .current_dir(&self.dir)
+            .env("DATABASE_URL", &url)
+            .env("RUST_LOG", "error")
+            .stdout(std::fs::File::create(&out)?)
+            .stderr(std::fs::File::create(out.with_extension("err"))?)
+            .spawn()?)
     }
 
     /// Whether a kill, a cut or a lock hold now would blur the restart (the restart's own
@@ -315,7 +360,13 @@ impl Run<'_, '_> {
         let restart_done = self.suite.pg.is_none() || self.restarted;
         let calm =
             unfinished.is_some_and(|n| n <= p.calm_below) || self.start.elapsed() >= p.chaos_limit;
-        if !(calm && restart_done) {
+        // The foreign writers stop by themselves; the calm waits for them, so that the final
+        // drain meets no new row.
+        let foreign_done = self
+            .foreign
+            .as_mut()
+            .is_none_or(|c| c.try_wait().ok().flatten().is_some());
+        if !(calm && restart_done && foreign_done) {
             return;
         }
         println!(

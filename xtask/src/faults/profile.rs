@@ -43,6 +43,8 @@ pub(super) struct Profile {
     /// the work processes are then stopped (SIGINT) and one process without faults drains the
     /// rest, so that the last rows are not starved by lock holds aimed at them.
     pub(super) chaos_limit: Duration,
+    /// How long the foreign writers (`outbox-demo foreign`) write beside the work processes.
+    pub(super) foreign_secs: u64,
     pub(super) calm_below: i64,
     /// The whole run must drain within this.
     pub(super) deadline: Duration,
@@ -62,6 +64,7 @@ pub(super) const FULL: Profile = Profile {
     lock_every: Duration::from_millis(1_500),
     restart_at: Duration::from_secs(8),
     chaos_limit: Duration::from_secs(150),
+    foreign_secs: 30,
     calm_below: 100,
     deadline: Duration::from_secs(600),
 };
@@ -80,6 +83,7 @@ pub(super) const QUICK: Profile = Profile {
     lock_every: Duration::from_secs(1),
     restart_at: Duration::from_secs(3),
     chaos_limit: Duration::from_secs(30),
+    foreign_secs: 8,
     calm_below: 40,
     deadline: Duration::from_secs(80),
 };

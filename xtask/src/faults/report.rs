@@ -191,7 +191,9 @@ impl Suite<'_> {
             chaos.kills.len(),
             chaos.poison_deaths
         );
-        let mut covered = !chaos.kills.is_empty() && chaos.poison_deaths > 0;
+        write!(coverage, ", {} foreign rows", chaos.foreign_rows).ok();
+        let mut covered =
+            !chaos.kills.is_empty() && chaos.poison_deaths > 0 && chaos.foreign_rows > 0;
         if let Skew::Ready(_) = self.skew {
             write!(coverage, ", {} skewed process(es)", chaos.skewed_pids.len()).ok();
             covered &= !chaos.skewed_pids.is_empty();
@@ -266,16 +268,25 @@ impl Suite<'_> {
     /// The faults injected: deaths, cuts, restarts, lock holds.
     fn fault_measures(&self, chaos: &Chaos, v: &Value) -> Vec<(&'static str, String)> {
         let cause = |name: &str| v["failures_by_cause"][name].as_i64().unwrap_or(0);
-        let mut rows: Vec<(&'static str, String)> = vec![(
-            "worker deaths",
-            format!(
-                "{} = {} SIGKILLs + {} poison aborts; {} dead attempts counted on reclaim",
-                chaos.kills.len() + chaos.poison_deaths,
-                chaos.kills.len(),
-                chaos.poison_deaths,
-                cause("worker_died")
+        let mut rows: Vec<(&'static str, String)> = vec![
+            (
+                "worker deaths",
+                format!(
+                    "{} = {} SIGKILLs + {} poison aborts; {} dead attempts counted on reclaim",
+                    chaos.kills.len() + chaos.poison_deaths,
+                    chaos.kills.len(),
+                    chaos.poison_deaths,
+                    cause("worker_died")
+                ),
             ),
-        )];
+            (
+                "foreign writers (plain inserts, older CreatedDate, sleeps in their transactions)",
+                chaos
+                    .foreign
+                    .clone()
+                    .unwrap_or_else(|| "no summary (see foreign.out)".into()),
+            ),
+        ];
         if self.backend == Backend::Postgres {
             rows.push((
                 "connections cut (pg_terminate_backend)",

@@ -7,6 +7,7 @@
 //! and verify it. A service that embeds the outbox never needs this feature.
 
 pub mod bench;
+pub mod foreign;
 pub mod inspect;
 pub mod retention;
 
