@@ -94,6 +94,12 @@ BEGIN
         WHERE RecordKey = k AND (CreatedDate, Id) IS DISTINCT FROM (n.CreatedDate, n.Id);
         RETURN;
     END IF;
+    -- The re-look below must see rows committed after the lock: only READ COMMITTED gives a
+    -- statement a new snapshot. A transaction at a stricter level leaves the head (left over
+    -- at worst, which the repair deletes).
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN;
+    END IF;
     PERFORM 1 FROM _System_OutboxHead WHERE RecordKey = k FOR UPDATE SKIP LOCKED;
     IF NOT FOUND THEN
         RETURN;
@@ -121,7 +127,14 @@ LANGUAGE plpgsql AS $$
 DECLARE
     d record;
     n record;
+    caller_lock_timeout text := current_setting('lock_timeout');
 BEGIN
+    -- Its re-looks need a fresh snapshot per statement (see _System_OutboxHeadRemove).
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION '_System_OutboxHeadRepair must run at READ COMMITTED, not %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
     IF NOT pg_try_advisory_xact_lock(3480, 0) THEN
         RETURN;
     END IF;
@@ -186,6 +199,8 @@ BEGIN
                     repair := 'missing';
                     RETURN NEXT;
                 END IF;
+                -- (A lock timeout rolls this block back, the setting with it.)
+                PERFORM set_config('lock_timeout', caller_lock_timeout, true);
             EXCEPTION WHEN lock_not_available THEN
                 NULL;
             END;

@@ -49,7 +49,9 @@ const BLOCKED_KEYS: &str = concat!(
 
 /// Holds every claim off until this transaction ends (see [`super::CLAIM_EXCLUSION_NAMESPACE`]):
 /// a claim that is running commits first, and one that starts later takes its snapshot after
-/// this transaction committed.
+/// this transaction committed. Taken as the last statement before `COMMIT`, after the writes:
+/// a write that waits for a lock (the head trigger's insert behind an application's open
+/// enqueue) then never holds the claims of every process behind it.
 pub(super) const EXCLUDE_CLAIMS: &str = "SELECT pg_advisory_xact_lock(3479, 0)::text";
 
 /// `failed` rows back to `pending`, claimable at once (no claim straddles this transaction:
@@ -116,7 +118,7 @@ impl PgOutbox {
             RetryFilter::Id(id) => (Some(id), false, None),
             RetryFilter::Failed { event_type } => (None, true, event_type),
         };
-        let mut tx = self.begin_excluding_claims().await?;
+        let mut tx = self.begin_read_committed().await?;
         let rows = sqlx::query(RETRY_FAILED)
             .bind(self.shift())
             .bind(id)
@@ -125,23 +127,19 @@ impl PgOutbox {
             .execute(&mut *tx)
             .await?
             .rows_affected();
-        tx.commit().await?;
+        commit_excluding_claims(tx).await?;
         Ok(rows)
     }
 
-    /// A transaction (READ COMMITTED, the repository's lock timeout) that holds every claim
-    /// off until it ends ([`EXCLUDE_CLAIMS`]); its later statements read what was committed
-    /// before it took the lock, claims included.
-    async fn begin_excluding_claims(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
-        let mut tx = self
+    /// A transaction at READ COMMITTED under the repository's lock timeout.
+    async fn begin_read_committed(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        Ok(self
             .pool
             .begin_with(sqlx::AssertSqlSafe(format!(
                 "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{}'",
                 self.lock_timeout()
             )))
-            .await?;
-        sqlx::query(EXCLUDE_CLAIMS).execute(&mut *tx).await?;
-        Ok(tx)
+            .await?)
     }
 
     pub(super) async fn backfill(
@@ -162,13 +160,13 @@ impl PgOutbox {
             // Like a retry, the backfill holds claims off while it keys rows, so no claim
             // reads a row as unkeyed and claims it, or a row of its new key, after the key is
             // set.
-            let mut tx = self.begin_excluding_claims().await?;
+            let mut tx = self.begin_read_committed().await?;
             let keyed: Vec<EventId> = sqlx::query_scalar(BACKFILL_SET)
                 .bind(&ids)
                 .bind(&keys)
                 .fetch_all(&mut *tx)
                 .await?;
-            tx.commit().await?;
+            commit_excluding_claims(tx).await?;
             page.settle(&ids, &keyed);
         }
         Ok(page)
@@ -257,4 +255,12 @@ async fn plans(
         ("eligible-event query (the design's, as written)", design),
         ("select-and-claim (claim_next)", claim),
     ])
+}
+
+/// Takes the claim-exclusion lock ([`EXCLUDE_CLAIMS`]) and commits: the claims running at that
+/// moment commit first, and those that start meanwhile take their snapshot after this commit.
+async fn commit_excluding_claims(mut tx: sqlx::Transaction<'static, sqlx::Postgres>) -> Result<()> {
+    sqlx::query(EXCLUDE_CLAIMS).execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(())
 }
