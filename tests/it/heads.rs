@@ -611,7 +611,29 @@ async fn postgres_a_retry_never_straddles_a_claim() {
         let repo = repo.clone();
         tokio::spawn(async move { repo.retry_failed(RetryFilter::Id(failed.id)).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Wait until the retry is seen waiting for the exclusion lock (pg_locks), not for a time.
+    let start = Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks
+             WHERE locktype = 'advisory' AND classid = 3479 AND objid = 0 AND NOT granted",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            !retry.is_finished(),
+            "the retry finished while a claim held the exclusion lock"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the retry never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(
         !retry.is_finished(),
         "the retry waits for the claim in progress"
