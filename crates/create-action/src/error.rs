@@ -159,8 +159,9 @@ impl Error {
         }
     }
 
-    /// Whether this is a lock wait that ran into the lock timeout (or a deadlock, a
-    /// serialization failure, SQLite busy).
+    /// Whether this is a lock wait that ran into the lock timeout (or SQLite busy). A deadlock
+    /// or serialization failure is a conflict ([`outbox_persistence::ErrorClass::Conflict`]),
+    /// transient too.
     pub fn is_lock_timeout(&self) -> bool {
         matches!(self, Error::Database(e)
             if outbox_persistence::classify_error(e) == outbox_persistence::ErrorClass::LockTimeout)

@@ -43,6 +43,10 @@ pub enum AttemptOutcome {
     /// The attempt could not begin, or its detached bookkeeping could not land; the row will go
     /// stale and be reclaimed.
     Abandoned,
+    /// The handler succeeded but the outbox could not write `processed` (a lock timeout, a
+    /// serialization failure or deadlock on its own statement): the effects rolled back and
+    /// the row went back to `pending` without counting the attempt.
+    Released,
 }
 
 impl AttemptOutcome {
@@ -54,6 +58,7 @@ impl AttemptOutcome {
             AttemptOutcome::LostClaim => "lost_claim",
             AttemptOutcome::Cancelled => "cancelled",
             AttemptOutcome::Abandoned => "abandoned",
+            AttemptOutcome::Released => "released",
         }
     }
 }
@@ -363,11 +368,16 @@ async fn finish_success(
             if e.is_lock_timeout() {
                 env.metrics.lock_timeout(&claim.event.event_type);
             }
-            let failure = env.failure(
-                claim,
-                true,
-                format!("could not mark processed: {}", e.chain()),
-            );
+            let message = format!("could not mark processed: {}", e.chain());
+            if e.is_lock_timeout() || e.is_conflict() {
+                // The handler succeeded; the outbox's own write waited too long for a lock, or
+                // the server aborted it to resolve a conflict. Not the event's fault: it runs
+                // again without being counted. (A lost connection is the attempt transaction
+                // dying, which is counted: the event may be what kills it.)
+                tracing::warn!(error = %message, "the handler succeeded but its outcome could not be written; releasing the claim uncounted");
+                return release(env, claim, beat, &message).await;
+            }
+            let failure = env.failure(claim, true, message);
             detached(env, claim, beat, failure, None).await
         }
     }
@@ -423,6 +433,41 @@ fn failure_outcome(failure: &Failure) -> AttemptOutcome {
         FailureBookkeeping::Retry { .. } => AttemptOutcome::Retried,
         FailureBookkeeping::Fail => AttemptOutcome::Failed,
     }
+}
+
+/// Releases the claim without counting the attempt (see [`AttemptOutcome::Released`]), on a
+/// connection of its own, retried while the heartbeat keeps the claim alive as the detached
+/// bookkeeping is.
+async fn release(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>, message: &str) -> AttemptOutcome {
+    env.metrics.detached_bookkeeping(&claim.event.event_type);
+    beat.ensure_running(true);
+    let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
+    let mut backoff = DETACHED_FIRST_BACKOFF;
+    for try_number in 1..=DETACHED_MAX_TRIES {
+        {
+            let state = fence.lock().await;
+            if state.lost {
+                return AttemptOutcome::LostClaim;
+            }
+            match env.repo.release_claim(state.fence, message).await {
+                Ok(FenceOutcome::Written) => return AttemptOutcome::Released,
+                Ok(FenceOutcome::Lost) => return AttemptOutcome::LostClaim,
+                Err(e) => tracing::warn!(
+                    error = %e.chain(),
+                    try_number,
+                    "releasing the claim failed; the heartbeat keeps it while it retries"
+                ),
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = lost.cancelled() => return AttemptOutcome::LostClaim,
+            _ = env.hard_stop.cancelled() => return AttemptOutcome::Cancelled,
+        }
+        backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
+    }
+    tracing::error!("giving up on releasing the claim; the row goes stale and will be reclaimed");
+    AttemptOutcome::Abandoned
 }
 
 /// How often, and how long, the detached bookkeeping is tried before the worker gives up.

@@ -77,6 +77,7 @@ pub struct Metrics {
     lock_timeouts: AtomicU64,
     detached_bookkeeping: AtomicU64,
     cancelled: AtomicU64,
+    released: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -103,6 +104,10 @@ pub struct MetricsSnapshot {
     pub detached_bookkeeping: u64,
     /// Attempts cancelled by a hard shutdown (left to stale reclaim).
     pub cancelled: u64,
+    /// Attempts whose handler succeeded but whose `processed` write hit a lock timeout, a
+    /// serialization failure or a deadlock: back to `pending`, not counted towards
+    /// `MaxRetryAttempts`.
+    pub released: u64,
 }
 
 /// How an attempt ended, as the metrics label it.
@@ -114,6 +119,7 @@ pub(crate) enum Ended {
     LostClaim,
     Cancelled,
     Abandoned,
+    Released,
 }
 
 impl From<&crate::AttemptOutcome> for Ended {
@@ -126,6 +132,7 @@ impl From<&crate::AttemptOutcome> for Ended {
             O::LostClaim => Ended::LostClaim,
             O::Cancelled => Ended::Cancelled,
             O::Abandoned => Ended::Abandoned,
+            O::Released => Ended::Released,
         }
     }
 }
@@ -139,6 +146,7 @@ impl Ended {
             Ended::LostClaim => "lost_claim",
             Ended::Cancelled => "cancelled",
             Ended::Abandoned => "abandoned",
+            Ended::Released => "released",
         }
     }
 }
@@ -180,6 +188,7 @@ impl Metrics {
             Ended::LostClaim => &self.lost_claims,
             Ended::Cancelled => &self.cancelled,
             Ended::Abandoned => return self.ended_uncounted(event_type, attempt),
+            Ended::Released => &self.released,
         });
         let labels = [
             ("event_type", event_type.to_owned()),
@@ -236,6 +245,7 @@ impl Metrics {
             lock_timeouts: load(&self.lock_timeouts),
             detached_bookkeeping: load(&self.detached_bookkeeping),
             cancelled: load(&self.cancelled),
+            released: load(&self.released),
         }
     }
 }

@@ -38,6 +38,12 @@ pub(crate) enum FencedWrite<'a> {
         /// The error, clipped before it is stored.
         error: &'a str,
     },
+    /// Back to `pending` with `RetryCount` unchanged: an attempt not counted, because what
+    /// failed was the outbox's own write of its outcome, not its handler.
+    Release {
+        /// Why, clipped before it is stored in `LastError`.
+        error: &'a str,
+    },
 }
 
 impl<'a> FencedWrite<'a> {

@@ -10,7 +10,17 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{PgPool, SqlitePool};
 
+use crate::postgres::{DEFAULT_STATEMENT_TIMEOUT, PgSettings, Pooler, pool_caches_statements};
 use crate::{Error, OutboxRepository, Result};
+
+/// The oldest PostgreSQL release the outbox's migrations and statements are written for
+/// (`server_version_num`).
+pub const MIN_POSTGRES_VERSION: i32 = 130_000;
+
+/// The advisory-lock namespace (`(3481, 0)`, transaction-scoped) that serializes the outbox's
+/// migrations across processes: a transaction-scoped lock, so nothing is left held on a server
+/// connection a pooler hands to someone else.
+pub const MIGRATE_LOCK_NAMESPACE: i32 = 3481;
 
 /// The lock timeout used when none is configured, the workspace's one default: an attempt's
 /// `lock_timeout` on PostgreSQL (`outbox_events::WorkerConfig`, which re-exports this), the
@@ -47,8 +57,21 @@ pub struct ConnectConfig {
     pub acquire_timeout: Duration,
     /// SQLite's busy timeout. On PostgreSQL nothing is set on the sessions (the application
     /// may share them): attempts set their `lock_timeout` themselves (`WorkerConfig`), and the
-    /// outbox's other writes take [`PgOutbox::with_lock_timeout`](crate::postgres::PgOutbox::with_lock_timeout)'s.
+    /// outbox's other writes take [`PgOutbox::with_lock_timeout`](crate::postgres::PgOutbox::with_lock_timeout)'s;
+    /// migrations wait this long for their table locks.
     pub lock_timeout: Duration,
+    /// PostgreSQL: what sits between the outbox and the server. [`Pooler::Transaction`] for
+    /// PgBouncer's `pool_mode = transaction` and poolers like it (no named prepared statements,
+    /// wake-ups from [`ConnectConfig::listen_url`] or by polling). The URL parameter
+    /// `outbox_pooler=transaction` says the same.
+    pub pooler: Pooler,
+    /// PostgreSQL: a URL that reaches the server directly (not through the pooler), for the
+    /// wake-up `LISTEN` behind a transaction pooler. Without one, idle workers poll at
+    /// `WorkerConfig::poll_interval`.
+    pub listen_url: Option<String>,
+    /// PostgreSQL: the statement timeout of the outbox's own transactions, whatever the
+    /// database's default ([`DEFAULT_STATEMENT_TIMEOUT`]; zero for none).
+    pub statement_timeout: Duration,
 }
 
 impl Default for ConnectConfig {
@@ -57,6 +80,9 @@ impl Default for ConnectConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             acquire_timeout: Duration::from_secs(10),
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            pooler: Pooler::Direct,
+            listen_url: None,
+            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 }
@@ -99,15 +125,31 @@ impl Database {
     /// (the file is created when missing).
     pub async fn connect(url: &str, config: ConnectConfig) -> Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            // No session settings: the application may use this pool for its own transactions.
-            // The outbox bounds its own lock waits per statement (see `PgOutbox`).
-            let options = PgConnectOptions::from_str(url)
-                .map_err(|e| Error::InvalidUrl(format!("{}: {e}", redact(url))))?;
+            // No session settings: the application may use this pool for its own transactions,
+            // and a pooler would hand them to others. Every outbox transaction states its own
+            // isolation and timeouts as it begins (`postgres::session`).
+            let (url, declared) = take_pooler_parameter(url)?;
+            let pooler = declared.unwrap_or(config.pooler);
+            let mut options = PgConnectOptions::from_str(&url)
+                .map_err(|e| Error::InvalidUrl(format!("{}: {e}", redact(&url))))?;
+            if pooler == Pooler::Transaction {
+                // sqlx would still name (and leak) statements it does not cache; the outbox
+                // sends its own unnamed, and an application's queries on this pool must too.
+                options = options.statement_cache_capacity(0);
+            }
             let pool = PgPoolOptions::new()
                 .max_connections(config.max_connections)
                 .acquire_timeout(config.acquire_timeout)
                 .connect_with(options)
                 .await?;
+            crate::postgres::register(
+                &pool,
+                PgSettings {
+                    pooler,
+                    listen_url: config.listen_url.clone(),
+                    statement_timeout: Some(config.statement_timeout),
+                },
+            );
             Ok(Database::Postgres(pool))
         } else if url.starts_with("sqlite:") {
             let options = SqliteConnectOptions::from_str(url)
@@ -159,10 +201,21 @@ impl Database {
     /// [`MIGRATIONS_TABLE`]; a database migrated by an earlier version, which recorded them in
     /// `_sqlx_migrations`, has those rows moved over first (only rows whose version and
     /// checksum are the outbox's own).
+    ///
+    /// On PostgreSQL it first checks that the server can run the outbox (a primary, not a
+    /// read-only standby; at least [`MIN_POSTGRES_VERSION`]; transactions allowed, which a
+    /// pooler in statement mode refuses) and fails with [`Error::Unsupported`] changing
+    /// nothing otherwise. Then each pending migration runs in a transaction of its own under a
+    /// transaction-scoped advisory lock ([`MIGRATE_LOCK_NAMESPACE`]), recorded as sqlx's
+    /// migrator records it; so it also runs through a transaction-pooling pooler, and a
+    /// process killed meanwhile leaves no lock held on any server connection.
     pub async fn migrate(&self) -> Result<()> {
+        if let Database::Postgres(pool) = self {
+            check_server(pool).await?;
+        }
         self.adopt_legacy_records().await?;
         match self {
-            Database::Postgres(pool) => POSTGRES_MIGRATOR.run(pool).await?,
+            Database::Postgres(pool) => migrate_postgres(pool, &POSTGRES_MIGRATOR).await?,
             Database::Sqlite(pool) => SQLITE_MIGRATOR.run(pool).await?,
         }
         Ok(())
@@ -187,23 +240,14 @@ impl Database {
     pub async fn check_schema(&self) -> Result<()> {
         let known: BTreeSet<i64> = self.migrator().iter().map(|m| m.version).collect();
         let applied: Vec<i64> = match self {
-            Database::Postgres(pool) => {
-                let exists: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                    "SELECT to_regclass('{MIGRATIONS_TABLE}') IS NOT NULL"
-                )))
-                .fetch_one(pool)
-                .await?;
-                if !exists {
+            Database::Postgres(pool) => match applied_postgres(pool).await? {
+                Some(applied) => applied.into_iter().map(|(v, _, _)| v).collect(),
+                None => {
                     return Err(Error::NotMigrated {
                         missing: known.into_iter().collect(),
                     });
                 }
-                sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                    "SELECT version FROM {MIGRATIONS_TABLE} WHERE success"
-                )))
-                .fetch_all(pool)
-                .await?
-            }
+            },
             Database::Sqlite(pool) => {
                 let exists: bool = sqlx::query_scalar(
                     "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
@@ -302,16 +346,218 @@ impl Database {
     }
 }
 
+/// A transaction of the outbox's migrations: READ COMMITTED and writable whatever the
+/// database's defaults, no statement timeout (an index build on a large table takes what it
+/// takes), table locks waited for at most `lock_timeout` (a migration queued behind a long
+/// transaction would hold every enqueue and claim behind its own lock request).
+fn migrate_begin(lock_timeout: Duration) -> String {
+    crate::postgres::begin_sql(crate::postgres::Begin {
+        read_only: false,
+        lock_timeout,
+        statement_timeout: Duration::ZERO,
+        may_idle: false,
+        async_commit: false,
+    })
+}
+
+/// The lock timeout of migrations.
+const MIGRATE_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Checks, in one read-only transaction, that the server can run the outbox: see
+/// [`Database::migrate`]. Changes nothing.
+pub async fn check_server(pool: &PgPool) -> Result<()> {
+    let cached = pool_caches_statements(pool);
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .map_err(server_refusal)?;
+    let (version, version_num, standby, read_only): (String, i32, bool, String) = sqlx::query_as(
+        "SELECT current_setting('server_version'), current_setting('server_version_num')::int,
+                pg_is_in_recovery(), current_setting('default_transaction_read_only')",
+    )
+    .persistent(cached)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(server_refusal)?;
+    tx.commit().await?;
+    if version_num < MIN_POSTGRES_VERSION {
+        return Err(Error::Unsupported(format!(
+            "PostgreSQL {version} is older than the oldest supported release ({}); upgrade the server",
+            MIN_POSTGRES_VERSION / 10_000
+        )));
+    }
+    if standby {
+        return Err(Error::Unsupported(
+            "the server is a read-only standby (pg_is_in_recovery()); migrate the primary".into(),
+        ));
+    }
+    // `default_transaction_read_only` alone is overridden by the outbox's `READ WRITE`, but a
+    // database that a DBA set read-only is one the operator should know they are writing to.
+    if read_only == "on" {
+        return Err(Error::Unsupported(
+            "the database defaults to read-only transactions (default_transaction_read_only = on): is this a replica or a read-only endpoint? migrate the primary's read-write endpoint".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A server's refusal as the outbox's error (a pooler in statement mode becomes
+/// [`Error::Unsupported`]).
+fn server_refusal(e: sqlx::Error) -> Error {
+    e.into()
+}
+
+/// The outbox's applied migrations on PostgreSQL (`(version, checksum, success)`), or `None`
+/// when the table does not exist.
+async fn applied_postgres(pool: &PgPool) -> Result<Option<Vec<(i64, Vec<u8>, bool)>>> {
+    let cached = pool_caches_statements(pool);
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED, READ ONLY")
+        .await
+        .map_err(server_refusal)?;
+    let applied = read_applied(&mut tx, cached).await?;
+    tx.commit().await?;
+    Ok(applied)
+}
+
+async fn read_applied(
+    tx: &mut sqlx::PgConnection,
+    cached: bool,
+) -> Result<Option<Vec<(i64, Vec<u8>, bool)>>> {
+    let exists: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT to_regclass('{MIGRATIONS_TABLE}') IS NOT NULL"
+    )))
+    .persistent(cached)
+    .fetch_one(&mut *tx)
+    .await?;
+    if !exists {
+        return Ok(None);
+    }
+    Ok(Some(
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT version, checksum, success FROM {MIGRATIONS_TABLE} ORDER BY version"
+        )))
+        .persistent(cached)
+        .fetch_all(&mut *tx)
+        .await?,
+    ))
+}
+
+/// Applies `migrator`'s pending migrations on PostgreSQL, each in a transaction of its own
+/// under the transaction-scoped lock [`MIGRATE_LOCK_NAMESPACE`]; see [`Database::migrate`].
+/// What sqlx's migrator checks is checked the same way: an applied migration whose checksum
+/// differs, or one recorded as failed, stops the run.
+async fn migrate_postgres(pool: &PgPool, migrator: &Migrator) -> Result<()> {
+    use sqlx::migrate::MigrateError;
+    let cached = pool_caches_statements(pool);
+    for migration in migrator.iter() {
+        if migration.migration_type.is_down_migration() {
+            continue;
+        }
+        let mut tx = pool
+            .begin_with(sqlx::AssertSqlSafe(migrate_begin(MIGRATE_LOCK_TIMEOUT)))
+            .await
+            .map_err(server_refusal)?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)::text")
+            .persistent(cached)
+            .bind(MIGRATE_LOCK_NAMESPACE)
+            .execute(&mut *tx)
+            .await?;
+        let applied = match read_applied(&mut tx, cached).await? {
+            Some(applied) => applied,
+            None => {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
+                       version BIGINT PRIMARY KEY,
+                       description TEXT NOT NULL,
+                       installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
+                       success BOOLEAN NOT NULL,
+                       checksum BYTEA NOT NULL,
+                       execution_time BIGINT NOT NULL)"
+                )))
+                .persistent(cached)
+                .execute(&mut *tx)
+                .await?;
+                Vec::new()
+            }
+        };
+        if let Some((version, _, _)) = applied.iter().find(|(_, _, success)| !success) {
+            return Err(MigrateError::Dirty(*version).into());
+        }
+        if let Some((_, checksum, _)) = applied.iter().find(|(v, _, _)| *v == migration.version) {
+            if checksum.as_slice() != &*migration.checksum {
+                return Err(MigrateError::VersionMismatch(migration.version).into());
+            }
+            tx.rollback().await?;
+            continue;
+        }
+        let started = std::time::Instant::now();
+        sqlx::raw_sql(migration.sql.clone())
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| MigrateError::ExecuteMigration(e, migration.version))?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {MIGRATIONS_TABLE} (version, description, success, checksum, execution_time)
+             VALUES ($1, $2, TRUE, $3, $4)"
+        )))
+        .persistent(cached)
+        .bind(migration.version)
+        .bind(&*migration.description)
+        .bind(&*migration.checksum)
+        .bind(i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+    }
+    Ok(())
+}
+
+/// Removes the `outbox_pooler` parameter from a PostgreSQL URL: the URL for the driver and
+/// the pooler it declares.
+fn take_pooler_parameter(url: &str) -> Result<(String, Option<Pooler>)> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_string(), None));
+    };
+    let mut pooler = None;
+    let mut kept = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some((key, value)) if key == Pooler::URL_PARAMETER => {
+                pooler = Some(Pooler::parse(value).ok_or_else(|| {
+                    Error::InvalidUrl(format!(
+                        "{}: {}={value} is not supported; use transaction (PgBouncer pool_mode = transaction and poolers like it) or session (a direct connection or a session pooler); a pooler in statement mode cannot run the outbox's transactions",
+                        redact(url),
+                        Pooler::URL_PARAMETER
+                    ))
+                })?);
+            }
+            _ => kept.push(pair),
+        }
+    }
+    let url = if kept.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    };
+    Ok((url, pooler))
+}
+
 /// [`Database::adopt_legacy_records`] on PostgreSQL: one statement moves the outbox's rows.
 async fn adopt_legacy_postgres(pool: &PgPool, migrations: Vec<(i64, Vec<u8>)>) -> Result<()> {
+    let cached = pool_caches_statements(pool);
+    let mut tx = pool
+        .begin_with(sqlx::AssertSqlSafe(migrate_begin(MIGRATE_LOCK_TIMEOUT)))
+        .await
+        .map_err(server_refusal)?;
     let legacy: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-        .fetch_one(pool)
+        .persistent(cached)
+        .fetch_one(&mut *tx)
         .await?;
     if !legacy {
+        tx.rollback().await?;
         return Ok(());
     }
     let (versions, checksums): (Vec<i64>, Vec<Vec<u8>>) = migrations.into_iter().unzip();
-    let mut tx = pool.begin().await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
                version BIGINT PRIMARY KEY,
@@ -321,6 +567,7 @@ async fn adopt_legacy_postgres(pool: &PgPool, migrations: Vec<(i64, Vec<u8>)>) -
                checksum BYTEA NOT NULL,
                execution_time BIGINT NOT NULL)"
     )))
+    .persistent(cached)
     .execute(&mut *tx)
     .await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -335,6 +582,7 @@ async fn adopt_legacy_postgres(pool: &PgPool, migrations: Vec<(i64, Vec<u8>)>) -
              FROM ours
              ON CONFLICT (version) DO NOTHING"
     )))
+    .persistent(cached)
     .bind(&versions)
     .bind(&checksums)
     .execute(&mut *tx)

@@ -6,10 +6,14 @@ use record_key::RecordKeyError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A lock wait exceeded the lock timeout (PostgreSQL `lock_timeout`, a deadlock or
-    /// serialization failure, SQLite busy): retry later.
+    /// A lock wait exceeded the lock timeout (PostgreSQL `lock_timeout`, SQLite busy or
+    /// locked): retry later.
     #[error("lock timeout: {0}")]
     LockTimeout(#[source] sqlx::Error),
+    /// The server aborted the transaction to resolve a conflict with another one: a
+    /// serialization failure (SQLSTATE 40001) or a deadlock (40P01). Retry the transaction.
+    #[error("transaction conflict: {0}")]
+    Conflict(#[source] sqlx::Error),
     /// The database could not be reached, or the connection was lost mid-operation: retry later.
     #[error("database unavailable: {0}")]
     Unavailable(#[source] sqlx::Error),
@@ -31,6 +35,11 @@ pub enum Error {
         /// Versions applied in the database that this binary does not know.
         unknown: Vec<i64>,
     },
+    /// The server, or what stands in front of it, cannot run the outbox as configured (a
+    /// read-only standby, a release older than the supported one, a pooler in statement
+    /// mode, a transaction pooler not declared): the message says what to change.
+    #[error("{0}")]
+    Unsupported(String),
     /// Running migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[source] sqlx::migrate::MigrateError),
@@ -54,10 +63,18 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether the operation may succeed if tried again later (a lock timeout or an unavailable
-    /// database), as opposed to an error that repeats.
+    /// Whether the operation may succeed if tried again later (a lock timeout, a serialization
+    /// failure or deadlock, an unavailable database), as opposed to an error that repeats.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Error::LockTimeout(_) | Error::Unavailable(_))
+        matches!(
+            self,
+            Error::LockTimeout(_) | Error::Conflict(_) | Error::Unavailable(_)
+        )
+    }
+
+    /// Whether the server aborted the transaction for a serialization failure or a deadlock.
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, Error::Conflict(_))
     }
 
     /// Whether this is a lock timeout.
@@ -87,9 +104,11 @@ impl Error {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ErrorClass {
-    /// A lock wait ran into the lock timeout, a deadlock or a serialization failure, SQLite
-    /// busy or locked: retry later.
+    /// A lock wait ran into the lock timeout, SQLite busy or locked: retry later.
     LockTimeout,
+    /// A serialization failure (40001) or a deadlock (40P01): the server aborted the
+    /// transaction; retry it.
+    Conflict,
     /// The database could not be reached or the connection was lost: retry later.
     Unavailable,
     /// Anything else: it repeats if retried as it is.
@@ -99,7 +118,10 @@ pub enum ErrorClass {
 impl ErrorClass {
     /// Whether an operation that failed this way may succeed if tried again later.
     pub fn is_transient(self) -> bool {
-        matches!(self, ErrorClass::LockTimeout | ErrorClass::Unavailable)
+        matches!(
+            self,
+            ErrorClass::LockTimeout | ErrorClass::Conflict | ErrorClass::Unavailable
+        )
     }
 }
 
@@ -117,6 +139,8 @@ pub fn classify(e: &sqlx::Error) -> ErrorClass {
             };
             if lock {
                 ErrorClass::LockTimeout
+            } else if !sqlite && is_postgres_conflict_code(&code) {
+                ErrorClass::Conflict
             } else if !sqlite && is_unavailable_code(&code) {
                 ErrorClass::Unavailable
             } else {
@@ -135,8 +159,12 @@ pub fn classify(e: &sqlx::Error) -> ErrorClass {
 
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
+        if let Some(message) = pooler_refusal(&e) {
+            return Error::Unsupported(message);
+        }
         match classify(&e) {
             ErrorClass::LockTimeout => Error::LockTimeout(e),
+            ErrorClass::Conflict => Error::Conflict(e),
             ErrorClass::Unavailable => Error::Unavailable(e),
             ErrorClass::Other => Error::Database(e),
         }
@@ -149,9 +177,37 @@ impl From<sqlx::migrate::MigrateError> for Error {
     }
 }
 
-/// PostgreSQL lock_not_available, deadlock_detected, serialization_failure.
+/// What a pooler in front of the server answered, when the answer says the outbox is
+/// configured for another kind of pooler: a transaction pooler that was not declared (a named
+/// prepared statement missing or already there on the server connection it was handed) or a
+/// pooler in statement mode (no transaction blocks).
+fn pooler_refusal(e: &sqlx::Error) -> Option<String> {
+    let sqlx::Error::Database(db) = e else {
+        return None;
+    };
+    let message = db.message();
+    let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+    if matches!(code.as_str(), "42P05" | "26000") && message.contains("sqlx_s_") {
+        return Some(format!(
+            "{message}: a transaction-pooling connection pooler (PgBouncer pool_mode = transaction, Supavisor, RDS Proxy, pgcat) seems to stand in front of the server; declare it with `outbox_pooler=transaction` in the database URL (ConnectConfig::pooler = Pooler::Transaction), or connect to the server directly"
+        ));
+    }
+    if message.contains("statement pooling mode") {
+        return Some(format!(
+            "{message}: the connection pooler runs in statement mode, which allows no transaction; the outbox needs transactions: use a pool in transaction mode (with `outbox_pooler=transaction`) or session mode, or the server directly"
+        ));
+    }
+    None
+}
+
+/// PostgreSQL lock_not_available.
 fn is_postgres_lock_code(code: &str) -> bool {
-    matches!(code, "55P03" | "40P01" | "40001")
+    code == "55P03"
+}
+
+/// PostgreSQL serialization_failure and deadlock_detected.
+fn is_postgres_conflict_code(code: &str) -> bool {
+    matches!(code, "40001" | "40P01")
 }
 
 /// SQLite BUSY and LOCKED, with their extended codes (the primary code is the low byte). Only
@@ -173,7 +229,9 @@ mod tests {
     #[test]
     fn codes_are_classified() {
         assert!(is_postgres_lock_code("55P03"));
-        assert!(is_postgres_lock_code("40P01"));
+        assert!(!is_postgres_lock_code("40P01") && !is_postgres_lock_code("40001"));
+        assert!(is_postgres_conflict_code("40P01") && is_postgres_conflict_code("40001"));
+        assert!(!is_postgres_conflict_code("55P03"));
         assert!(
             !is_postgres_lock_code("22021"),
             "an all-digit SQLSTATE is not SQLite's BUSY"

@@ -5,7 +5,7 @@
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use super::sql::{CLAIM_BATCH_CALL, CLAIM_BATCH_CALL_ASYNC, CLAIM_EVENT, ELIGIBLE_GUARDED};
+use super::sql::{CLAIM_BATCH_CALL, CLAIM_EVENT, ELIGIBLE_GUARDED};
 use super::{PgOutbox, span};
 use crate::{
     Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, HeadsRepair, OutboxEvent,
@@ -111,21 +111,22 @@ impl PgOutbox {
     /// The record keys whose head in `_System_OutboxHead` differs from the outbox rows (see
     /// [`crate::Database::check_heads`]).
     pub async fn check_heads(&self) -> Result<Vec<String>> {
-        Ok(sqlx::query_scalar(HEADS_DIFF).fetch_all(&self.pool).await?)
+        let mut tx = self.begin_read().await?;
+        let keys = sqlx::query_scalar(HEADS_DIFF)
+            .persistent(self.cached())
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(keys)
     }
 
     /// Repairs the heads of at most `max_keys` keys (see
     /// [`crate::OutboxRepository::repair_heads`]): one call of `_System_OutboxHeadRepair`
     /// (migration 0009) in a transaction of its own, under the repository's lock timeout.
     pub(super) async fn repair_head_rows(&self, max_keys: u32) -> Result<HeadsRepair> {
-        let mut tx = self
-            .pool
-            .begin_with(sqlx::AssertSqlSafe(format!(
-                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{}'",
-                self.lock_timeout()
-            )))
-            .await?;
+        let mut tx = self.begin_write().await?;
         let free: bool = sqlx::query_scalar(HEADS_REPAIR_FREE)
+            .persistent(self.cached())
             .fetch_one(&mut *tx)
             .await?;
         let mut report = HeadsRepair::default();
@@ -135,6 +136,7 @@ impl PgOutbox {
             return Ok(report);
         }
         let rows: Vec<(String, String)> = sqlx::query_as(HEADS_REPAIR)
+            .persistent(self.cached())
             .bind(i32::try_from(max_keys).unwrap_or(i32::MAX))
             .fetch_all(&mut *tx)
             .await?;
@@ -148,13 +150,10 @@ impl PgOutbox {
     /// Rebuilds `_System_OutboxHead` from the outbox rows (see
     /// [`crate::Database::rebuild_heads`]); returns the number of heads.
     pub async fn rebuild_heads(&self) -> Result<u64> {
-        let mut tx = self.pool.begin().await?;
-        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-            .bind(self.lock_timeout())
-            .execute(&mut *tx)
-            .await?;
+        let mut tx = self.begin_write().await?;
         sqlx::raw_sql(HEADS_REBUILD).execute(&mut *tx).await?;
         let n: i64 = sqlx::query_scalar("SELECT count(*) FROM _System_OutboxHead")
+            .persistent(self.cached())
             .fetch_one(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -167,15 +166,18 @@ impl PgOutbox {
         scope: &Scope,
         limit: u32,
     ) -> Result<Vec<OutboxEvent>> {
+        let mut tx = self.begin_read().await?;
         let rows = sqlx::query(ELIGIBLE_GUARDED)
+            .persistent(self.cached())
             .bind(self.shift())
             .bind(span(policy.stale_after))
             .bind(span(policy.retry_delay))
             .bind(i64::from(limit))
             .bind(scope.only())
             .bind(scope.except())
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *tx)
             .await?;
+        tx.commit().await?;
         rows.iter().map(event_from_row).collect()
     }
 
@@ -187,17 +189,13 @@ impl PgOutbox {
         // The claim-exclusion lock in a statement of its own, so that the claim's snapshot is
         // taken after it (as `_System_OutboxClaimBatch` does; see
         // `super::CLAIM_EXCLUSION_NAMESPACE`).
-        let mut tx = self
-            .pool
-            .begin_with(sqlx::AssertSqlSafe(format!(
-                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{}'",
-                self.lock_timeout()
-            )))
-            .await?;
+        let mut tx = self.begin_write().await?;
         sqlx::query(CLAIMS_SHARE_EXCLUSION)
+            .persistent(self.cached())
             .execute(&mut *tx)
             .await?;
         let row = sqlx::query(CLAIM_EVENT)
+            .persistent(self.cached())
             .bind(self.shift())
             .bind(span(policy.stale_after))
             .bind(span(policy.retry_delay))
@@ -230,14 +228,16 @@ impl PgOutbox {
             // The statement runs inside `_System_OutboxClaimBatch` (migration 0008), whose
             // settings leave the planner only the ordered index walk, so the plan cached for
             // this prepared call stays right however the table's size moved since it was
-            // planned (`CLAIM_BATCH_CALL`). Its commit waits for the disk unless the
-            // repository was built `with_async_claims`.
-            let call = if self.async_claims {
-                CLAIM_BATCH_CALL_ASYNC
-            } else {
-                CLAIM_BATCH_CALL
-            };
-            let rows = sqlx::query(call)
+            // planned (`CLAIM_BATCH_CALL`). It runs in a transaction of its own at READ
+            // COMMITTED (the function takes the claim-exclusion lock in a statement before
+            // its claim, whose snapshot is then taken after it; at a stricter level the
+            // transaction's one snapshot would precede the lock). Its commit waits for the
+            // disk unless the repository was built `with_async_claims`.
+            let mut spec = self.begin_spec(false);
+            spec.async_commit = self.async_claims;
+            let mut tx = self.begin_as(spec).await?;
+            let rows = sqlx::query(CLAIM_BATCH_CALL)
+                .persistent(self.cached())
                 .bind(self.shift())
                 .bind(span(policy.stale_after))
                 .bind(span(policy.retry_delay))
@@ -246,8 +246,9 @@ impl PgOutbox {
                 .bind(scope.except())
                 .bind(max as i32)
                 .bind(self.lock_timeout())
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *tx)
                 .await?;
+            tx.commit().await?;
             if rows.is_empty() {
                 break;
             }

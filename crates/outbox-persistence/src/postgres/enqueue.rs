@@ -43,9 +43,10 @@ const INSERT_LOCKED: &str = concat!(
 /// enqueue locks (see `docs/state-machine.md`), held to the end of the caller's transaction, so one
 /// record's events are ordered as their transactions commit: an enqueue that waits for another
 /// transaction of the same record draws its `CreatedDate` after that one committed. Ids
-/// increase in the order given, breaking ties.
+/// increase in the order given, breaking ties. Behind a transaction pooler (a pool connected
+/// with [`super::Pooler::Transaction`] in this process) the statement is sent unnamed.
 pub async fn enqueue(conn: &mut sqlx::PgConnection, events: &[NewEvent]) -> Result<Vec<EventId>> {
-    enqueue_shifted(conn, events, &ClockShift::default()).await
+    enqueue_shifted(conn, events, &ClockShift::default(), super::caches_statements()).await
 }
 
 /// The transaction-scoped advisory locks an enqueue of `keys` takes, in the order to take
@@ -93,6 +94,7 @@ pub(super) async fn enqueue_shifted(
     conn: &mut sqlx::PgConnection,
     events: &[NewEvent],
     shift: &ClockShift,
+    cached: bool,
 ) -> Result<Vec<EventId>> {
     let mut ids = Vec::with_capacity(events.len());
     let mut types = Vec::with_capacity(events.len());
@@ -119,6 +121,7 @@ pub(super) async fn enqueue_shifted(
         lock_shared.push(shared);
     }
     sqlx::query(INSERT_LOCKED)
+        .persistent(cached)
         .bind(interval(shift.micros()))
         .bind(&ids)
         .bind(&types)

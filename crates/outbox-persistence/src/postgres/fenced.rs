@@ -11,7 +11,7 @@ use sqlx::PgExecutor;
 use sqlx::postgres::types::PgInterval;
 
 use super::sql::{db_now, lock_guard};
-use super::{CLAIM_LOST_SQLSTATE, PgOutbox, interval, span};
+use super::{Begin, CLAIM_LOST_SQLSTATE, PgOutbox, begin_sql, interval, span};
 use crate::attempt::{AttemptWrites, FencedWrite, OpenAttempt, SET_SAVEPOINT, fence_outcome};
 use crate::{Attempt, ClockShift, Fence, FenceOutcome, Result, Tx, clip_error};
 
@@ -26,6 +26,9 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     "
 RETURNING LastModifiedDate"
 );
+
+/// Raises [`CLAIM_LOST_SQLSTATE`] unless the row is still `processing` under the fence.
+const CHECK_FENCE: &str = "SELECT _System_OutboxCheckFence($1, $2)";
 
 const MARK_PROCESSED: &str = concat!(
     "\
@@ -66,17 +69,20 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("6")
 );
 
-/// `write`, fenced on `fence`, on `conn` (the attempt's transaction or the pool): `shift` is the
-/// clock shift, `lock_timeout` the bound of its lock waits (text such as `5000ms`).
+/// `write`, fenced on `fence`, in `conn` (the attempt's transaction or one of its own): `shift`
+/// is the clock shift, `lock_timeout` the bound of its lock waits (text such as `5000ms`),
+/// `cached` whether the statement may be prepared under a name.
 async fn write_fenced<'c>(
     conn: impl PgExecutor<'c>,
     shift: PgInterval,
     fence: Fence,
     write: FencedWrite<'_>,
     lock_timeout: &str,
+    cached: bool,
 ) -> Result<FenceOutcome> {
     let query = |sql| {
         sqlx::query(sql)
+            .persistent(cached)
             .bind(shift)
             .bind(fence.id)
             .bind(fence.last_written)
@@ -90,16 +96,35 @@ async fn write_fenced<'c>(
             .bind(clip_error(error))
             .bind(span(extra_delay))
             .bind(lock_timeout),
+        FencedWrite::Release { error } => query(RELEASE)
+            .bind(clip_error(error))
+            .bind(lock_timeout),
     };
     let rows = query.execute(conn).await?.rows_affected();
     Ok(fence_outcome(rows))
 }
+
+/// Back to `pending` with `RetryCount` unchanged: the attempt is not counted (its handler
+/// succeeded, and the outbox's own write of the outcome failed).
+const RELEASE: &str = concat!(
+    "\
+UPDATE _System_OutboxEvent
+SET Status = 'pending',
+    LastModifiedDate = GREATEST(",
+    db_now!(),
+    ", LastModifiedDate + interval '1 microsecond'),
+    LastError = $4
+WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
+    lock_guard!("5")
+);
 
 /// What the PostgreSQL attempt adds to [`OpenAttempt`]: its clock shift and lock timeout.
 struct PgAttemptWrites {
     shift: ClockShift,
     /// The attempt's lock timeout, as its bookkeeping statements restate it.
     lock_timeout: String,
+    /// Whether statements may be prepared under a name.
+    cached: bool,
 }
 
 #[async_trait]
@@ -111,29 +136,51 @@ impl AttemptWrites for PgAttemptWrites {
         write: FencedWrite<'_>,
     ) -> Result<FenceOutcome> {
         let shift = interval(self.shift.micros());
-        write_fenced(tx.postgres()?, shift, fence, write, &self.lock_timeout).await
+        write_fenced(
+            tx.postgres()?,
+            shift,
+            fence,
+            write,
+            &self.lock_timeout,
+            self.cached,
+        )
+        .await
     }
 }
 
 impl PgOutbox {
-    /// The detached bookkeeping: `write` on a connection of its own, bounded by the
+    /// The detached bookkeeping: `write` in a transaction of its own, bounded by the
     /// repository's lock timeout.
     pub(super) async fn write_detached(
         &self,
         fence: Fence,
         write: FencedWrite<'_>,
     ) -> Result<FenceOutcome> {
-        write_fenced(&self.pool, self.shift(), fence, write, &self.lock_timeout()).await
+        let mut tx = self.begin_write().await?;
+        let outcome = write_fenced(
+            &mut *tx,
+            self.shift(),
+            fence,
+            write,
+            &self.lock_timeout(),
+            self.cached(),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(outcome)
     }
 
     pub(super) async fn beat(&self, fence: Fence) -> Result<Option<Fence>> {
+        let mut tx = self.begin_write().await?;
         let written: Option<DateTime<Utc>> = sqlx::query_scalar(HEARTBEAT)
+            .persistent(self.cached())
             .bind(self.shift())
             .bind(fence.id)
             .bind(fence.last_written)
             .bind(self.lock_timeout())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(written.map(|last_written| Fence {
             id: fence.id,
             last_written,
@@ -145,30 +192,40 @@ impl PgOutbox {
         lock_timeout: Duration,
         fence: Fence,
     ) -> Result<Option<Box<dyn Attempt>>> {
-        // One round trip: the fence check (raises CLAIM_LOST_SQLSTATE when the claim was
-        // taken over meanwhile), BEGIN, the attempt's lock timeout and the post-claim savepoint.
-        // The check comes first: when it raises, the statements after it never run and the
-        // connection is left idle, not inside a failed transaction (a read that precedes BEGIN
-        // in one query string joins the transaction BEGIN opens). The values are a UUID and a
-        // timestamp this code formats itself.
-        let ms = lock_timeout.as_millis().max(1);
-        let begin = format!(
-            "SELECT _System_OutboxCheckFence('{}'::uuid, '{}'::timestamptz); \
-             BEGIN; SET LOCAL lock_timeout = '{ms}ms'; {SET_SAVEPOINT}",
-            fence.id,
-            fence
-                .last_written
-                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
-        );
-        match self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await {
-            Ok(tx) => {
+        // One round trip begins the transaction as the attempt needs it whatever the session's
+        // defaults (READ COMMITTED, the attempt's lock timeout, the outbox's statement timeout,
+        // no idle-in-transaction timeout: a handler may run longer than the server's while the
+        // heartbeat keeps its claim) and sets the post-claim savepoint; a second checks the
+        // fence (`_System_OutboxCheckFence` raises CLAIM_LOST_SQLSTATE when the claim was taken
+        // over meanwhile), so no handler runs for a lost claim. The check cannot precede BEGIN
+        // in the first string: it would start the transaction at the session's default level,
+        // which BEGIN can no longer change.
+        let begin = begin_sql(Begin {
+            may_idle: true,
+            lock_timeout,
+            ..self.begin_spec(false)
+        });
+        let mut tx = self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(format!("{begin}; {SET_SAVEPOINT}")))
+            .await?;
+        let checked = sqlx::query(CHECK_FENCE)
+            .persistent(self.cached())
+            .bind(fence.id)
+            .bind(fence.last_written)
+            .execute(&mut *tx)
+            .await;
+        match checked {
+            Ok(_) => {
                 let writes = PgAttemptWrites {
                     shift: self.shift.clone(),
-                    lock_timeout: format!("{ms}ms"),
+                    lock_timeout: format!("{}ms", lock_timeout.as_millis().max(1)),
+                    cached: self.cached(),
                 };
                 Ok(Some(Box::new(OpenAttempt::new(Tx::Postgres(tx), writes))))
             }
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(CLAIM_LOST_SQLSTATE) => {
+                tx.rollback().await?;
                 Ok(None)
             }
             Err(e) => Err(e.into()),

@@ -11,12 +11,14 @@ use crate::{ClaimPolicy, Result};
 impl PgOutbox {
     /// `clock_timestamp()` plus the clock shift: the time every queue statement uses.
     pub(super) async fn read_clock(&self) -> Result<DateTime<Utc>> {
-        Ok(
-            sqlx::query_scalar("SELECT clock_timestamp() + $1::interval")
-                .bind(self.shift())
-                .fetch_one(&self.pool)
-                .await?,
-        )
+        let mut tx = self.begin_read().await?;
+        let now = sqlx::query_scalar("SELECT clock_timestamp() + $1::interval")
+            .persistent(self.cached())
+            .bind(self.shift())
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(now)
     }
 
     pub(super) async fn read_blocked_keys(
@@ -24,9 +26,12 @@ impl PgOutbox {
         policy: ClaimPolicy,
         limit: u32,
     ) -> Result<Vec<BlockedKey>> {
+        let mut tx = self.begin_read().await?;
         let rows = sqlx::query(sqlx::AssertSqlSafe(blocked_keys_sql(limit)))
-            .fetch_all(&self.pool)
+            .persistent(self.cached())
+            .fetch_all(&mut *tx)
             .await?;
+        tx.commit().await?;
         let now = self.read_clock().await?;
         rows.iter()
             .map(|row| {

@@ -1,6 +1,11 @@
 //! Waking idle workers on PostgreSQL: one `LISTEN outbox_event` connection per repository
 //! (its clones share it), started on the first wait, reconnecting while the pool is open. A
 //! statement-level trigger notifies on enqueue.
+//!
+//! `LISTEN` needs a session of its own. On a direct pool the listener takes a connection of
+//! the pool; behind a transaction pooler it connects to [`super::PgSettings::listen_url`] (a
+//! direct URL of the server), and without one there is no listener: idle workers poll at
+//! their poll interval.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +14,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::sync::{Notify, OnceCell};
 
-use super::{NOTIFY_CHANNEL, PgOutbox};
+use super::{NOTIFY_CHANNEL, PgOutbox, Pooler};
 
 /// What the listener shares with the repository's clones.
 #[derive(Debug, Default)]
@@ -20,24 +25,42 @@ pub(super) struct Wake {
 }
 
 impl PgOutbox {
-    /// Starts the listener task once.
-    pub(super) async fn start_listener(&self) {
+    /// Starts the listener task once. Returns false when wake-ups are not available (behind a
+    /// transaction pooler without a direct `LISTEN` URL): the caller polls.
+    pub(super) async fn start_listener(&self) -> bool {
+        let source = match (&self.settings.listen_url, self.settings.pooler) {
+            (Some(url), _) => Source::Url(url.clone()),
+            (None, Pooler::Direct) => Source::Pool,
+            (None, _) => return false,
+        };
         let pool = self.pool.clone();
         let wake = Arc::downgrade(&self.wake);
         self.wake
             .listener
             .get_or_init(|| async move {
-                tokio::spawn(listen(pool, wake));
+                tokio::spawn(listen(pool, source, wake));
             })
             .await;
+        true
     }
 }
 
+/// Where the listener's session comes from.
+enum Source {
+    /// A connection of the pool (a direct pool).
+    Pool,
+    /// A direct URL of the server.
+    Url(String),
+}
+
 /// Listens until the repository is dropped or the pool closed, reconnecting every second.
-async fn listen(pool: PgPool, wake: std::sync::Weak<Wake>) {
+async fn listen(pool: PgPool, source: Source, wake: std::sync::Weak<Wake>) {
     loop {
         let listener = async {
-            let mut l = PgListener::connect_with(&pool).await?;
+            let mut l = match &source {
+                Source::Pool => PgListener::connect_with(&pool).await?,
+                Source::Url(url) => PgListener::connect(url).await?,
+            };
             l.listen(NOTIFY_CHANNEL).await?;
             Ok::<_, sqlx::Error>(l)
         };

@@ -17,6 +17,7 @@ mod keys;
 mod listen;
 mod ops;
 mod prune;
+mod session;
 mod sql;
 
 use std::sync::Arc;
@@ -29,6 +30,11 @@ use sqlx::postgres::types::PgInterval;
 
 pub use enqueue::enqueue;
 pub use ops::{explain, explain_analyze};
+pub use session::{
+    DEFAULT_STATEMENT_TIMEOUT, PgSettings, Pooler, caches_statements, pool_caches_statements,
+    settings_of,
+};
+pub(crate) use session::{Begin, begin_sql, register};
 
 use crate::attempt::FencedWrite;
 use crate::{
@@ -73,18 +79,34 @@ pub struct PgOutbox {
     shift: ClockShift,
     lock_timeout: Duration,
     async_claims: bool,
+    settings: PgSettings,
 }
 
 impl PgOutbox {
-    /// A repository over `pool`.
+    /// A repository over `pool`, with the settings `Database::connect` recorded for it (its
+    /// [`Pooler`], direct `LISTEN` URL and statement timeout; the defaults for a pool made
+    /// elsewhere, which [`PgOutbox::with_settings`] replaces).
     pub fn new(pool: PgPool) -> Self {
+        let settings = settings_of(&pool);
         Self {
             pool,
             wake: Arc::default(),
             shift: ClockShift::default(),
             lock_timeout: crate::DEFAULT_LOCK_TIMEOUT,
             async_claims: false,
+            settings,
         }
+    }
+
+    /// Uses `settings` (for a pool this process did not connect through `Database::connect`):
+    /// behind a transaction pooler, statements are unnamed and wake-ups use
+    /// `settings.listen_url` or polling.
+    pub fn with_settings(mut self, settings: PgSettings) -> Self {
+        if settings.pooler == Pooler::Transaction {
+            register(&self.pool, settings.clone());
+        }
+        self.settings = settings;
+        self
     }
 
     /// Lets the claims (`claim_next`, `claim_batch`) commit without waiting for the WAL flush
@@ -126,6 +148,42 @@ impl PgOutbox {
         format!("{}ms", self.lock_timeout.as_millis().max(1))
     }
 
+    /// Whether this repository's statements may be prepared under a name (not behind a
+    /// transaction pooler): the value of every statement's `persistent`.
+    fn cached(&self) -> bool {
+        caches_statements() && self.settings.caches_statements()
+    }
+
+    /// How the repository's own transactions begin: READ COMMITTED, its lock timeout and
+    /// statement timeout (see `session`).
+    fn begin_spec(&self, read_only: bool) -> Begin {
+        Begin {
+            read_only,
+            lock_timeout: self.lock_timeout,
+            statement_timeout: self.settings.statement_timeout(),
+            may_idle: false,
+            async_commit: false,
+        }
+    }
+
+    /// Begins one of the repository's own transactions as `spec` says.
+    async fn begin_as(&self, spec: Begin) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        Ok(self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(begin_sql(spec)))
+            .await?)
+    }
+
+    /// A writing transaction of the repository's own.
+    async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        self.begin_as(self.begin_spec(false)).await
+    }
+
+    /// A reading transaction of the repository's own (`READ ONLY`, so reads run on a standby).
+    async fn begin_read(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        self.begin_as(self.begin_spec(true)).await
+    }
+
     /// The clock shift as an interval (`$1` of every statement that reads the clock).
     fn shift(&self) -> PgInterval {
         interval(self.shift.micros())
@@ -153,11 +211,18 @@ impl OutboxRepository for PgOutbox {
     }
 
     async fn begin(&self) -> Result<Tx> {
-        Ok(Tx::Postgres(self.pool.begin().await?))
+        // The application's transaction: READ COMMITTED whatever the database's default (the
+        // enqueue trigger's key lock raises a serialization failure at REPEATABLE READ when a
+        // worker moved the key's head meanwhile); its timeouts stay the session's.
+        Ok(Tx::Postgres(
+            self.pool
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await?,
+        ))
     }
 
     async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>> {
-        enqueue::enqueue_shifted(tx.postgres()?, events, &self.shift).await
+        enqueue::enqueue_shifted(tx.postgres()?, events, &self.shift, self.cached()).await
     }
 
     async fn get_pending_events(
@@ -218,6 +283,11 @@ impl OutboxRepository for PgOutbox {
         self.write_detached(fence, write).await
     }
 
+    async fn release_claim(&self, fence: Fence, error: &str) -> Result<FenceOutcome> {
+        self.write_detached(fence, FencedWrite::Release { error })
+            .await
+    }
+
     async fn backfill_record_keys(
         &self,
         after: Option<EventId>,
@@ -264,8 +334,12 @@ impl OutboxRepository for PgOutbox {
     }
 
     async fn wait_for_work(&self, timeout: Duration) -> Result<()> {
-        self.start_listener().await;
-        let _ = tokio::time::timeout(timeout, self.wake.notify.notified()).await;
+        if self.start_listener().await {
+            let _ = tokio::time::timeout(timeout, self.wake.notify.notified()).await;
+        } else {
+            // Behind a transaction pooler without a direct LISTEN URL: poll.
+            tokio::time::sleep(timeout).await;
+        }
         Ok(())
     }
 }

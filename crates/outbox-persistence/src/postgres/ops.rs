@@ -93,22 +93,29 @@ const BACKFILL_SET: &str = "UPDATE _System_OutboxEvent t SET RecordKey = u.key
 impl PgOutbox {
     pub(super) async fn read_stats(&self, policy: ClaimPolicy) -> Result<OutboxStats> {
         let mut stats = OutboxStats::default();
-        let counts = sqlx::query_as(STATUS_COUNTS).fetch_all(&self.pool).await?;
+        let mut tx = self.begin_read().await?;
+        let counts = sqlx::query_as(STATUS_COUNTS)
+            .persistent(self.cached())
+            .fetch_all(&mut *tx)
+            .await?;
         count_statuses(&mut stats, counts);
         let (oldest, stale, retrying): (Option<f64>, i64, i64) = sqlx::query_as(QUEUE_AGES)
+            .persistent(self.cached())
             .bind(self.shift())
             .bind(span(policy.stale_after))
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *tx)
             .await?;
         stats.oldest_pending_age_seconds = oldest;
         stats.stale_claims = stale as u64;
         stats.retrying = retrying as u64;
         let blocked = sqlx::query_as(BLOCKED_KEYS)
+            .persistent(self.cached())
             .bind(self.shift())
             .bind(span(policy.stale_after))
             .bind(span(policy.retry_delay))
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *tx)
             .await?;
+        tx.commit().await?;
         count_blocked(&mut stats, blocked);
         Ok(stats)
     }
@@ -118,8 +125,9 @@ impl PgOutbox {
             RetryFilter::Id(id) => (Some(id), false, None),
             RetryFilter::Failed { event_type } => (None, true, event_type),
         };
-        let mut tx = self.begin_read_committed().await?;
+        let mut tx = self.begin_write().await?;
         let rows = sqlx::query(RETRY_FAILED)
+            .persistent(self.cached())
             .bind(self.shift())
             .bind(id)
             .bind(all)
@@ -127,19 +135,8 @@ impl PgOutbox {
             .execute(&mut *tx)
             .await?
             .rows_affected();
-        commit_excluding_claims(tx).await?;
+        self.commit_excluding_claims(tx).await?;
         Ok(rows)
-    }
-
-    /// A transaction at READ COMMITTED under the repository's lock timeout.
-    async fn begin_read_committed(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
-        Ok(self
-            .pool
-            .begin_with(sqlx::AssertSqlSafe(format!(
-                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{}'",
-                self.lock_timeout()
-            )))
-            .await?)
     }
 
     pub(super) async fn backfill(
@@ -148,11 +145,14 @@ impl PgOutbox {
         batch: u32,
         dry_run: bool,
     ) -> Result<BackfillPage> {
+        let mut read = self.begin_read().await?;
         let scanned: Vec<(EventId, String, Option<String>)> = sqlx::query_as(BACKFILL_SCAN)
+            .persistent(self.cached())
             .bind(after)
             .bind(i64::from(batch))
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *read)
             .await?;
+        read.commit().await?;
         let (mut page, updates) = crate::classify_backfill(&scanned, batch);
         if !dry_run && !updates.is_empty() {
             let ids: Vec<EventId> = updates.iter().map(|(id, _)| *id).collect();
@@ -160,36 +160,58 @@ impl PgOutbox {
             // Like a retry, the backfill holds claims off while it keys rows, so no claim
             // reads a row as unkeyed and claims it, or a row of its new key, after the key is
             // set.
-            let mut tx = self.begin_read_committed().await?;
+            let mut tx = self.begin_write().await?;
             let keyed: Vec<EventId> = sqlx::query_scalar(BACKFILL_SET)
+                .persistent(self.cached())
                 .bind(&ids)
                 .bind(&keys)
                 .fetch_all(&mut *tx)
                 .await?;
-            commit_excluding_claims(tx).await?;
+            self.commit_excluding_claims(tx).await?;
             page.settle(&ids, &keyed);
         }
         Ok(page)
     }
 
     pub(super) async fn read_event(&self, id: EventId) -> Result<Option<OutboxEvent>> {
+        let mut tx = self.begin_read().await?;
         let row = sqlx::query(SELECT_BY_ID)
+            .persistent(self.cached())
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *tx)
             .await?;
+        tx.commit().await?;
         row.as_ref().map(event_from_row).transpose()
     }
 
     pub(super) async fn list(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
+        let mut tx = self.begin_read().await?;
         let rows = sqlx::query(LIST_EVENTS)
+            .persistent(self.cached())
             .bind(filter.status_texts())
             .bind(filter.event_type.as_deref())
             .bind(filter.id_list())
             .bind(filter.record_key.as_deref())
             .bind(filter.limit.map(i64::from))
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *tx)
             .await?;
+        tx.commit().await?;
         rows.iter().map(row_from).collect()
+    }
+
+    /// Takes the claim-exclusion lock ([`EXCLUDE_CLAIMS`]) and commits: the claims running at
+    /// that moment commit first, and those that start meanwhile take their snapshot after this
+    /// commit.
+    async fn commit_excluding_claims(
+        &self,
+        mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    ) -> Result<()> {
+        sqlx::query(EXCLUDE_CLAIMS)
+            .persistent(self.cached())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
     }
 }
 
@@ -218,13 +240,18 @@ async fn plans(
     policy: ClaimPolicy,
     explain: &str,
 ) -> Result<Vec<(&'static str, Vec<String>)>> {
+    let cached = super::pool_caches_statements(pool);
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?;
     let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-        .fetch_one(pool)
+        .persistent(cached)
+        .fetch_one(&mut *tx)
         .await?;
     let cutoff = |d: Duration| now - chrono::Duration::from_std(d).unwrap_or_default();
-    let mut tx = pool.begin().await?;
     let design: Vec<String> =
         sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{explain} {ELIGIBLE_QUERY}")))
+            .persistent(cached)
             .bind(cutoff(policy.stale_after))
             .bind(cutoff(policy.retry_delay))
             .bind(1_i64)
@@ -235,6 +262,7 @@ async fn plans(
     // `EXPLAIN` cannot see into a function, so the statement is planned under them here.
     for (setting, value) in CLAIM_PLAN_SETTINGS {
         sqlx::query("SELECT set_config($1, $2, true)")
+            .persistent(cached)
             .bind(setting)
             .bind(value)
             .execute(&mut *tx)
@@ -242,6 +270,7 @@ async fn plans(
     }
     let claim: Vec<String> =
         sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{explain} {CLAIM_NEXT}")))
+            .persistent(cached)
             .bind(interval(0))
             .bind(span(policy.stale_after))
             .bind(span(policy.retry_delay))
@@ -255,12 +284,4 @@ async fn plans(
         ("eligible-event query (the design's, as written)", design),
         ("select-and-claim (claim_next)", claim),
     ])
-}
-
-/// Takes the claim-exclusion lock ([`EXCLUDE_CLAIMS`]) and commits: the claims running at that
-/// moment commit first, and those that start meanwhile take their snapshot after this commit.
-async fn commit_excluding_claims(mut tx: sqlx::Transaction<'static, sqlx::Postgres>) -> Result<()> {
-    sqlx::query(EXCLUDE_CLAIMS).execute(&mut *tx).await?;
-    tx.commit().await?;
-    Ok(())
 }

@@ -79,14 +79,9 @@ impl PgOutbox {
     }
 
     async fn delete_batch(&self, sql: &'static str, age: Duration, p: PrunePolicy) -> Result<u64> {
-        let mut tx = self
-            .pool
-            .begin_with(sqlx::AssertSqlSafe(format!(
-                "BEGIN; SET LOCAL lock_timeout = '{}'",
-                self.lock_timeout()
-            )))
-            .await?;
+        let mut tx = self.begin_write().await?;
         let deleted = sqlx::query(sql)
+            .persistent(self.cached())
             .bind(self.shift())
             .bind(span(age))
             .bind(p.batch())
@@ -109,11 +104,14 @@ impl PgOutbox {
     }
 
     async fn count(&self, sql: &'static str, age: Duration) -> Result<u64> {
+        let mut tx = self.begin_read().await?;
         let n: i64 = sqlx::query_scalar(sql)
+            .persistent(self.cached())
             .bind(self.shift())
             .bind(span(age))
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(n as u64)
     }
 }

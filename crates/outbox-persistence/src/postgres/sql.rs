@@ -245,20 +245,10 @@ const CLAIM_BATCH_ALL: &str = concat!(claim_candidate!("$7", ""), claim_update!(
 /// `docs/queries.md`, "Plan stability"), and planning at every call costs more than the claim.
 /// Inside the function the settings leave only the index plan. Parameters: as [`CLAIM_NEXT`],
 /// `$7` the most rows to claim (1 to 256) and `$8` the call's lock timeout (text such as
-/// `5000ms`). Its commit waits for the WAL flush, as the session says.
+/// `5000ms`). It runs in a READ COMMITTED transaction of its own (`PgOutbox::claim_oldest`),
+/// which `PgOutbox::with_async_claims` begins with `SET LOCAL synchronous_commit = off`.
 pub(super) const CLAIM_BATCH_CALL: &str =
     "SELECT * FROM _System_OutboxClaimBatch($1, $2, $3, $4, $5, $6, $7, $8)";
-
-/// [`CLAIM_BATCH_CALL`] committed without waiting for the WAL flush, for
-/// `PgOutbox::with_async_claims`: the statement is its own transaction (sent on the pool,
-/// never inside a transaction block), and `set_config(…, true)` sets `synchronous_commit` for
-/// that transaction only, so the connection goes back to the pool with the session's setting
-/// untouched. `set_config` is volatile, so it is a filter evaluated with every returned row
-/// (a call that returns no row claimed nothing, and commits as the session says). What a
-/// server crash can then lose: `docs/state-machine.md`, "Claims that do not wait for the disk".
-pub(super) const CLAIM_BATCH_CALL_ASYNC: &str =
-    "SELECT * FROM _System_OutboxClaimBatch($1, $2, $3, $4, $5, $6, $7, $8)
-     WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL";
 
 /// The planner settings the claim functions run the claim under (their `SET` clauses in
 /// migrations 0006 and 0008): every access path but the ordered index walk priced out, and no JIT (a

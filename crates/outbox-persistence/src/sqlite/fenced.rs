@@ -30,6 +30,11 @@ UPDATE _System_OutboxEvent
 SET Status = 'pending', RetryCount = RetryCount + 1, LastModifiedDate = ?2, LastError = ?4
 WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
 
+const FENCED_RELEASE: &str = "\
+UPDATE _System_OutboxEvent
+SET Status = 'pending', LastModifiedDate = ?2, LastError = ?4
+WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
+
 const HEARTBEAT: &str = "\
 UPDATE _System_OutboxEvent SET LastModifiedDate = ?2
 WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
@@ -55,6 +60,7 @@ async fn write_fenced<'c>(
         FencedWrite::Retry { extra_delay, error } => {
             (FENCED_RETRY, now + chrono_span(extra_delay), Some(error))
         }
+        FencedWrite::Release { error } => (FENCED_RELEASE, now, Some(error)),
     };
     let rows = sqlx::query(sql)
         .bind(fence.id.to_string())

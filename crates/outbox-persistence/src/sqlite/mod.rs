@@ -267,6 +267,11 @@ impl OutboxRepository for SqliteOutbox {
         self.write_detached(fence, write).await
     }
 
+    async fn release_claim(&self, fence: Fence, error: &str) -> Result<FenceOutcome> {
+        self.write_detached(fence, FencedWrite::Release { error })
+            .await
+    }
+
     async fn backfill_record_keys(
         &self,
         after: Option<EventId>,
