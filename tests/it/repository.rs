@@ -186,7 +186,8 @@ LIMIT :limit;";
     let stale_cutoff = now - chrono::Duration::from_std(STALE_AFTER).unwrap();
     let retry_cutoff = now - chrono::Duration::from_std(RETRY_DELAY).unwrap();
     let ids: Vec<String> = match &db.db {
-        Database::Postgres(pool) => {
+        Database::Postgres(_) => {
+            let pool = db.pg().unwrap();
             let sql = design
                 .replace(":stale_cutoff", "$1")
                 .replace(":retry_cutoff", "$2")
@@ -447,6 +448,7 @@ async fn heartbeat_fences(db: TestDb) {
 async fn insert_side_effect(tx: &mut Tx) {
     outbox_persistence::with_tx!(tx, |conn| {
         sqlx::query("INSERT INTO side_effect VALUES (1)")
+            .persistent(outbox_tests::persistent())
             .execute(conn)
             .await
             .unwrap();
@@ -1034,7 +1036,7 @@ async fn migrations_are_idempotent(db: TestDb) {
 }
 
 backend_tests!(
-    eligibility_truth_table,
+    with_pgbouncer: eligibility_truth_table,
     design_query_runs_unchanged,
     enqueue_orders_and_validates,
     claim_race_has_one_winner,

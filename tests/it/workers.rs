@@ -128,6 +128,7 @@ impl Handler for OrderedEffect {
         }
         let last: Option<i64> = with_tx!(ctx.tx(), |conn| {
             sqlx::query_scalar("SELECT max(seq) FROM test_effect WHERE record_key = $1")
+                .persistent(outbox_tests::persistent())
                 .bind(&key)
                 .fetch_one(conn)
                 .await
@@ -138,6 +139,7 @@ impl Handler for OrderedEffect {
         }
         with_tx!(ctx.tx(), |conn| {
             sqlx::query("INSERT INTO test_effect (event_id, record_key, seq) VALUES ($1, $2, $3)")
+                .persistent(outbox_tests::persistent())
                 .bind(event.id.to_string())
                 .bind(&key)
                 .bind(seq)
@@ -286,6 +288,7 @@ impl Handler for Slow {
             sqlx::query(
                 "INSERT INTO test_effect (event_id, record_key, seq) VALUES ($1, 'slow', 0)",
             )
+            .persistent(outbox_tests::persistent())
             .bind(event.id.to_string())
             .execute(conn)
             .await
@@ -391,7 +394,7 @@ async fn bad_events_fail_without_blocking_others(db: TestDb) {
 }
 
 backend_tests!(
-    pull_workers_keep_order_under_failures,
+    with_pgbouncer: pull_workers_keep_order_under_failures,
     legacy_dispatcher_keeps_order_under_failures,
     slow_handler_with_live_heartbeat_runs_once,
     bad_events_fail_without_blocking_others,

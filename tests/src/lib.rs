@@ -30,6 +30,9 @@ pub enum Backend {
 pub struct TestDb {
     /// The database handle the code under test uses.
     pub db: Database,
+    /// Behind a transaction pooler: a direct pool for the test's own inspection and setup
+    /// (named prepared statements, as any test code writes them).
+    direct: Option<PgPool>,
     /// The URL of this database, for code that connects by itself (for example a CLI process).
     pub url: String,
     /// The clock shift of [`TestDb::repository`]'s repositories: advance it to let time pass.
@@ -40,6 +43,28 @@ pub struct TestDb {
 enum Cleanup {
     SqliteFile(PathBuf),
     PostgresDatabase { admin_url: String, name: String },
+}
+
+/// The URL of a PgBouncer in `pool_mode = transaction` in front of the server under test
+/// (`OUTBOX_TEST_PGBOUNCER_URL`; `cargo xtask test` starts one and sets it). Its database part
+/// is replaced per test.
+pub fn pgbouncer_url() -> Option<String> {
+    std::env::var("OUTBOX_TEST_PGBOUNCER_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+}
+
+/// Whether the PgBouncer variants must run (`OUTBOX_REQUIRE_PGBOUNCER=1`, which `cargo xtask
+/// test` sets under CI).
+pub fn pgbouncer_required() -> bool {
+    std::env::var("OUTBOX_REQUIRE_PGBOUNCER").is_ok_and(|v| v == "1" || v == "true")
+}
+
+/// Statements that test code sends itself inside an attempt or an application transaction:
+/// unnamed once this process runs anything behind a transaction pooler (the value for sqlx's
+/// `Query::persistent`).
+pub fn persistent() -> bool {
+    outbox_persistence::postgres::caches_statements()
 }
 
 /// Whether PostgreSQL tests must run (and fail when the server is unreachable).
@@ -97,6 +122,7 @@ impl TestDb {
             url,
             clock: ClockShift::new(),
             cleanup: Cleanup::SqliteFile(path),
+            direct: None,
         }
     }
 
@@ -131,9 +157,54 @@ impl TestDb {
             .expect("connect to the fresh PostgreSQL database");
         Some(Self {
             db,
+            direct: None,
             url,
             clock: ClockShift::new(),
             cleanup: Cleanup::PostgresDatabase { admin_url, name },
+        })
+    }
+
+    /// A fresh PostgreSQL database reached through the transaction-pooling PgBouncer
+    /// ([`pgbouncer_url`]), declared with `outbox_pooler=transaction`, migrated through it;
+    /// wake-ups `LISTEN` on a direct URL. `None` (with a line on stderr) when no PgBouncer is
+    /// configured and none is required.
+    pub async fn pgbouncer() -> Option<Self> {
+        let Some(pooler) = pgbouncer_url() else {
+            if pgbouncer_required() {
+                panic!("PgBouncer is required (OUTBOX_REQUIRE_PGBOUNCER=1) but OUTBOX_TEST_PGBOUNCER_URL is not set; run the tests with `cargo xtask test`");
+            }
+            eprintln!("skipping the PgBouncer variant: OUTBOX_TEST_PGBOUNCER_URL is not set (`cargo xtask test` starts one)");
+            return None;
+        };
+        let mut direct = Self::postgres_unmigrated().await?;
+        let Cleanup::PostgresDatabase { name, .. } = &direct.cleanup else {
+            unreachable!("a PostgreSQL test database")
+        };
+        let url = format!(
+            "{}?outbox_pooler=transaction",
+            outbox_persistence::test_support::with_database(&pooler, name)
+        );
+        let config = outbox_persistence::ConnectConfig {
+            listen_url: Some(direct.url.clone()),
+            ..Default::default()
+        };
+        let db = Database::connect(&url, config)
+            .await
+            .expect("connect to the fresh database through PgBouncer");
+        db.migrate().await.expect("migrate through PgBouncer");
+        let Database::Postgres(inspect) = std::mem::replace(&mut direct.db, db) else {
+            unreachable!("a PostgreSQL test database")
+        };
+        direct.direct = Some(inspect);
+        direct.url = url;
+        Some(direct)
+    }
+
+    /// The pool for the test's own statements: the direct one behind a pooler.
+    fn inspect_pg(&self) -> Option<&PgPool> {
+        self.direct.as_ref().or(match &self.db {
+            Database::Postgres(pool) => Some(pool),
+            Database::Sqlite(_) => None,
         })
     }
 
@@ -150,12 +221,15 @@ impl TestDb {
         self.db.repository_with_clock_shift(self.clock.clone())
     }
 
-    /// The PostgreSQL pool, when this database is on PostgreSQL.
+    /// The PostgreSQL pool for the test's own statements, when this database is on
+    /// PostgreSQL (behind a pooler, a direct pool: the code under test uses [`TestDb::db`]).
     pub fn pg(&self) -> Option<&PgPool> {
-        match &self.db {
-            Database::Postgres(pool) => Some(pool),
-            Database::Sqlite(_) => None,
-        }
+        self.inspect_pg()
+    }
+
+    /// Whether the code under test reaches this database through a transaction pooler.
+    pub fn behind_pooler(&self) -> bool {
+        self.direct.is_some()
     }
 
     /// The SQLite pool, when this database is on SQLite.
@@ -243,6 +317,19 @@ macro_rules! backend_tests {
             )+
         }
     };
+    (with_pgbouncer: $($name:ident),+ $(,)?) => {
+        $crate::backend_tests!($($name),+);
+        mod pgbouncer {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    if let Some(db) = $crate::TestDb::pgbouncer().await {
+                        super::$name(db).await;
+                    }
+                }
+            )+
+        }
+    };
 }
 
 /// A row written straight into the outbox table, bypassing enqueue: for states that enqueue
@@ -287,7 +374,8 @@ impl TestDb {
     /// Writes `row` straight into the outbox table.
     pub async fn insert_raw(&self, row: &RawRow) {
         match &self.db {
-            Database::Postgres(pool) => {
+            Database::Postgres(_) => {
+                let pool = self.inspect_pg().expect("a PostgreSQL pool");
                 sqlx::query(
                     "INSERT INTO _System_OutboxEvent (Id, EventType, Payload, Status, RetryCount,
                        RecordKey, CreatedDate, LastModifiedDate) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
@@ -331,7 +419,10 @@ impl TestDb {
     pub async fn execute(&self, sql: &str) {
         let sql = sqlx::AssertSqlSafe(sql.to_string());
         match &self.db {
-            Database::Postgres(pool) => sqlx::query(sql).execute(pool).await.map(|_| ()),
+            Database::Postgres(_) => sqlx::query(sql)
+                .execute(self.inspect_pg().expect("a PostgreSQL pool"))
+                .await
+                .map(|_| ()),
             Database::Sqlite(pool) => sqlx::query(sql).execute(pool).await.map(|_| ()),
         }
         .expect("execute a test statement");
@@ -341,7 +432,11 @@ impl TestDb {
     pub async fn count(&self, sql: &str) -> i64 {
         let sql = sqlx::AssertSqlSafe(sql.to_string());
         match &self.db {
-            Database::Postgres(pool) => sqlx::query_scalar(sql).fetch_one(pool).await,
+            Database::Postgres(_) => {
+                sqlx::query_scalar(sql)
+                    .fetch_one(self.inspect_pg().expect("a PostgreSQL pool"))
+                    .await
+            }
             Database::Sqlite(pool) => sqlx::query_scalar(sql).fetch_one(pool).await,
         }
         .expect("count rows")
