@@ -11,6 +11,7 @@ mod heads;
 mod hostile;
 mod migrations;
 mod plans;
+mod production;
 mod repository;
 mod retention;
 mod status;

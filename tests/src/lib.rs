@@ -137,7 +137,29 @@ impl TestDb {
         Some(db)
     }
 
+    /// A fresh, migrated PostgreSQL database whose defaults a DBA changed before anyone
+    /// connected: `ALTER DATABASE … SET name = value` for each of `settings` (for example
+    /// `("default_transaction_isolation", "serializable")`).
+    pub async fn postgres_with_defaults(settings: &[(&str, &str)]) -> Option<Self> {
+        let db = Self::postgres_created(settings).await?;
+        db.db
+            .migrate()
+            .await
+            .expect("migrate under the database's defaults");
+        Some(db)
+    }
+
+    /// [`TestDb::postgres_with_defaults`] without the migrations.
+    pub async fn unmigrated_with_defaults(settings: &[(&str, &str)]) -> Option<Self> {
+        Self::postgres_created(settings).await
+    }
+
     async fn postgres_unmigrated() -> Option<Self> {
+        Self::postgres_created(&[]).await
+    }
+
+    /// Creates a database, applies `settings` to it, connects (the pool is opened after).
+    async fn postgres_created(settings: &[(&str, &str)]) -> Option<Self> {
         let admin_url = postgres_admin_url();
         let admin = PgConnectOptions::from_str(&admin_url).expect("a valid DATABASE_URL");
         let mut conn = match tokio::time::timeout(Duration::from_secs(5), admin.connect()).await {
@@ -150,6 +172,14 @@ impl TestDb {
             .execute(&mut conn)
             .await
             .expect("create a fresh PostgreSQL database");
+        for (setting, value) in settings {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "ALTER DATABASE {name} SET {setting} = '{value}'"
+            )))
+            .execute(&mut conn)
+            .await
+            .expect("set a database default");
+        }
         conn.close().await.ok();
         let url = outbox_persistence::test_support::with_database(&admin_url, &name);
         let db = Database::connect(&url, Default::default())
