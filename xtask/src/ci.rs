@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 
 use crate::cmd::{Cmd, format_duration};
+use crate::pgbouncer::PgBouncer;
 use crate::{bench, demo, deps, is_ci, postgres, tidy};
 
 /// What a CI step runs.
@@ -195,7 +196,24 @@ pub fn test(cargo_test_args: &[String]) -> Result<()> {
     if reachable.is_ok() {
         cargo_test = cargo_test.env("OUTBOX_REQUIRE_POSTGRES", "1");
     }
+    // The PgBouncer variants (the conformance suite, the worker tests, the DBA-defaults load)
+    // run through a transaction-pooling PgBouncer started here; required under CI.
+    let bouncer = match reachable.is_ok().then(|| PgBouncer::start(&url)) {
+        Some(Ok(bouncer)) => Some(bouncer),
+        Some(Err(e)) if is_ci() => return Err(e.context("CI=true requires PgBouncer")),
+        Some(Err(e)) => {
+            println!("skipping the PgBouncer variants: {e:#}");
+            None
+        }
+        None => None,
+    };
+    if let Some(bouncer) = &bouncer {
+        cargo_test = cargo_test
+            .env("OUTBOX_TEST_PGBOUNCER_URL", &bouncer.url)
+            .env("OUTBOX_REQUIRE_PGBOUNCER", "1");
+    }
     let result = cargo_test.run();
+    drop(bouncer);
     let outcome = if result.is_ok() { "passed" } else { "failed" };
     println!("backends: {backends}; tests {outcome}");
     result

@@ -14,6 +14,7 @@ mod cmd;
 mod demo;
 mod deps;
 mod faults;
+mod pgbouncer;
 mod postgres;
 mod tidy;
 

@@ -126,6 +126,31 @@ fn tcp_connect(host: &str, port: u16) -> Result<(), String> {
     Err(last_error)
 }
 
+/// The user a `postgres://` URL names (`postgres` when it names none).
+pub fn user(url: &str) -> String {
+    let rest = url
+        .strip_prefix("postgres://")
+        .or_else(|| url.strip_prefix("postgresql://"))
+        .unwrap_or(url);
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    match authority.rsplit_once('@') {
+        Some((userinfo, _)) => userinfo.split(':').next().unwrap_or("postgres").to_string(),
+        None => "postgres".to_string(),
+    }
+}
+
+/// `url` pointed at 127.0.0.1:`port` instead of its host and port (user, database and
+/// parameters kept).
+pub fn with_port(url: &str, port: u16) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let userinfo = authority
+        .rsplit_once('@')
+        .map_or(String::new(), |(u, _)| format!("{u}@"));
+    format!("{scheme}://{userinfo}127.0.0.1:{port}{tail}")
+}
+
 /// `url` with its database name replaced by `name`; the query string (`?sslmode=…`) is kept.
 pub fn with_database(url: &str, name: &str) -> String {
     let (base, query) = url
@@ -236,6 +261,17 @@ pub fn require(url: &str, needed_by: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn user_and_port_of_a_url() {
+        assert_eq!(user("postgres://root@127.0.0.1:5432/test"), "root");
+        assert_eq!(user("postgres://u:pw@h/db"), "u");
+        assert_eq!(user("postgres://h/db"), "postgres");
+        assert_eq!(
+            with_port("postgres://root@127.0.0.1:5432/test?x=1", 6432),
+            "postgres://root@127.0.0.1:6432/test?x=1"
+        );
+    }
 
     fn endpoint_of(url: &str) -> (String, u16) {
         let Endpoint { host, port } = endpoint(url).unwrap();
