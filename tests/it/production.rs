@@ -33,9 +33,7 @@ fn config(workers: usize) -> WorkerConfig {
 }
 
 fn payload(record: usize, seq: usize) -> String {
-    format!(
-        r#"{{"object":"Ticket","record_id":"t{record}","snapshot":{{"seq":{seq}}}}}"#
-    )
+    format!(r#"{{"object":"Ticket","record_id":"t{record}","snapshot":{{"seq":{seq}}}}}"#)
 }
 
 /// Fails the first attempt of about one event in twenty (before its effect), runs events whose
@@ -69,8 +67,10 @@ impl Handler for Faulty {
         })
         .map_err(HandlerError::db)?;
         self.isolation.lock().unwrap().push(level);
-        if attempt == 1 && event.id.as_u128() % 20 == 0 {
-            return Err(HandlerError::Retryable("injected first-attempt fault".into()));
+        if attempt == 1 && event.id.as_u128().is_multiple_of(20) {
+            return Err(HandlerError::Retryable(
+                "injected first-attempt fault".into(),
+            ));
         }
         if event.payload.contains(r#""seq":0"#) && !self.slow.is_zero() {
             tokio::time::sleep(self.slow).await;
@@ -137,7 +137,7 @@ async fn run_demo_load(db: &TestDb, slow: Duration, what: &str) {
         .lock()
         .unwrap()
         .keys()
-        .filter(|id| id.as_u128() % 20 == 0)
+        .filter(|id| id.as_u128().is_multiple_of(20))
         .count() as i64;
     assert_eq!(
         retried, injected,
@@ -151,8 +151,16 @@ async fn run_demo_load(db: &TestDb, slow: Duration, what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_dba_defaults_fail_no_event() {
     let cases: &[(&str, &str, Duration)] = &[
-        ("default_transaction_isolation", "serializable", Duration::ZERO),
-        ("default_transaction_isolation", "repeatable read", Duration::ZERO),
+        (
+            "default_transaction_isolation",
+            "serializable",
+            Duration::ZERO,
+        ),
+        (
+            "default_transaction_isolation",
+            "repeatable read",
+            Duration::ZERO,
+        ),
         ("statement_timeout", "200ms", Duration::ZERO),
         ("lock_timeout", "50ms", Duration::ZERO),
         (
@@ -256,7 +264,11 @@ async fn postgres_processed_write_timeout_is_not_counted() {
     let row = repo.get_event(id).await.unwrap().unwrap();
     assert_eq!(row.status, EventStatus::Processed);
     assert_eq!(row.retry_count, 0, "the released attempt was not counted");
-    assert_eq!(runs.load(Ordering::SeqCst), 2, "ran again after the release");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "ran again after the release"
+    );
     assert_eq!(report.metrics.released, 1, "{:?}", report.metrics);
     assert_eq!(report.metrics.retried, 0);
 }
@@ -294,7 +306,9 @@ async fn pgbouncer_statement_mode_is_refused() {
     };
     // `cargo xtask test` declares this database in statement mode (it is the server's `test`).
     let url = outbox_persistence::test_support::with_database(&pooler, "outbox_statement_mode");
-    let db = Database::connect(&url, ConnectConfig::default()).await.unwrap();
+    let db = Database::connect(&url, ConnectConfig::default())
+        .await
+        .unwrap();
     let err = db.migrate().await.unwrap_err();
     assert!(
         matches!(err, Error::Unsupported(_)) && err.to_string().contains("statement mode"),

@@ -201,9 +201,13 @@ impl TestDb {
     pub async fn pgbouncer() -> Option<Self> {
         let Some(pooler) = pgbouncer_url() else {
             if pgbouncer_required() {
-                panic!("PgBouncer is required (OUTBOX_REQUIRE_PGBOUNCER=1) but OUTBOX_TEST_PGBOUNCER_URL is not set; run the tests with `cargo xtask test`");
+                panic!(
+                    "PgBouncer is required (OUTBOX_REQUIRE_PGBOUNCER=1) but OUTBOX_TEST_PGBOUNCER_URL is not set; run the tests with `cargo xtask test`"
+                );
             }
-            eprintln!("skipping the PgBouncer variant: OUTBOX_TEST_PGBOUNCER_URL is not set (`cargo xtask test` starts one)");
+            eprintln!(
+                "skipping the PgBouncer variant: OUTBOX_TEST_PGBOUNCER_URL is not set (`cargo xtask test` starts one)"
+            );
             return None;
         };
         let mut direct = Self::postgres_unmigrated().await?;

@@ -89,12 +89,14 @@ logfile = {log}
                 break;
             }
             if let Some(status) = bouncer.child.try_wait()? {
-                let log = std::fs::read_to_string(bouncer.dir.join("pgbouncer.log"))
-                    .unwrap_or_default();
+                let log =
+                    std::fs::read_to_string(bouncer.dir.join("pgbouncer.log")).unwrap_or_default();
                 bail!("pgbouncer exited ({status}) before accepting connections:\n{log}");
             }
             if started.elapsed() > START_TIMEOUT {
-                bail!("pgbouncer did not accept connections on port {listen} within {START_TIMEOUT:?}");
+                bail!(
+                    "pgbouncer did not accept connections on port {listen} within {START_TIMEOUT:?}"
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }

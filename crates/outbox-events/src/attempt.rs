@@ -14,15 +14,16 @@
 //!    nothing.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use outbox_persistence::{
-    Attempt, Claim, EventStatus, FailureBookkeeping, FenceOutcome, OutboxRepository, Terminal,
-};
+use outbox_persistence::{Attempt, Claim, FailureBookkeeping, FenceOutcome, OutboxRepository};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
 use crate::config::WorkerConfig;
+use crate::detached::{
+    DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed, detached, release,
+};
 use crate::handler::{AttemptContext, HandlerError, Handlers};
 use crate::heartbeat::{Beat, FenceCell};
 use crate::metrics::{Ended, Metrics};
@@ -92,9 +93,9 @@ impl AttemptEnv {
 }
 
 /// The failure to record, decided from the handler's error and the row's retry count.
-struct Failure {
-    bookkeeping: FailureBookkeeping,
-    message: String,
+pub(crate) struct Failure {
+    pub(crate) bookkeeping: FailureBookkeeping,
+    pub(crate) message: String,
 }
 
 impl AttemptEnv {
@@ -428,178 +429,10 @@ async fn finish_failure(
     }
 }
 
-fn failure_outcome(failure: &Failure) -> AttemptOutcome {
+pub(crate) fn failure_outcome(failure: &Failure) -> AttemptOutcome {
     match failure.bookkeeping {
         FailureBookkeeping::Retry { .. } => AttemptOutcome::Retried,
         FailureBookkeeping::Fail => AttemptOutcome::Failed,
-    }
-}
-
-/// Releases the claim without counting the attempt (see [`AttemptOutcome::Released`]), on a
-/// connection of its own, retried while the heartbeat keeps the claim alive as the detached
-/// bookkeeping is.
-async fn release(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>, message: &str) -> AttemptOutcome {
-    env.metrics.detached_bookkeeping(&claim.event.event_type);
-    beat.ensure_running(true);
-    let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
-    let mut backoff = DETACHED_FIRST_BACKOFF;
-    for try_number in 1..=DETACHED_MAX_TRIES {
-        {
-            let state = fence.lock().await;
-            if state.lost {
-                return AttemptOutcome::LostClaim;
-            }
-            match env.repo.release_claim(state.fence, message).await {
-                Ok(FenceOutcome::Written) => return AttemptOutcome::Released,
-                Ok(FenceOutcome::Lost) => return AttemptOutcome::LostClaim,
-                Err(e) => tracing::warn!(
-                    error = %e.chain(),
-                    try_number,
-                    "releasing the claim failed; the heartbeat keeps it while it retries"
-                ),
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
-            _ = lost.cancelled() => return AttemptOutcome::LostClaim,
-            _ = env.hard_stop.cancelled() => return AttemptOutcome::Cancelled,
-        }
-        backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
-    }
-    tracing::error!("giving up on releasing the claim; the row goes stale and will be reclaimed");
-    AttemptOutcome::Abandoned
-}
-
-/// How often, and how long, the detached bookkeeping is tried before the worker gives up.
-const DETACHED_FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const DETACHED_MAX_BACKOFF: Duration = Duration::from_secs(5);
-const DETACHED_MAX_TRIES: u32 = 12;
-
-/// What the row shows when an attempt's commit landed although it reported an error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Landed {
-    /// The success commit: `processed` with the claim's `RetryCount`.
-    Processed,
-    /// The failure bookkeeping's commit: its retry or `failed` with one more failure counted.
-    Failure,
-}
-
-/// Whether the commit that reported an error landed after all. `RetryCount` tells this
-/// attempt's write from anyone else's: a reclaim counts the dead attempt first, so another
-/// worker's outcome always carries a higher count.
-async fn landed_anyway(
-    env: &AttemptEnv,
-    claim: &Claim,
-    landed: Landed,
-    failure: &Failure,
-) -> Option<AttemptOutcome> {
-    let row = match env.repo.get_event(claim.event.id).await {
-        Ok(Some(row)) => row,
-        Ok(None) => return None,
-        Err(e) => {
-            tracing::debug!(error = %e.chain(), "could not read the row back after a commit error");
-            return None;
-        }
-    };
-    let ours = claim.event.retry_count;
-    let matches = match (landed, failure.bookkeeping) {
-        (Landed::Processed, _) => row.status == EventStatus::Processed && row.retry_count == ours,
-        (Landed::Failure, FailureBookkeeping::Retry { .. }) => {
-            row.status == EventStatus::Pending && row.retry_count == ours + 1
-        }
-        (Landed::Failure, FailureBookkeeping::Fail) => {
-            row.status == EventStatus::Failed && row.retry_count == ours + 1
-        }
-    };
-    if !matches {
-        return None;
-    }
-    tracing::info!("the commit reported an error but landed; nothing more to record");
-    Some(match landed {
-        Landed::Processed => AttemptOutcome::Processed,
-        Landed::Failure => failure_outcome(failure),
-    })
-}
-
-/// The attempt transaction is gone: land the failure bookkeeping on connections of its own
-/// while the heartbeat (still running) keeps the claim alive. `landed` says which outcome the
-/// lost transaction may have committed after all (its commit reported an error): a fenced
-/// write that finds the claim gone then checks whether the row carries that outcome.
-async fn detached(
-    env: &AttemptEnv,
-    claim: &Claim,
-    beat: &Beat<'_>,
-    failure: Failure,
-    landed: Option<Landed>,
-) -> AttemptOutcome {
-    if let Some(landed) = landed
-        && let Some(outcome) = landed_anyway(env, claim, landed, &failure).await
-    {
-        return outcome;
-    }
-    env.metrics.detached_bookkeeping(&claim.event.event_type);
-    // The claim must stay visibly alive while the bookkeeping lands (at once: on a backend that
-    // serializes writers it went without beats during the attempt).
-    beat.ensure_running(true);
-    let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
-    let mut backoff = DETACHED_FIRST_BACKOFF;
-    for attempt in 1..=DETACHED_MAX_TRIES {
-        {
-            let state = fence.lock().await;
-            if state.lost {
-                return lost_or_landed(env, claim, &failure, landed).await;
-            }
-            let written = match failure.bookkeeping {
-                FailureBookkeeping::Retry { extra_delay } => {
-                    env.repo
-                        .increment_retry(state.fence, extra_delay, &failure.message)
-                        .await
-                }
-                FailureBookkeeping::Fail => {
-                    env.repo
-                        .update_status(state.fence, Terminal::Failed, Some(failure.message.clone()))
-                        .await
-                }
-            };
-            match written {
-                Ok(FenceOutcome::Written) => return failure_outcome(&failure),
-                Ok(FenceOutcome::Lost) => {
-                    drop(state);
-                    return lost_or_landed(env, claim, &failure, landed).await;
-                }
-                Err(e) => tracing::warn!(
-                    error = %e.chain(),
-                    try_number = attempt,
-                    "detached bookkeeping failed; the heartbeat keeps the claim while it retries"
-                ),
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
-            _ = lost.cancelled() => return AttemptOutcome::LostClaim,
-            _ = env.hard_stop.cancelled() => return AttemptOutcome::Cancelled,
-        }
-        backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
-    }
-    tracing::error!(
-        "giving up on the detached bookkeeping; the row goes stale and will be reclaimed"
-    );
-    AttemptOutcome::Abandoned
-}
-
-/// The claim is gone: either the lost transaction's commit landed after all, or another
-/// worker holds the row now.
-async fn lost_or_landed(
-    env: &AttemptEnv,
-    claim: &Claim,
-    failure: &Failure,
-    landed: Option<Landed>,
-) -> AttemptOutcome {
-    match landed {
-        Some(landed) => landed_anyway(env, claim, landed, failure)
-            .await
-            .unwrap_or(AttemptOutcome::LostClaim),
-        None => AttemptOutcome::LostClaim,
     }
 }
 

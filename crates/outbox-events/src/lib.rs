@@ -15,6 +15,7 @@ mod attempt;
 mod claims;
 mod config;
 mod consumer;
+mod detached;
 mod dispatcher;
 mod gate;
 mod gauges;

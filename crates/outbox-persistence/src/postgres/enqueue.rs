@@ -46,7 +46,13 @@ const INSERT_LOCKED: &str = concat!(
 /// increase in the order given, breaking ties. Behind a transaction pooler (a pool connected
 /// with [`super::Pooler::Transaction`] in this process) the statement is sent unnamed.
 pub async fn enqueue(conn: &mut sqlx::PgConnection, events: &[NewEvent]) -> Result<Vec<EventId>> {
-    enqueue_shifted(conn, events, &ClockShift::default(), super::caches_statements()).await
+    enqueue_shifted(
+        conn,
+        events,
+        &ClockShift::default(),
+        super::caches_statements(),
+    )
+    .await
 }
 
 /// The transaction-scoped advisory locks an enqueue of `keys` takes, in the order to take

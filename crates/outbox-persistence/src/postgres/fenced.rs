@@ -96,9 +96,7 @@ async fn write_fenced<'c>(
             .bind(clip_error(error))
             .bind(span(extra_delay))
             .bind(lock_timeout),
-        FencedWrite::Release { error } => query(RELEASE)
-            .bind(clip_error(error))
-            .bind(lock_timeout),
+        FencedWrite::Release { error } => query(RELEASE).bind(clip_error(error)).bind(lock_timeout),
     };
     let rows = query.execute(conn).await?.rows_affected();
     Ok(fence_outcome(rows))

@@ -15,6 +15,7 @@ mod enqueue;
 mod fenced;
 mod keys;
 mod listen;
+pub(crate) mod migrate;
 mod ops;
 mod prune;
 mod session;
@@ -30,11 +31,11 @@ use sqlx::postgres::types::PgInterval;
 
 pub use enqueue::enqueue;
 pub use ops::{explain, explain_analyze};
+pub(crate) use session::{Begin, begin_sql, register};
 pub use session::{
     DEFAULT_STATEMENT_TIMEOUT, PgSettings, Pooler, caches_statements, pool_caches_statements,
     settings_of,
 };
-pub(crate) use session::{Begin, begin_sql, register};
 
 use crate::attempt::FencedWrite;
 use crate::{

@@ -93,8 +93,10 @@ impl PgSettings {
 /// The settings of the pools this process connected, by the identity of their connect options
 /// (a pool keeps one `Arc` of them for its life). A pool holds no outbox data, and the
 /// `Database::Postgres(PgPool)` variant stays as embedding services match on it.
-static REGISTRY: LazyLock<Mutex<Vec<(Weak<PgConnectOptions>, PgSettings)>>> =
-    LazyLock::new(Mutex::default);
+static REGISTRY: LazyLock<Registry> = LazyLock::new(Mutex::default);
+
+/// Each pool's connect options (weakly: a dropped pool's entry goes) with its settings.
+type Registry = Mutex<Vec<(Weak<PgConnectOptions>, PgSettings)>>;
 
 /// Set once any pool of this process was declared behind a transaction pooler. Code that has
 /// a connection but not its pool (an application's enqueue in its own transaction, the create
@@ -164,7 +166,11 @@ fn millis(d: Duration) -> u128 {
 /// The simple-query text that begins a transaction of the outbox: one round trip, and nothing
 /// of it outlives the transaction. Every value is a number this code formats itself.
 pub(crate) fn begin_sql(b: Begin) -> String {
-    let mode = if b.read_only { "READ ONLY" } else { "READ WRITE" };
+    let mode = if b.read_only {
+        "READ ONLY"
+    } else {
+        "READ WRITE"
+    };
     let mut sql = format!(
         "BEGIN ISOLATION LEVEL READ COMMITTED, {mode}; \
          SET LOCAL lock_timeout = '{}ms'; SET LOCAL statement_timeout = '{}ms'",
@@ -198,7 +204,10 @@ mod tests {
             "BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE; SET LOCAL lock_timeout = '1500ms'; \
              SET LOCAL statement_timeout = '0ms'; SET LOCAL idle_in_transaction_session_timeout = 0"
         );
-        assert!(!sql.contains("SET ") || sql.matches("SET ").count() == sql.matches("SET LOCAL").count());
+        assert!(
+            !sql.contains("SET ")
+                || sql.matches("SET ").count() == sql.matches("SET LOCAL").count()
+        );
         let read = begin_sql(Begin {
             read_only: true,
             lock_timeout: Duration::from_micros(10),

@@ -1,0 +1,183 @@
+//! The attempt's bookkeeping on connections of its own, once its transaction is gone or
+//! could not record the outcome: the detached failure bookkeeping and the uncounted release,
+//! each retried while the heartbeat keeps the claim alive.
+
+use std::time::Duration;
+
+use outbox_persistence::{Claim, EventStatus, FailureBookkeeping, FenceOutcome, Terminal};
+
+use crate::attempt::{AttemptEnv, AttemptOutcome, Failure, failure_outcome};
+use crate::heartbeat::Beat;
+
+/// Releases the claim without counting the attempt (see [`AttemptOutcome::Released`]), on a
+/// connection of its own, retried while the heartbeat keeps the claim alive as the detached
+/// bookkeeping is.
+pub(crate) async fn release(
+    env: &AttemptEnv,
+    claim: &Claim,
+    beat: &Beat<'_>,
+    message: &str,
+) -> AttemptOutcome {
+    env.metrics.detached_bookkeeping(&claim.event.event_type);
+    beat.ensure_running(true);
+    let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
+    let mut backoff = DETACHED_FIRST_BACKOFF;
+    for try_number in 1..=DETACHED_MAX_TRIES {
+        {
+            let state = fence.lock().await;
+            if state.lost {
+                return AttemptOutcome::LostClaim;
+            }
+            match env.repo.release_claim(state.fence, message).await {
+                Ok(FenceOutcome::Written) => return AttemptOutcome::Released,
+                Ok(FenceOutcome::Lost) => return AttemptOutcome::LostClaim,
+                Err(e) => tracing::warn!(
+                    error = %e.chain(),
+                    try_number,
+                    "releasing the claim failed; the heartbeat keeps it while it retries"
+                ),
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = lost.cancelled() => return AttemptOutcome::LostClaim,
+            _ = env.hard_stop.cancelled() => return AttemptOutcome::Cancelled,
+        }
+        backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
+    }
+    tracing::error!("giving up on releasing the claim; the row goes stale and will be reclaimed");
+    AttemptOutcome::Abandoned
+}
+
+/// How often, and how long, the detached bookkeeping is tried before the worker gives up.
+pub(crate) const DETACHED_FIRST_BACKOFF: Duration = Duration::from_millis(100);
+pub(crate) const DETACHED_MAX_BACKOFF: Duration = Duration::from_secs(5);
+pub(crate) const DETACHED_MAX_TRIES: u32 = 12;
+
+/// What the row shows when an attempt's commit landed although it reported an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Landed {
+    /// The success commit: `processed` with the claim's `RetryCount`.
+    Processed,
+    /// The failure bookkeeping's commit: its retry or `failed` with one more failure counted.
+    Failure,
+}
+
+/// Whether the commit that reported an error landed after all. `RetryCount` tells this
+/// attempt's write from anyone else's: a reclaim counts the dead attempt first, so another
+/// worker's outcome always carries a higher count.
+async fn landed_anyway(
+    env: &AttemptEnv,
+    claim: &Claim,
+    landed: Landed,
+    failure: &Failure,
+) -> Option<AttemptOutcome> {
+    let row = match env.repo.get_event(claim.event.id).await {
+        Ok(Some(row)) => row,
+        Ok(None) => return None,
+        Err(e) => {
+            tracing::debug!(error = %e.chain(), "could not read the row back after a commit error");
+            return None;
+        }
+    };
+    let ours = claim.event.retry_count;
+    let matches = match (landed, failure.bookkeeping) {
+        (Landed::Processed, _) => row.status == EventStatus::Processed && row.retry_count == ours,
+        (Landed::Failure, FailureBookkeeping::Retry { .. }) => {
+            row.status == EventStatus::Pending && row.retry_count == ours + 1
+        }
+        (Landed::Failure, FailureBookkeeping::Fail) => {
+            row.status == EventStatus::Failed && row.retry_count == ours + 1
+        }
+    };
+    if !matches {
+        return None;
+    }
+    tracing::info!("the commit reported an error but landed; nothing more to record");
+    Some(match landed {
+        Landed::Processed => AttemptOutcome::Processed,
+        Landed::Failure => failure_outcome(failure),
+    })
+}
+
+/// The attempt transaction is gone: land the failure bookkeeping on connections of its own
+/// while the heartbeat (still running) keeps the claim alive. `landed` says which outcome the
+/// lost transaction may have committed after all (its commit reported an error): a fenced
+/// write that finds the claim gone then checks whether the row carries that outcome.
+pub(crate) async fn detached(
+    env: &AttemptEnv,
+    claim: &Claim,
+    beat: &Beat<'_>,
+    failure: Failure,
+    landed: Option<Landed>,
+) -> AttemptOutcome {
+    if let Some(landed) = landed
+        && let Some(outcome) = landed_anyway(env, claim, landed, &failure).await
+    {
+        return outcome;
+    }
+    env.metrics.detached_bookkeeping(&claim.event.event_type);
+    // The claim must stay visibly alive while the bookkeeping lands (at once: on a backend that
+    // serializes writers it went without beats during the attempt).
+    beat.ensure_running(true);
+    let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
+    let mut backoff = DETACHED_FIRST_BACKOFF;
+    for attempt in 1..=DETACHED_MAX_TRIES {
+        {
+            let state = fence.lock().await;
+            if state.lost {
+                return lost_or_landed(env, claim, &failure, landed).await;
+            }
+            let written = match failure.bookkeeping {
+                FailureBookkeeping::Retry { extra_delay } => {
+                    env.repo
+                        .increment_retry(state.fence, extra_delay, &failure.message)
+                        .await
+                }
+                FailureBookkeeping::Fail => {
+                    env.repo
+                        .update_status(state.fence, Terminal::Failed, Some(failure.message.clone()))
+                        .await
+                }
+            };
+            match written {
+                Ok(FenceOutcome::Written) => return failure_outcome(&failure),
+                Ok(FenceOutcome::Lost) => {
+                    drop(state);
+                    return lost_or_landed(env, claim, &failure, landed).await;
+                }
+                Err(e) => tracing::warn!(
+                    error = %e.chain(),
+                    try_number = attempt,
+                    "detached bookkeeping failed; the heartbeat keeps the claim while it retries"
+                ),
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = lost.cancelled() => return AttemptOutcome::LostClaim,
+            _ = env.hard_stop.cancelled() => return AttemptOutcome::Cancelled,
+        }
+        backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
+    }
+    tracing::error!(
+        "giving up on the detached bookkeeping; the row goes stale and will be reclaimed"
+    );
+    AttemptOutcome::Abandoned
+}
+
+/// The claim is gone: either the lost transaction's commit landed after all, or another
+/// worker holds the row now.
+async fn lost_or_landed(
+    env: &AttemptEnv,
+    claim: &Claim,
+    failure: &Failure,
+    landed: Option<Landed>,
+) -> AttemptOutcome {
+    match landed {
+        Some(landed) => landed_anyway(env, claim, landed, failure)
+            .await
+            .unwrap_or(AttemptOutcome::LostClaim),
+        None => AttemptOutcome::LostClaim,
+    }
+}
