@@ -316,3 +316,137 @@ async fn pgbouncer_statement_mode_is_refused() {
     );
     assert!(!err.to_string().contains('\n'), "one line: {err}");
 }
+
+/// The three roles of docs/deployment.md, with exactly its grants: the migrate role owns the
+/// schema objects, the worker role enqueues, runs the workers (heartbeats, bookkeeping, heads
+/// repair, pruning) and retries, the read-only role reads what `outbox status` shows; a grant
+/// missing gives an error that names the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_least_privilege_roles() {
+    let Some(db) = TestDb::unmigrated_with_defaults(&[]).await else {
+        return;
+    };
+    let name = db.url.rsplit('/').next().unwrap().to_string();
+    let suffix = &uuid::Uuid::now_v7().simple().to_string()[24..];
+    let (migrator, worker, reader) = (
+        format!("outbox_migrate_{suffix}"),
+        format!("outbox_worker_{suffix}"),
+        format!("outbox_reader_{suffix}"),
+    );
+    // docs/deployment.md, "Roles", as the database's owner.
+    for sql in [
+        format!("CREATE ROLE {migrator} LOGIN"),
+        format!("CREATE ROLE {worker} LOGIN"),
+        format!("CREATE ROLE {reader} LOGIN"),
+        format!("GRANT CONNECT ON DATABASE {name} TO {migrator}, {worker}, {reader}"),
+        format!("GRANT USAGE, CREATE ON SCHEMA public TO {migrator}"),
+        format!("GRANT USAGE ON SCHEMA public TO {worker}, {reader}"),
+        format!(
+            "ALTER DEFAULT PRIVILEGES FOR ROLE {migrator} IN SCHEMA public \
+             GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO {worker}"
+        ),
+        format!(
+            "ALTER DEFAULT PRIVILEGES FOR ROLE {migrator} IN SCHEMA public \
+             GRANT USAGE, UPDATE ON SEQUENCES TO {worker}"
+        ),
+        format!(
+            "ALTER DEFAULT PRIVILEGES FOR ROLE {migrator} IN SCHEMA public \
+             GRANT SELECT ON TABLES TO {reader}"
+        ),
+    ] {
+        db.execute(&sql).await;
+    }
+    let as_role = |role: &str| {
+        let (scheme, rest) = db.url.split_once("://").unwrap();
+        let host = rest.split_once('@').map_or(rest, |(_, h)| h);
+        format!("{scheme}://{role}@{host}")
+    };
+    let migrate = Database::connect(&as_role(&migrator), ConnectConfig::default())
+        .await
+        .unwrap();
+    migrate.migrate().await.unwrap();
+    migrate.close().await;
+
+    // The worker role: enqueue, pull workers with a fail-once handler, the pruner's delete,
+    // an operator retry and the heads repair.
+    let workers = Database::connect(&as_role(&worker), ConnectConfig::default())
+        .await
+        .unwrap();
+    workers.check_schema().await.unwrap();
+    let repo = workers.repository();
+    let events: Vec<NewEvent> = (0..20)
+        .map(|i| NewEvent::new("ticket.changed", payload(i % 4, i)))
+        .collect();
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    db.execute("CREATE TABLE effect (event_id uuid PRIMARY KEY)")
+        .await;
+    db.execute(&format!("GRANT INSERT, SELECT ON effect TO {worker}"))
+        .await;
+    let handler = Faulty {
+        slow: Duration::ZERO,
+        attempts: Arc::default(),
+        isolation: Arc::default(),
+    };
+    let dispatcher = Dispatcher::new(
+        repo.clone(),
+        Handlers::new().register("ticket.changed", handler),
+        config(2),
+    )
+    .start()
+    .await
+    .unwrap();
+    drain(&repo, Duration::from_secs(60)).await;
+    dispatcher.shutdown().await;
+    repo.repair_heads(100).await.unwrap();
+    repo.retry_failed(outbox_persistence::RetryFilter::Failed { event_type: None })
+        .await
+        .unwrap();
+    let pruned = repo
+        .prune(outbox_persistence::PrunePolicy {
+            processed_older_than: Some(Duration::ZERO),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(pruned.processed, 20, "the worker role prunes");
+
+    // The read-only role: what `outbox status` reads, and a clear refusal to write.
+    let readers = Database::connect(&as_role(&reader), ConnectConfig::default())
+        .await
+        .unwrap();
+    readers.check_schema().await.unwrap();
+    let read = readers.repository();
+    let policy = outbox_persistence::ClaimPolicy::new(Duration::from_secs(30), Duration::ZERO, 5);
+    read.stats(policy).await.unwrap();
+    read.blocked_keys(policy, 10).await.unwrap();
+    read.list_events(outbox_persistence::EventFilter::default())
+        .await
+        .unwrap();
+    let mut tx = read.begin().await.unwrap();
+    let err = read
+        .enqueue(&mut tx, &[NewEvent::new("ticket.changed", payload(9, 9))])
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("permission denied for table _system_outboxevent"),
+        "the error names the missing grant: {err}"
+    );
+    drop(tx);
+    workers.close().await;
+    readers.close().await;
+    // The roles own objects in this database: drop it before them.
+    let admin = outbox_tests::postgres_admin_url();
+    let mut conn = PgConnection::connect(&admin).await.unwrap();
+    for sql in [
+        format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+        format!("DROP ROLE {migrator}, {worker}, {reader}"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+}

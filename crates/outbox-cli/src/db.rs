@@ -14,11 +14,19 @@ pub async fn open(url: Option<&str>, config: ConnectConfig) -> Result<Database> 
     Ok(db)
 }
 
-/// Connects to `url` without checking the schema (for `migrate`).
-pub async fn connect(url: Option<&str>, config: ConnectConfig) -> Result<Database> {
+/// The environment variable that names a direct URL of the server for the wake-up `LISTEN`,
+/// when the database URL goes through a transaction pooler (`?outbox_pooler=transaction`).
+pub const LISTEN_URL_ENV: &str = "OUTBOX_LISTEN_URL";
+
+/// Connects to `url` without checking the schema (for `migrate`). A direct `LISTEN` URL comes
+/// from [`LISTEN_URL_ENV`] unless `config` names one.
+pub async fn connect(url: Option<&str>, mut config: ConnectConfig) -> Result<Database> {
     let Some(url) = url else {
         bail!("no database given: {URL_HELP}");
     };
+    if config.listen_url.is_none() {
+        config.listen_url = std::env::var(LISTEN_URL_ENV).ok().filter(|u| !u.is_empty());
+    }
     let shown = outbox_persistence::redact_url(url);
     Database::connect(url, config).await.map_err(|e| match e {
         Error::InvalidUrl(msg) => anyhow::anyhow!("invalid database url {msg}; {URL_HELP}"),
