@@ -54,7 +54,13 @@ pub const MAILBOX: &str = "CREATE TABLE IF NOT EXISTS DemoMailbox (
 /// crate's test support: a trigger that records every change of `RetryCount`, in the
 /// transaction that made it (so no crash can
 /// separate a count from its audit row).
+///
+/// When the tables exist already it creates nothing, so a role without `CREATE` on the schema
+/// (docs/deployment.md, the worker role) can run `work` on a database set up beforehand.
 pub async fn ensure(db: &Database) -> Result<()> {
+    if exists(db).await? {
+        return Ok(());
+    }
     let statements = match db {
         Database::Postgres(_) => POSTGRES,
         Database::Sqlite(_) => SQLITE,
