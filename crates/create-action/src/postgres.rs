@@ -44,7 +44,7 @@ pub(crate) fn select_expr(column: &Column) -> String {
 }
 
 fn query(stmt: &Statement) -> Query<'static, Postgres, PgArguments> {
-    let mut q = sqlx::query(sqlx::AssertSqlSafe(stmt.sql.clone()));
+    let mut q = outbox_persistence::statement::query(sqlx::AssertSqlSafe(stmt.sql.clone()));
     for value in &stmt.binds {
         q = match value {
             BindValue::Null(ColumnType::Integer) => q.bind(None::<i64>),

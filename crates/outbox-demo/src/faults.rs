@@ -127,7 +127,7 @@ async fn hold_one(
     match db {
         Database::Postgres(pool) => {
             let mut tx = pool.begin().await?;
-            sqlx::query("SELECT 1 FROM DemoAccount WHERE Id = $1 FOR UPDATE")
+            outbox_persistence::statement::query("SELECT 1 FROM DemoAccount WHERE Id = $1 FOR UPDATE")
                 .bind(&id)
                 .execute(&mut *tx)
                 .await?;
@@ -137,7 +137,7 @@ async fn hold_one(
         Database::Sqlite(pool) => {
             // SQLite has no row locks: holding its write lock blocks every writer.
             let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-            sqlx::query("UPDATE DemoAccount SET Revision = Revision WHERE Id = $1")
+            outbox_persistence::statement::query("UPDATE DemoAccount SET Revision = Revision WHERE Id = $1")
                 .bind(&id)
                 .execute(&mut *tx)
                 .await?;

@@ -167,7 +167,7 @@ fn envelope(event: &OutboxEvent) -> Result<EventEnvelope, HandlerError> {
 /// Appends to the effect log, in the attempt transaction: the audit trail of processing order.
 async fn log_effect(ctx: &mut AttemptContext<'_>, event: &OutboxEvent) -> Result<(), HandlerError> {
     with_tx!(ctx.tx(), |conn| {
-        sqlx::query("INSERT INTO DemoEffectLog (EventId, RecordKey, EventType) VALUES ($1, $2, $3)")
+        outbox_persistence::statement::query("INSERT INTO DemoEffectLog (EventId, RecordKey, EventType) VALUES ($1, $2, $3)")
             .bind(event.id.to_string())
             .bind(event.record_key.as_ref().map(|k| k.as_str()))
             .bind(&event.event_type)
@@ -261,7 +261,7 @@ impl Handler for WelcomeMail {
             .to_string();
         let event_id = event.id.to_string();
         let inserted = with_tx!(ctx.tx(), |conn| {
-            sqlx::query(
+            outbox_persistence::statement::query(
                 "INSERT INTO DemoDeliveryLedger (HandlerId, EventId) VALUES ($1, $2)
                  ON CONFLICT (HandlerId, EventId) DO NOTHING",
             )

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use outbox_events::MetricsSnapshot;
-use outbox_persistence::with_pool;
+use outbox_persistence::with_conn;
 use serde::Serialize;
 
 use super::sink::MailSink;
@@ -108,8 +108,8 @@ impl MailSink {
         let mut backoff = JOURNAL_FIRST_BACKOFF;
         let mut tries = 0;
         loop {
-            let written = with_pool!(&self.db, |pool| {
-                sqlx::query(
+            let written = with_conn!(&self.db, |pool| {
+                outbox_persistence::statement::query(
                     "INSERT INTO DemoAttemptJournal (Mark, EventId, RetryCount, Pid)
                      VALUES ($1, $2, $3, $4)",
                 )
@@ -136,8 +136,8 @@ impl MailSink {
 
     /// Every journal row, in the store's order.
     pub async fn journal_entries(&self) -> Result<Vec<Entry>> {
-        let rows: Vec<(i64, String, String, i32, i64)> = with_pool!(&self.db, |pool| {
-            sqlx::query_as(
+        let rows: Vec<(i64, String, String, i32, i64)> = with_conn!(&self.db, |pool| {
+            outbox_persistence::statement::query_as(
                 "SELECT Seq, Mark, EventId, RetryCount, Pid FROM DemoAttemptJournal ORDER BY Seq",
             )
             .fetch_all(pool)
@@ -159,8 +159,8 @@ impl MailSink {
 
     /// Records that this process starts working in `mode`; returns the run's id.
     pub async fn run_started(&self, mode: &str) -> Result<i64> {
-        Ok(with_pool!(&self.db, |pool| {
-            sqlx::query_scalar(
+        Ok(with_conn!(&self.db, |pool| {
+            outbox_persistence::statement::query_scalar(
                 "INSERT INTO DemoWorkRun (Pid, Mode) VALUES ($1, $2) RETURNING RunId",
             )
             .bind(i64::from(std::process::id()))
@@ -182,8 +182,8 @@ impl MailSink {
 
     async fn update_run(&self, run_id: i64, m: &MetricsSnapshot, completed: bool) -> Result<()> {
         let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        with_pool!(&self.db, |pool| {
-            sqlx::query(
+        with_conn!(&self.db, |pool| {
+            outbox_persistence::statement::query(
                 "UPDATE DemoWorkRun SET Completed = $6, Claimed = $2, LostClaims = $3,
                    StaleReclaims = $4, Cancelled = $5
                  WHERE RunId = $1",
@@ -203,8 +203,8 @@ impl MailSink {
 
     /// Every work run.
     pub async fn work_runs(&self) -> Result<Vec<WorkRun>> {
-        let rows: Vec<(i64, i64, i64, i64, i64, i64)> = with_pool!(&self.db, |pool| {
-            sqlx::query_as(
+        let rows: Vec<(i64, i64, i64, i64, i64, i64)> = with_conn!(&self.db, |pool| {
+            outbox_persistence::statement::query_as(
                 "SELECT Pid, Completed, Claimed, LostClaims, StaleReclaims, Cancelled
                  FROM DemoWorkRun ORDER BY RunId",
             )

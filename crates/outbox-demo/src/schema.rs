@@ -3,7 +3,7 @@
 //! creates them; the demo and `outbox-demo seed` create them when missing.
 
 use anyhow::Result;
-use outbox_persistence::{Database, with_pool};
+use outbox_persistence::{Database, with_conn};
 
 const POSTGRES: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS DemoAccount (
@@ -66,7 +66,7 @@ pub async fn ensure(db: &Database) -> Result<()> {
         Database::Sqlite(_) => SQLITE,
     };
     for sql in statements {
-        with_pool!(db, |pool| sqlx::query(*sql).execute(pool).await.map(|_| ()))?;
+        with_conn!(db, |pool| outbox_persistence::statement::query(*sql).execute(pool).await.map(|_| ()))?;
     }
     outbox_persistence::test_support::inspect::install_retry_audit(db).await?;
     Ok(())
@@ -80,7 +80,7 @@ pub async fn exists(db: &Database) -> Result<bool> {
             "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'DemoEffectLog')"
         }
     };
-    Ok(with_pool!(db, |pool| sqlx::query_scalar::<_, bool>(sql)
+    Ok(with_conn!(db, |pool| outbox_persistence::statement::query_scalar::<_, bool>(sql)
         .fetch_one(pool)
         .await)?)
 }

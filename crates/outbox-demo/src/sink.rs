@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 
 use anyhow::Result;
-use outbox_persistence::{ConnectConfig, Database, with_pool};
+use outbox_persistence::{ConnectConfig, Database, with_conn, with_pool};
 
 /// The side store's tables on PostgreSQL, besides the inbox (`super::schema::MAILBOX`).
 const SIDE_TABLES_POSTGRES: &[&str] = &[
@@ -78,7 +78,7 @@ impl MailSink {
     /// at `url`.
     pub async fn open(url: &str) -> Result<Self> {
         let db = Database::connect(&sink_url(url), ConnectConfig::default()).await?;
-        with_pool!(&db, |pool| sqlx::query(super::schema::MAILBOX)
+        with_conn!(&db, |pool| outbox_persistence::statement::query(super::schema::MAILBOX)
             .execute(pool)
             .await
             .map(|_| ()))?;
@@ -87,7 +87,7 @@ impl MailSink {
             Database::Sqlite(_) => SIDE_TABLES_SQLITE,
         };
         for sql in tables {
-            with_pool!(&db, |pool| sqlx::query(*sql)
+            with_conn!(&db, |pool| outbox_persistence::statement::query(*sql)
                 .execute(pool)
                 .await
                 .map(|_| ()))?;
@@ -108,7 +108,7 @@ impl MailSink {
         with_pool!(&self.db, |pool| {
             async {
             let mut tx = pool.begin().await?;
-            sqlx::query(
+            outbox_persistence::statement::query(
                 "INSERT INTO DemoMailbox (IdempotencyKey, Recipient, Subject, Deliveries)
                  VALUES ($1, $2, $3, 1)
                  ON CONFLICT (IdempotencyKey) DO UPDATE SET Deliveries = DemoMailbox.Deliveries + 1",
@@ -118,7 +118,7 @@ impl MailSink {
             .bind(subject)
             .execute(&mut *tx)
             .await?;
-            sqlx::query(
+            outbox_persistence::statement::query(
                 "INSERT INTO DemoMailSend (IdempotencyKey, RetryCount, Pid) VALUES ($1, $2, $3)",
             )
             .bind(idempotency_key)
@@ -135,8 +135,8 @@ impl MailSink {
 
     /// Every send the provider received, in order.
     pub async fn sends(&self) -> Result<Vec<Send>> {
-        let rows: Vec<(String, i32)> = with_pool!(&self.db, |pool| {
-            sqlx::query_as("SELECT IdempotencyKey, RetryCount FROM DemoMailSend ORDER BY Seq")
+        let rows: Vec<(String, i32)> = with_conn!(&self.db, |pool| {
+            outbox_persistence::statement::query_as("SELECT IdempotencyKey, RetryCount FROM DemoMailSend ORDER BY Seq")
                 .fetch_all(pool)
                 .await
         })?;
@@ -148,8 +148,8 @@ impl MailSink {
 
     /// Every idempotency key received, with how many times it was sent.
     pub async fn deliveries(&self) -> Result<HashMap<String, i64>> {
-        let rows: Vec<(String, i64)> = with_pool!(&self.db, |pool| {
-            sqlx::query_as("SELECT IdempotencyKey, Deliveries FROM DemoMailbox")
+        let rows: Vec<(String, i64)> = with_conn!(&self.db, |pool| {
+            outbox_persistence::statement::query_as("SELECT IdempotencyKey, Deliveries FROM DemoMailbox")
                 .fetch_all(pool)
                 .await
         })?;

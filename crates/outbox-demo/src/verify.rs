@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use anyhow::Result;
 use chrono::{DateTime, Utc};
-use outbox_persistence::{Database, with_pool};
+use outbox_persistence::{Database, with_conn};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -171,8 +171,8 @@ async fn check_effect_log(
     by_id: &HashMap<String, &Row>,
     checks: &mut Vec<Check>,
 ) -> Result<()> {
-    let log: Vec<(i64, String, Option<String>)> = with_pool!(db, |pool| {
-        sqlx::query_as("SELECT Seq, EventId, RecordKey FROM DemoEffectLog ORDER BY Seq")
+    let log: Vec<(i64, String, Option<String>)> = with_conn!(db, |pool| {
+        outbox_persistence::statement::query_as("SELECT Seq, EventId, RecordKey FROM DemoEffectLog ORDER BY Seq")
             .fetch_all(pool)
             .await
     })?;
@@ -227,8 +227,8 @@ async fn check_effect_log(
 /// The #3477 create: one opportunity per converted lead, numbered without gaps. Returns the
 /// number of opportunities.
 async fn check_creates(db: &Database, events: &[Row], checks: &mut Vec<Check>) -> Result<i64> {
-    let opportunities: Vec<(String, String, i64)> = with_pool!(db, |pool| {
-        sqlx::query_as("SELECT SourceLeadId, Relation, OpportunityNumber FROM DemoOpportunity")
+    let opportunities: Vec<(String, String, i64)> = with_conn!(db, |pool| {
+        outbox_persistence::statement::query_as("SELECT SourceLeadId, Relation, OpportunityNumber FROM DemoOpportunity")
             .fetch_all(pool)
             .await
     })?;
@@ -253,8 +253,8 @@ async fn check_creates(db: &Database, events: &[Row], checks: &mut Vec<Check>) -
     let mut numbers: Vec<i64> = opportunities.iter().map(|o| o.2).collect();
     numbers.sort_unstable();
     let contiguous = numbers.iter().enumerate().all(|(i, n)| *n == i as i64 + 1);
-    let next: Option<i64> = with_pool!(db, |pool| {
-        sqlx::query_scalar(
+    let next: Option<i64> = with_conn!(db, |pool| {
+        outbox_persistence::statement::query_scalar(
             "SELECT NextValue FROM _System_Autonumber WHERE ObjectName = 'demoopportunity' AND FieldName = 'opportunitynumber'",
         )
         .fetch_optional(pool)
@@ -294,15 +294,15 @@ async fn check_captures(db: &Database, events: &[Row], checks: &mut Vec<Check>) 
         let snapshot = serde_json::from_str::<serde_json::Value>(&e.payload)?["snapshot"].clone();
         newest.insert(key, (e, snapshot));
     }
-    let accounts: Vec<AccountRow> = with_pool!(db, |pool| {
-        sqlx::query_as(
+    let accounts: Vec<AccountRow> = with_conn!(db, |pool| {
+        outbox_persistence::statement::query_as(
             "SELECT Id, CapturedName, CapturedIndustry, CapturedRevision FROM DemoAccount",
         )
         .fetch_all(pool)
         .await
     })?;
-    let leads: Vec<(String, Option<String>, Option<i64>)> = with_pool!(db, |pool| {
-        sqlx::query_as("SELECT Id, CapturedStatus, CapturedRevision FROM DemoLead")
+    let leads: Vec<(String, Option<String>, Option<i64>)> = with_conn!(db, |pool| {
+        outbox_persistence::statement::query_as("SELECT Id, CapturedStatus, CapturedRevision FROM DemoLead")
             .fetch_all(pool)
             .await
     })?;
@@ -387,8 +387,8 @@ async fn check_deliveries(
         })
         .count();
     let absorbed: i64 = deliveries.values().map(|n| n - 1).sum();
-    let ledger: i64 = with_pool!(db, |pool| {
-        sqlx::query_scalar("SELECT count(*) FROM DemoDeliveryLedger")
+    let ledger: i64 = with_conn!(db, |pool| {
+        outbox_persistence::statement::query_scalar("SELECT count(*) FROM DemoDeliveryLedger")
             .fetch_one(pool)
             .await
     })?;

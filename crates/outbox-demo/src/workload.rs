@@ -366,7 +366,7 @@ async fn write_record(tx: &mut outbox_persistence::Tx, record: &RecordWrite) -> 
             revision,
         } => {
             with_tx!(tx, |conn| {
-                sqlx::query(
+                outbox_persistence::statement::query(
                     "INSERT INTO DemoAccount (Id, Name, Industry, Revision) VALUES ($1, $2, $3, $4)
                      ON CONFLICT (Id) DO UPDATE SET Name = excluded.Name,
                        Industry = excluded.Industry, Revision = excluded.Revision",
@@ -387,7 +387,7 @@ async fn write_record(tx: &mut outbox_persistence::Tx, record: &RecordWrite) -> 
             revision,
         } => {
             with_tx!(tx, |conn| {
-                sqlx::query(
+                outbox_persistence::statement::query(
                     "INSERT INTO DemoLead (Id, Company, Status, Revision) VALUES ($1, $2, $3, $4)
                      ON CONFLICT (Id) DO UPDATE SET Company = excluded.Company,
                        Status = excluded.Status, Revision = excluded.Revision",

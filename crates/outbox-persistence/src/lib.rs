@@ -29,6 +29,7 @@ mod model;
 pub mod postgres;
 mod retention;
 pub mod sqlite;
+pub mod statement;
 mod stats;
 #[cfg(feature = "test-support")]
 pub mod test_support;
@@ -445,6 +446,38 @@ macro_rules! with_tx {
             }
             $crate::Tx::Sqlite(tx) => {
                 let $conn: &mut $crate::sqlx::SqliteConnection = &mut **tx;
+                $body
+            }
+        }
+    };
+}
+
+/// Runs `body` (an expression that evaluates to a `Result<T, sqlx::Error>`, using `$conn`
+/// once as its executor) on a connection of a [`Database`]: on PostgreSQL inside a READ
+/// COMMITTED transaction of its own, committed when `body` succeeded (so it is safe behind a
+/// transaction pooler, where a statement outside a transaction block is not), on SQLite on the
+/// pool. Evaluates to `body`'s result. Use it with [`statement`]'s constructors.
+#[macro_export]
+macro_rules! with_conn {
+    ($db:expr, |$conn:ident| $body:expr) => {
+        match $db {
+            $crate::Database::Postgres(p) => {
+                match p.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await {
+                    Err(e) => Err(e),
+                    Ok(mut tx) => {
+                        let result = {
+                            let $conn: &mut $crate::sqlx::PgConnection = &mut *tx;
+                            $body
+                        };
+                        match result {
+                            Ok(value) => tx.commit().await.map(|()| value),
+                            Err(e) => Err(e),
+                        }
+                    }
+                }
+            }
+            $crate::Database::Sqlite(p) => {
+                let $conn: &$crate::sqlx::SqlitePool = p;
                 $body
             }
         }

@@ -64,11 +64,11 @@ async fn capture_postgres(
         out.tables.insert(spec.table.folded(), table);
     }
     let counters_exist: bool =
-        sqlx::query_scalar("SELECT to_regclass('_system_autonumber') IS NOT NULL")
+        outbox_persistence::statement::query_scalar("SELECT to_regclass('_system_autonumber') IS NOT NULL")
             .fetch_one(&mut *conn)
             .await?;
     if counters_exist {
-        out.counters = counters_of(sqlx::query_as(COUNTERS).fetch_all(&mut *conn).await?);
+        out.counters = counters_of(outbox_persistence::statement::query_as(COUNTERS).fetch_all(&mut *conn).await?);
     }
     Ok(out)
 }
@@ -80,7 +80,7 @@ async fn postgres_table(
     spec: &CaptureSpec,
 ) -> Result<TableCapture, KitError> {
     let quoted = spec.table.quoted();
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+    let exists: bool = outbox_persistence::statement::query_scalar("SELECT to_regclass($1) IS NOT NULL")
         .bind(&quoted)
         .fetch_one(&mut *conn)
         .await?;
@@ -90,7 +90,7 @@ async fn postgres_table(
     let identity = match &spec.identity {
         Some(columns) => columns.iter().map(Ident::folded).collect(),
         None => {
-            sqlx::query_scalar(
+            outbox_persistence::statement::query_scalar(
                 "SELECT a.attname::text FROM pg_index i
                  JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
                  WHERE i.indrelid = to_regclass($1) AND i.indisprimary
@@ -102,7 +102,7 @@ async fn postgres_table(
         }
     };
     let sql = format!("SELECT to_jsonb(t)::text FROM {quoted} AS t");
-    let texts: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+    let texts: Vec<String> = outbox_persistence::statement::query_scalar(sqlx::AssertSqlSafe(sql))
         .fetch_all(&mut *conn)
         .await?;
     let mut rows = Vec::with_capacity(texts.len());
@@ -132,13 +132,13 @@ async fn capture_sqlite(
         let table = sqlite_table(conn, spec).await?;
         out.tables.insert(spec.table.folded(), table);
     }
-    let counters_exist: bool = sqlx::query_scalar(
+    let counters_exist: bool = outbox_persistence::statement::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_System_Autonumber' COLLATE NOCASE)",
     )
     .fetch_one(&mut *conn)
     .await?;
     if counters_exist {
-        out.counters = counters_of(sqlx::query_as(COUNTERS).fetch_all(&mut *conn).await?);
+        out.counters = counters_of(outbox_persistence::statement::query_as(COUNTERS).fetch_all(&mut *conn).await?);
     }
     Ok(out)
 }
@@ -149,7 +149,7 @@ async fn sqlite_table(
     spec: &CaptureSpec,
 ) -> Result<TableCapture, KitError> {
     let columns: Vec<(String, i64)> =
-        sqlx::query_as("SELECT name, pk FROM pragma_table_info(?1) ORDER BY cid")
+        outbox_persistence::statement::query_as("SELECT name, pk FROM pragma_table_info(?1) ORDER BY cid")
             .bind(spec.table.folded())
             .fetch_all(&mut *conn)
             .await?;
@@ -167,7 +167,7 @@ async fn sqlite_table(
         }
     };
     let sql = format!("SELECT * FROM {}", spec.table.quoted());
-    let fetched = sqlx::query(sqlx::AssertSqlSafe(sql))
+    let fetched = outbox_persistence::statement::query(sqlx::AssertSqlSafe(sql))
         .fetch_all(&mut *conn)
         .await?;
     let rows = fetched

@@ -130,7 +130,7 @@ async fn design_cutoffs(
     pool: &PgPool,
     policy: ClaimPolicy,
 ) -> Result<(DateTime<Utc>, DateTime<Utc>, DateTime<Utc>)> {
-    let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+    let now: DateTime<Utc> = crate::statement::query_scalar("SELECT clock_timestamp()")
         .fetch_one(pool)
         .await?;
     let span = |d: Duration| chrono::Duration::from_std(d).unwrap_or_default();
@@ -146,7 +146,7 @@ async fn design_cutoffs(
 pub async fn design_claim_next(pool: &PgPool, policy: ClaimPolicy) -> Result<Option<Uuid>> {
     let (now, stale, retry) = design_cutoffs(pool, policy).await?;
     let no_types: Option<Vec<String>> = None;
-    Ok(sqlx::query_scalar(DESIGN_CLAIM_NEXT)
+    Ok(crate::statement::query_scalar(DESIGN_CLAIM_NEXT)
         .bind(now)
         .bind(stale)
         .bind(retry)
@@ -159,7 +159,7 @@ pub async fn design_claim_next(pool: &PgPool, policy: ClaimPolicy) -> Result<Opt
 /// Marks row `id` processed directly (no attempt), so that the next timed claim takes the next
 /// row.
 pub async fn mark_processed(pool: &PgPool, id: Uuid) -> Result<()> {
-    sqlx::query("UPDATE _System_OutboxEvent SET Status = 'processed' WHERE Id = $1")
+    crate::statement::query("UPDATE _System_OutboxEvent SET Status = 'processed' WHERE Id = $1")
         .bind(id)
         .execute(pool)
         .await?;
@@ -176,7 +176,7 @@ pub async fn explain_claims(
     let mut plans = crate::postgres::explain_analyze(pool, policy).await?;
     let (now, stale, retry) = design_cutoffs(pool, policy).await?;
     let mut tx = pool.begin().await?;
-    let design = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
+    let design = crate::statement::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
         "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {DESIGN_CLAIM_NEXT}"
     )))
     .bind(now)
@@ -238,7 +238,7 @@ pub struct Figures {
 
 /// Latency figures of the processed rows of `keys`, with the span measured from `since`.
 pub async fn latency(pool: &PgPool, keys: Keys<'_>, since: DateTime<Utc>) -> Result<Figures> {
-    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+    let row = crate::statement::query(sqlx::AssertSqlSafe(format!(
         "SELECT count(*),
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY lat),
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY lat),
@@ -284,7 +284,7 @@ impl Timeline {
 
 /// The [`Timeline`] of every processed row since `since`.
 pub async fn timeline(pool: &PgPool, since: DateTime<Utc>) -> Result<Timeline> {
-    let row = sqlx::query(
+    let row = crate::statement::query(
         "SELECT min(t), percentile_cont(0.1) WITHIN GROUP (ORDER BY t),
                 percentile_cont(0.9) WITHIN GROUP (ORDER BY t), max(t)
          FROM (SELECT EXTRACT(EPOCH FROM (LastModifiedDate - $1))::float8 AS t
@@ -304,7 +304,7 @@ pub async fn timeline(pool: &PgPool, since: DateTime<Utc>) -> Result<Timeline> {
 
 /// Processed rows of `keys` whose outcome was written at or before `until`.
 pub async fn processed_until(pool: &PgPool, keys: Keys<'_>, until: DateTime<Utc>) -> Result<i64> {
-    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+    Ok(crate::statement::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT count(*) FROM _System_OutboxEvent
          WHERE Status = 'processed' AND LastModifiedDate <= $1 AND {}",
         keys.condition()
@@ -317,7 +317,7 @@ pub async fn processed_until(pool: &PgPool, keys: Keys<'_>, until: DateTime<Utc>
 
 /// Rows of one key processed before an older row of the same key (must be zero).
 pub async fn order_violations(pool: &PgPool) -> Result<i64> {
-    Ok(sqlx::query_scalar(
+    Ok(crate::statement::query_scalar(
         "SELECT count(*) FROM (
            SELECT LastModifiedDate < lag(LastModifiedDate)
                     OVER (PARTITION BY RecordKey ORDER BY CreatedDate, Id) AS early
@@ -351,7 +351,7 @@ pub struct TableCounters {
 /// The outbox table's counters now. Backends flush their statistics when they exit, so read
 /// them after the measured pool is closed and flushed.
 pub async fn table_counters(pool: &PgPool) -> Result<TableCounters> {
-    let row = sqlx::query(
+    let row = crate::statement::query(
         "SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup,
                 pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8,
                 (SELECT n_tup_ins + n_tup_upd + n_tup_del FROM pg_stat_user_tables
@@ -361,7 +361,7 @@ pub async fn table_counters(pool: &PgPool) -> Result<TableCounters> {
     .fetch_one(pool)
     .await?;
     // Read by name through JSON, so that a server without the column answers NULL.
-    let wal_syncs = sqlx::query_scalar::<_, Option<i64>>(
+    let wal_syncs = crate::statement::query_scalar::<_, Option<i64>>(
         "SELECT (to_jsonb(w) ->> 'wal_sync')::bigint FROM pg_stat_wal w",
     )
     .fetch_one(pool)

@@ -46,7 +46,7 @@ pub async fn foreign_write(db: &Database, write: &ForeignWrite<'_>) -> Result<bo
         Database::Postgres(pool) => {
             let mut tx = pool.begin().await?;
             tokio::time::sleep(write.before).await;
-            sqlx::query(PG_INSERT)
+            crate::statement::query(PG_INSERT)
                 .bind(id)
                 .bind(write.event_type)
                 .bind(write.payload)
@@ -62,7 +62,7 @@ pub async fn foreign_write(db: &Database, write: &ForeignWrite<'_>) -> Result<bo
                 Utc::now() - chrono::Duration::from_std(write.created_back).unwrap_or_default();
             let mut tx = pool.begin().await?;
             tokio::time::sleep(write.before).await;
-            sqlx::query(SQLITE_INSERT)
+            crate::statement::query(SQLITE_INSERT)
                 .bind(id.to_string())
                 .bind(write.event_type)
                 .bind(write.payload)
@@ -93,13 +93,14 @@ pub async fn record_keys(db: &Database, limit: u32) -> Result<Vec<String>> {
         WHERE RecordKey IS NOT NULL ORDER BY RecordKey LIMIT $1";
     Ok(match db {
         Database::Postgres(pool) => {
-            sqlx::query_scalar(SQL)
+            let mut tx = super::read(pool).await?;
+            crate::statement::query_scalar(SQL)
                 .bind(i64::from(limit))
-                .fetch_all(pool)
+                .fetch_all(&mut *tx)
                 .await?
         }
         Database::Sqlite(pool) => {
-            sqlx::query_scalar(SQL)
+            crate::statement::query_scalar(SQL)
                 .bind(i64::from(limit))
                 .fetch_all(pool)
                 .await?

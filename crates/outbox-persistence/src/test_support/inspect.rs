@@ -77,13 +77,14 @@ pub async fn all_rows(db: &Database) -> Result<Vec<StoredRow>> {
     };
     match db {
         Database::Postgres(pool) => {
+            let mut tx = super::read(pool).await?;
             let rows: Vec<Columns<Uuid, DateTime<Utc>>> =
-                sqlx::query_as(ALL_ROWS).fetch_all(pool).await?;
+                crate::statement::query_as(ALL_ROWS).fetch_all(&mut *tx).await?;
             Ok(rows.into_iter().map(row).collect())
         }
         Database::Sqlite(pool) => {
             let rows: Vec<Columns<String, String>> =
-                sqlx::query_as(ALL_ROWS).fetch_all(pool).await?;
+                crate::statement::query_as(ALL_ROWS).fetch_all(pool).await?;
             rows.into_iter()
                 .map(|r| {
                     let id = Uuid::parse_str(&r.0)
@@ -113,8 +114,11 @@ pub async fn retry_count_sum(db: &Database) -> Result<i64> {
     const SQL: &str =
         "SELECT CAST(coalesce(sum(RetryCount), 0) AS BIGINT) FROM _System_OutboxEvent";
     Ok(match db {
-        Database::Postgres(pool) => sqlx::query_scalar(SQL).fetch_one(pool).await?,
-        Database::Sqlite(pool) => sqlx::query_scalar(SQL).fetch_one(pool).await?,
+        Database::Postgres(pool) => {
+            let mut tx = super::read(pool).await?;
+            crate::statement::query_scalar(SQL).fetch_one(&mut *tx).await?
+        }
+        Database::Sqlite(pool) => crate::statement::query_scalar(SQL).fetch_one(pool).await?,
     })
 }
 
@@ -133,13 +137,16 @@ pub async fn random_pending_key(
         WHERE Status = 'pending' AND EventType = ?1 AND RetryCount < ?2
         ORDER BY random() LIMIT 1";
     Ok(match db {
-        Database::Postgres(pool) => sqlx::query_scalar(PG)
-            .bind(event_type)
-            .bind(max_retry_count)
-            .fetch_optional(pool)
-            .await?
-            .flatten(),
-        Database::Sqlite(pool) => sqlx::query_scalar(SQLITE)
+        Database::Postgres(pool) => {
+            let mut tx = super::read(pool).await?;
+            crate::statement::query_scalar(PG)
+                .bind(event_type)
+                .bind(max_retry_count)
+                .fetch_optional(&mut *tx)
+                .await?
+                .flatten()
+        }
+        Database::Sqlite(pool) => crate::statement::query_scalar(SQLITE)
             .bind(event_type)
             .bind(max_retry_count)
             .fetch_optional(pool)
@@ -196,20 +203,24 @@ const SQLITE_AUDIT: &[&str] = &[
 pub async fn install_retry_audit(db: &Database) -> Result<()> {
     match db {
         Database::Postgres(pool) => {
-            let exists: bool = sqlx::query_scalar(
+            let mut tx = super::read(pool).await?;
+            let exists: bool = crate::statement::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'test_support_retry_audit')",
             )
-            .fetch_one(pool)
+            .fetch_one(&mut *tx)
             .await?;
+            drop(tx);
             if !exists {
                 for sql in POSTGRES_AUDIT {
-                    sqlx::query(*sql).execute(pool).await?;
+                    let mut tx = super::read(pool).await?;
+                    crate::statement::query(*sql).execute(&mut *tx).await?;
+                    tx.commit().await?;
                 }
             }
         }
         Database::Sqlite(pool) => {
             for sql in SQLITE_AUDIT {
-                sqlx::query(*sql).execute(pool).await?;
+                crate::statement::query(*sql).execute(pool).await?;
             }
         }
     }
@@ -224,17 +235,18 @@ pub async fn retry_audit(db: &Database) -> Result<Vec<RetryAudit>> {
     type AuditRow = (String, i32, i32, Option<String>);
     let rows: Vec<AuditRow> = match db {
         Database::Postgres(pool) => {
+            let mut tx = super::read(pool).await?;
             let exists: bool =
-                sqlx::query_scalar("SELECT to_regclass('testsupportretryaudit') IS NOT NULL")
-                    .fetch_one(pool)
+                crate::statement::query_scalar("SELECT to_regclass('testsupportretryaudit') IS NOT NULL")
+                    .fetch_one(&mut *tx)
                     .await?;
             if !exists {
                 return Err(audit_missing());
             }
-            sqlx::query_as(SQL).fetch_all(pool).await?
+            crate::statement::query_as(SQL).fetch_all(&mut *tx).await?
         }
         Database::Sqlite(pool) => {
-            let exists: bool = sqlx::query_scalar(
+            let exists: bool = crate::statement::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'TestSupportRetryAudit')",
             )
             .fetch_one(pool)
@@ -242,7 +254,7 @@ pub async fn retry_audit(db: &Database) -> Result<Vec<RetryAudit>> {
             if !exists {
                 return Err(audit_missing());
             }
-            sqlx::query_as(SQL).fetch_all(pool).await?
+            crate::statement::query_as(SQL).fetch_all(pool).await?
         }
     };
     Ok(rows

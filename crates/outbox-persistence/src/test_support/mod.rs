@@ -30,6 +30,17 @@ pub fn with_database(url: &str, name: &str) -> String {
     out
 }
 
+/// A READ COMMITTED transaction on `pool` for the test support's own statements: behind a
+/// transaction pooler a statement must run inside one. Reads drop it (rolled back); writes
+/// commit it.
+pub(crate) async fn read(
+    pool: &sqlx::PgPool,
+) -> crate::Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    Ok(pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::with_database;

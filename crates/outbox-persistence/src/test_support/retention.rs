@@ -15,7 +15,7 @@ pub async fn seed_terminal_rows(
     keys: usize,
 ) -> Result<()> {
     for (status, n, age) in [("processed", processed, 20), ("failed", failed, 40)] {
-        sqlx::query(
+        crate::statement::query(
             "INSERT INTO _System_OutboxEvent
                (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate,
                 LastModifiedDate, LastError)
@@ -36,7 +36,7 @@ pub async fn seed_terminal_rows(
 
 /// Terminal rows in the table (`processed` and `failed`).
 pub async fn terminal_rows(pool: &PgPool) -> Result<i64> {
-    Ok(sqlx::query_scalar(
+    Ok(crate::statement::query_scalar(
         "SELECT count(*) FROM _System_OutboxEvent WHERE Status IN ('processed', 'failed')",
     )
     .fetch_one(pool)
