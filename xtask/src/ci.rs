@@ -109,7 +109,11 @@ const STEPS: &[Step] = &[
         "example",
         demo::example,
     ),
-    Step::xtask("fault suite (quick)", "faults --quick", faults_quick),
+    Step::xtask(
+        "fault suite (quick, with a PgBouncer run)",
+        "faults --quick --pgbouncer",
+        faults_quick,
+    ),
     Step::xtask(
         "benchmark (figures, not asserted)",
         "bench --quick",
@@ -117,9 +121,10 @@ const STEPS: &[Step] = &[
     ),
 ];
 
-/// The CI fault step: `cargo xtask faults --quick` on PostgreSQL and SQLite.
+/// The CI fault step: `cargo xtask faults --quick --pgbouncer` on PostgreSQL (directly and
+/// through a transaction-pooling PgBouncer) and SQLite.
 fn faults_quick() -> Result<()> {
-    crate::faults::run(&["--quick".to_string()])
+    crate::faults::run(&["--quick".to_string(), "--pgbouncer".to_string()])
 }
 
 /// Runs every CI step in order, printing each one's command and duration, and stops at the first

@@ -60,8 +60,8 @@ pub fn consumer_map_check() -> Result<()> {
 }
 
 /// Runs `outbox demo` (release build of `outbox` and `outbox-demo`, which `outbox demo` runs)
-/// on a new SQLite file and on a fresh PostgreSQL database; fails when either verification
-/// fails.
+/// on a new SQLite file, on a fresh PostgreSQL database, and on another through a
+/// transaction-pooling PgBouncer (`xtask/src/pgbouncer.rs`); fails when any verification fails.
 pub fn demo() -> Result<()> {
     let release = Release::build(&[OUTBOX, DEMO])?;
     let outbox = release.path(OUTBOX);
@@ -72,6 +72,19 @@ pub fn demo() -> Result<()> {
     let name = format!("outbox_demo_{}", std::process::id());
     postgres::with_fresh_database(&admin, &name, |url| {
         Cmd::program(&outbox, &["demo", "--database-url", url]).run()
+    })?;
+    // Third run: through a transaction-pooling PgBouncer, wake-ups on a direct URL.
+    let bouncer = crate::pgbouncer::PgBouncer::start(&admin)?;
+    let name = format!("outbox_demo_pooled_{}", std::process::id());
+    postgres::with_fresh_database(&admin, &name, |direct| {
+        let pooled = postgres::with_parameter(
+            &postgres::with_database(&bouncer.url, &name),
+            "outbox_pooler",
+            "transaction",
+        );
+        Cmd::program(&outbox, &["demo", "--database-url", &pooled])
+            .env("OUTBOX_LISTEN_URL", direct)
+            .run()
     })
 }
 

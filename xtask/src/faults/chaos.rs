@@ -134,7 +134,7 @@ impl Suite<'_> {
     fn spawn_foreign(&self) -> Result<Child> {
         let url = match self.backend {
             super::profile::Backend::Postgres => {
-                postgres::with_parameter(&self.url, "application_name", "outbox-foreign")
+                postgres::with_parameter(&self.client_url, "application_name", "outbox-foreign")
             }
             super::profile::Backend::Sqlite => self.url.clone(),
         };

@@ -46,6 +46,8 @@ struct Options {
     backends: Vec<Backend>,
     report: Option<PathBuf>,
     seed: u64,
+    /// A second PostgreSQL run whose processes go through a transaction-pooling PgBouncer.
+    pgbouncer: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -53,6 +55,7 @@ fn parse(args: &[String]) -> Result<Options> {
         quick: false,
         backends: vec![Backend::Postgres, Backend::Sqlite],
         report: None,
+        pgbouncer: false,
         seed: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64),
@@ -66,6 +69,7 @@ fn parse(args: &[String]) -> Result<Options> {
         };
         match arg.as_str() {
             "--quick" => options.quick = true,
+            "--pgbouncer" => options.pgbouncer = true,
             "--backend" => {
                 options.backends = match value("--backend")?.as_str() {
                     "postgres" => vec![Backend::Postgres],
@@ -81,14 +85,16 @@ fn parse(args: &[String]) -> Result<Options> {
                     .context("`--seed` takes a number")?
             }
             other => bail!(
-                "unexpected argument `{other}`; usage: cargo xtask faults [--quick] [--backend postgres|sqlite|both] [--report FILE] [--seed N]"
+                "unexpected argument `{other}`; usage: cargo xtask faults [--quick] [--backend postgres|sqlite|both] [--pgbouncer] [--report FILE] [--seed N]"
             ),
         }
     }
     Ok(options)
 }
 
-/// `cargo xtask faults [--quick] [--backend postgres|sqlite|both] [--report FILE] [--seed N]`.
+/// `cargo xtask faults [--quick] [--backend postgres|sqlite|both] [--pgbouncer] [--report FILE]
+/// [--seed N]`. `--pgbouncer` adds a PostgreSQL run whose processes (work, foreign writers, the
+/// CLI) go through a transaction-pooling PgBouncer, with the same kills, cuts and restart.
 pub fn run(args: &[String]) -> Result<()> {
     let options = parse(args)?;
     let profile = if options.quick { QUICK } else { FULL };
@@ -121,21 +127,36 @@ pub fn run(args: &[String]) -> Result<()> {
     let logs = release.target().join("faults");
     let mut reports = Vec::new();
     let mut failed = Vec::new();
-    for (index, backend) in options.backends.iter().enumerate() {
+    let bouncer = if options.pgbouncer && options.backends.contains(&Backend::Postgres) {
+        Some(crate::pgbouncer::PgBouncer::start(&crate::postgres::database_url())?)
+    } else {
+        None
+    };
+    let mut runs: Vec<(Backend, Option<&str>)> =
+        options.backends.iter().map(|b| (*b, None)).collect();
+    if let Some(bouncer) = &bouncer {
+        runs.insert(1, (Backend::Postgres, Some(bouncer.url.as_str())));
+    }
+    for (index, (backend, pooler)) in runs.iter().enumerate() {
         let mut rng = Rng(options.seed.wrapping_add(index as u64));
         let profile = profile.on(*backend);
-        let outcome = Suite::new(*backend, &profile, &binaries, &skew, &logs)?.run(&mut rng);
+        let name = match pooler {
+            Some(_) => "postgres through PgBouncer",
+            None => backend.name(),
+        };
+        let outcome =
+            Suite::new(*backend, &profile, &binaries, &skew, &logs, *pooler)?.run(&mut rng);
         match outcome {
             Ok(report) => {
                 println!("\n{}", report.markdown);
                 if !report.passed {
-                    failed.push(backend.name());
+                    failed.push(name);
                 }
                 reports.push(report.markdown);
             }
             Err(error) => {
-                println!("\nfault suite on {}: ERROR: {error:#}", backend.name());
-                failed.push(backend.name());
+                println!("\nfault suite on {name}: ERROR: {error:#}");
+                failed.push(name);
             }
         }
     }

@@ -66,8 +66,9 @@ impl Suite<'_> {
         let mut md = String::new();
         let _ = writeln!(
             md,
-            "### Fault suite on {} ({} profile): {}\n",
+            "### Fault suite on {}{} ({} profile): {}\n",
             self.backend.name(),
+            if self.pooled() { " through PgBouncer (transaction pooling)" } else { "" },
             self.profile.name,
             if passed { "PASSED" } else { "FAILED" }
         );

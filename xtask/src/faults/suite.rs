@@ -42,8 +42,11 @@ pub(super) struct Suite<'a> {
     pub(super) skew: &'a Skew,
     /// Where each work process's stdout and stderr go (and any core file).
     pub(super) dir: PathBuf,
-    /// The run's database.
+    /// The run's database, reached directly (the suite's own `psql` statements and cuts).
     pub(super) url: String,
+    /// The URL the processes under test use: `url`, or through a transaction-pooling
+    /// PgBouncer (`?outbox_pooler=transaction`) for the run `--pgbouncer` adds.
+    pub(super) client_url: String,
     /// PostgreSQL only.
     pub(super) pg: Option<Server>,
 }
@@ -62,9 +65,11 @@ impl<'a> Suite<'a> {
         binaries: &'a Binaries<'a>,
         skew: &'a Skew,
         logs: &Path,
+        pooler: Option<&str>,
     ) -> Result<Self> {
         let stamp = unix_ms();
-        let dir = logs.join(format!("{}-{}-{stamp}", backend.name(), profile.name));
+        let through = if pooler.is_some() { "-pgbouncer" } else { "" };
+        let dir = logs.join(format!("{}{through}-{}-{stamp}", backend.name(), profile.name));
         std::fs::create_dir_all(&dir)?;
         let (url, pg) = match backend {
             Backend::Postgres => {
@@ -85,6 +90,14 @@ impl<'a> Suite<'a> {
                 None,
             ),
         };
+        let client_url = match (pooler, &pg) {
+            (Some(pooler), Some(server)) => postgres::with_parameter(
+                &postgres::with_database(pooler, &server.name),
+                "outbox_pooler",
+                "transaction",
+            ),
+            _ => url.clone(),
+        };
         Ok(Self {
             backend,
             profile,
@@ -92,6 +105,7 @@ impl<'a> Suite<'a> {
             skew,
             dir,
             url,
+            client_url,
             pg,
         })
     }
@@ -121,7 +135,8 @@ impl<'a> Suite<'a> {
         let output = Command::new(binary)
             .args(args)
             .current_dir(&self.dir)
-            .env("DATABASE_URL", &self.url)
+            .env("DATABASE_URL", &self.client_url)
+            .env("OUTBOX_LISTEN_URL", self.listen_url())
             .env("RUST_LOG", "error")
             .env_remove("OUTBOX_PULL_WORKER")
             .output()
@@ -205,6 +220,20 @@ impl<'a> Suite<'a> {
         ])?;
         print!("{said}");
         Ok(())
+    }
+
+    /// The direct URL for the processes' wake-up `LISTEN` behind the pooler (empty otherwise).
+    pub(super) fn listen_url(&self) -> &str {
+        if self.client_url == self.url {
+            ""
+        } else {
+            &self.url
+        }
+    }
+
+    /// Whether the processes under test go through PgBouncer.
+    pub(super) fn pooled(&self) -> bool {
+        self.client_url != self.url
     }
 
     /// Stale-after of the work processes (see [`STALE_AFTER_MS`]).

@@ -184,7 +184,7 @@ impl Suite<'_> {
         // The connection cuts pick the work processes' connections by this name.
         let url = match self.backend {
             Backend::Postgres => postgres::with_parameter(
-                &self.url,
+                &self.client_url,
                 "application_name",
                 &format!("outbox-work-{number}"),
             ),
@@ -195,6 +195,7 @@ impl Suite<'_> {
         cmd.args(self.work_arguments(faults))
             .current_dir(&self.dir)
             .env("DATABASE_URL", &url)
+            .env("OUTBOX_LISTEN_URL", self.listen_url())
             .env("RUST_LOG", "error")
             .env_remove("OUTBOX_PULL_WORKER")
             .stdout(File::create(&stdout)?)
