@@ -121,6 +121,13 @@ async fn run_demo_load(db: &TestDb, slow: Duration, what: &str) {
         .await;
     let effects = db.count("SELECT count(*) FROM effect").await;
     assert_eq!(failed, 0, "{what}: no event failed ({:?})", report.metrics);
+    // Every failure was recorded in its attempt transaction (rolled back to the savepoint),
+    // none on the side: nothing killed an attempt's transaction here.
+    assert_eq!(
+        report.metrics.detached_bookkeeping, 0,
+        "{what}: no bookkeeping fell back to the detached path ({:?})",
+        report.metrics
+    );
     assert_eq!(processed, 200, "{what}: every event processed");
     assert_eq!(effects, 200, "{what}: one effect per event");
     let levels = handler.isolation.lock().unwrap().clone();

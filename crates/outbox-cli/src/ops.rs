@@ -19,7 +19,7 @@ use crate::db;
 /// `outbox migrate`.
 pub async fn migrate(url: Option<&str>) -> Result<ExitCode> {
     let db = db::connect(url, ConnectConfig::default()).await?;
-    // A newer schema would make the migrator fail with its own words; say what it means.
+    // A newer schema would make the migrator fail with `VersionMissing`; say what it means.
     if let Err(outbox_persistence::Error::SchemaTooNew { .. }) = db.check_schema().await {
         db::check_schema(&db).await?;
     }

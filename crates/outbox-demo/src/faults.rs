@@ -127,20 +127,24 @@ async fn hold_one(
     match db {
         Database::Postgres(pool) => {
             let mut tx = pool.begin().await?;
-            outbox_persistence::statement::query("SELECT 1 FROM DemoAccount WHERE Id = $1 FOR UPDATE")
-                .bind(&id)
-                .execute(&mut *tx)
-                .await?;
+            outbox_persistence::statement::query(
+                "SELECT 1 FROM DemoAccount WHERE Id = $1 FOR UPDATE",
+            )
+            .bind(&id)
+            .execute(&mut *tx)
+            .await?;
             wait.await;
             tx.rollback().await?;
         }
         Database::Sqlite(pool) => {
             // SQLite has no row locks: holding its write lock blocks every writer.
             let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-            outbox_persistence::statement::query("UPDATE DemoAccount SET Revision = Revision WHERE Id = $1")
-                .bind(&id)
-                .execute(&mut *tx)
-                .await?;
+            outbox_persistence::statement::query(
+                "UPDATE DemoAccount SET Revision = Revision WHERE Id = $1",
+            )
+            .bind(&id)
+            .execute(&mut *tx)
+            .await?;
             wait.await;
             tx.rollback().await?;
         }

@@ -167,13 +167,15 @@ fn envelope(event: &OutboxEvent) -> Result<EventEnvelope, HandlerError> {
 /// Appends to the effect log, in the attempt transaction: the audit trail of processing order.
 async fn log_effect(ctx: &mut AttemptContext<'_>, event: &OutboxEvent) -> Result<(), HandlerError> {
     with_tx!(ctx.tx(), |conn| {
-        outbox_persistence::statement::query("INSERT INTO DemoEffectLog (EventId, RecordKey, EventType) VALUES ($1, $2, $3)")
-            .bind(event.id.to_string())
-            .bind(event.record_key.as_ref().map(|k| k.as_str()))
-            .bind(&event.event_type)
-            .execute(conn)
-            .await
-            .map(|_| ())
+        outbox_persistence::statement::query(
+            "INSERT INTO DemoEffectLog (EventId, RecordKey, EventType) VALUES ($1, $2, $3)",
+        )
+        .bind(event.id.to_string())
+        .bind(event.record_key.as_ref().map(|k| k.as_str()))
+        .bind(&event.event_type)
+        .execute(conn)
+        .await
+        .map(|_| ())
     })
     .map_err(HandlerError::db)
 }

@@ -66,7 +66,10 @@ pub async fn ensure(db: &Database) -> Result<()> {
         Database::Sqlite(_) => SQLITE,
     };
     for sql in statements {
-        with_conn!(db, |pool| outbox_persistence::statement::query(*sql).execute(pool).await.map(|_| ()))?;
+        with_conn!(db, |pool| outbox_persistence::statement::query(*sql)
+            .execute(pool)
+            .await
+            .map(|_| ()))?;
     }
     outbox_persistence::test_support::inspect::install_retry_audit(db).await?;
     Ok(())
@@ -80,7 +83,9 @@ pub async fn exists(db: &Database) -> Result<bool> {
             "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'DemoEffectLog')"
         }
     };
-    Ok(with_conn!(db, |pool| outbox_persistence::statement::query_scalar::<_, bool>(sql)
-        .fetch_one(pool)
-        .await)?)
+    Ok(with_conn!(db, |pool| {
+        outbox_persistence::statement::query_scalar::<_, bool>(sql)
+            .fetch_one(pool)
+            .await
+    })?)
 }

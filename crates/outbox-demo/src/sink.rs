@@ -78,10 +78,12 @@ impl MailSink {
     /// at `url`.
     pub async fn open(url: &str) -> Result<Self> {
         let db = Database::connect(&sink_url(url), ConnectConfig::default()).await?;
-        with_conn!(&db, |pool| outbox_persistence::statement::query(super::schema::MAILBOX)
-            .execute(pool)
-            .await
-            .map(|_| ()))?;
+        with_conn!(&db, |pool| outbox_persistence::statement::query(
+            super::schema::MAILBOX
+        )
+        .execute(pool)
+        .await
+        .map(|_| ()))?;
         let tables = match &db {
             Database::Postgres(_) => SIDE_TABLES_POSTGRES,
             Database::Sqlite(_) => SIDE_TABLES_SQLITE,
@@ -136,9 +138,11 @@ impl MailSink {
     /// Every send the provider received, in order.
     pub async fn sends(&self) -> Result<Vec<Send>> {
         let rows: Vec<(String, i32)> = with_conn!(&self.db, |pool| {
-            outbox_persistence::statement::query_as("SELECT IdempotencyKey, RetryCount FROM DemoMailSend ORDER BY Seq")
-                .fetch_all(pool)
-                .await
+            outbox_persistence::statement::query_as(
+                "SELECT IdempotencyKey, RetryCount FROM DemoMailSend ORDER BY Seq",
+            )
+            .fetch_all(pool)
+            .await
         })?;
         Ok(rows
             .into_iter()
@@ -149,9 +153,11 @@ impl MailSink {
     /// Every idempotency key received, with how many times it was sent.
     pub async fn deliveries(&self) -> Result<HashMap<String, i64>> {
         let rows: Vec<(String, i64)> = with_conn!(&self.db, |pool| {
-            outbox_persistence::statement::query_as("SELECT IdempotencyKey, Deliveries FROM DemoMailbox")
-                .fetch_all(pool)
-                .await
+            outbox_persistence::statement::query_as(
+                "SELECT IdempotencyKey, Deliveries FROM DemoMailbox",
+            )
+            .fetch_all(pool)
+            .await
         })?;
         Ok(rows.into_iter().collect())
     }

@@ -172,9 +172,11 @@ async fn check_effect_log(
     checks: &mut Vec<Check>,
 ) -> Result<()> {
     let log: Vec<(i64, String, Option<String>)> = with_conn!(db, |pool| {
-        outbox_persistence::statement::query_as("SELECT Seq, EventId, RecordKey FROM DemoEffectLog ORDER BY Seq")
-            .fetch_all(pool)
-            .await
+        outbox_persistence::statement::query_as(
+            "SELECT Seq, EventId, RecordKey FROM DemoEffectLog ORDER BY Seq",
+        )
+        .fetch_all(pool)
+        .await
     })?;
     let mut seen: HashMap<&str, u32> = HashMap::new();
     for (_, event_id, _) in &log {
@@ -228,9 +230,11 @@ async fn check_effect_log(
 /// number of opportunities.
 async fn check_creates(db: &Database, events: &[Row], checks: &mut Vec<Check>) -> Result<i64> {
     let opportunities: Vec<(String, String, i64)> = with_conn!(db, |pool| {
-        outbox_persistence::statement::query_as("SELECT SourceLeadId, Relation, OpportunityNumber FROM DemoOpportunity")
-            .fetch_all(pool)
-            .await
+        outbox_persistence::statement::query_as(
+            "SELECT SourceLeadId, Relation, OpportunityNumber FROM DemoOpportunity",
+        )
+        .fetch_all(pool)
+        .await
     })?;
     let mut per_key: HashMap<(&str, &str), u32> = HashMap::new();
     for (lead, relation, _) in &opportunities {
@@ -302,9 +306,11 @@ async fn check_captures(db: &Database, events: &[Row], checks: &mut Vec<Check>) 
         .await
     })?;
     let leads: Vec<(String, Option<String>, Option<i64>)> = with_conn!(db, |pool| {
-        outbox_persistence::statement::query_as("SELECT Id, CapturedStatus, CapturedRevision FROM DemoLead")
-            .fetch_all(pool)
-            .await
+        outbox_persistence::statement::query_as(
+            "SELECT Id, CapturedStatus, CapturedRevision FROM DemoLead",
+        )
+        .fetch_all(pool)
+        .await
     })?;
     let mut wrong = Vec::new();
     for (id, name, industry, revision) in &accounts {

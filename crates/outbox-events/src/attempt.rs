@@ -376,7 +376,7 @@ async fn finish_success(
                 // again without being counted. (A lost connection is the attempt transaction
                 // dying, which is counted: the event may be what kills it.)
                 tracing::warn!(error = %message, "the handler succeeded but its outcome could not be written; releasing the claim uncounted");
-                return release(env, claim, beat, &message).await;
+                return release(env, beat, &message).await;
             }
             let failure = env.failure(claim, true, message);
             detached(env, claim, beat, failure, None).await

@@ -12,13 +12,7 @@ use crate::heartbeat::Beat;
 /// Releases the claim without counting the attempt (see [`AttemptOutcome::Released`]), on a
 /// connection of its own, retried while the heartbeat keeps the claim alive as the detached
 /// bookkeeping is.
-pub(crate) async fn release(
-    env: &AttemptEnv,
-    claim: &Claim,
-    beat: &Beat<'_>,
-    message: &str,
-) -> AttemptOutcome {
-    env.metrics.detached_bookkeeping(&claim.event.event_type);
+pub(crate) async fn release(env: &AttemptEnv, beat: &Beat<'_>, message: &str) -> AttemptOutcome {
     beat.ensure_running(true);
     let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
     let mut backoff = DETACHED_FIRST_BACKOFF;

@@ -142,7 +142,9 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
 
     async fn rollback_to_savepoint(&mut self) -> Result<()> {
         let (tx, _) = self.open()?;
-        with_tx!(tx, |conn| sqlx::query(ROLLBACK_TO_SAVEPOINT)
+        // A simple query: nothing prepared (behind a transaction pooler a named statement
+        // would be left on the server connection).
+        with_tx!(tx, |conn| sqlx::raw_sql(ROLLBACK_TO_SAVEPOINT)
             .execute(conn)
             .await
             .map(|_| ()))?;

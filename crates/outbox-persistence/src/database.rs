@@ -10,10 +10,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{PgPool, SqlitePool};
 
-use crate::postgres::migrate::{
-    MIGRATE_LOCK_TIMEOUT, applied_postgres, check_server, migrate_begin, migrate_postgres,
-    server_refusal,
-};
+use crate::postgres::migrate::{applied_postgres, check_server, migrate_postgres};
 use crate::postgres::{DEFAULT_STATEMENT_TIMEOUT, PgSettings, Pooler, pool_caches_statements};
 use crate::{Error, OutboxRepository, Result};
 
@@ -383,10 +380,8 @@ fn take_pooler_parameter(url: &str) -> Result<(String, Option<Pooler>)> {
 /// [`Database::adopt_legacy_records`] on PostgreSQL: one statement moves the outbox's rows.
 async fn adopt_legacy_postgres(pool: &PgPool, migrations: Vec<(i64, Vec<u8>)>) -> Result<()> {
     let cached = pool_caches_statements(pool);
-    let mut tx = pool
-        .begin_with(sqlx::AssertSqlSafe(migrate_begin(MIGRATE_LOCK_TIMEOUT)))
-        .await
-        .map_err(server_refusal)?;
+    // Under the migrate lock: two processes would race the table's creation.
+    let mut tx = crate::postgres::migrate::locked(pool, cached).await?;
     let legacy: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
         .persistent(cached)
         .fetch_one(&mut *tx)

@@ -258,8 +258,9 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// Releases a claim without counting its attempt, on a connection of its own: back to
     /// `pending` with `RetryCount` unchanged and `error` in `LastError`, fenced. For an attempt
     /// whose handler succeeded but whose outcome the outbox could not write (a lock timeout,
-    /// a serialization failure or deadlock on its own statement): the event runs again at
-    /// once, and its `MaxRetryAttempts` is not charged.
+    /// a serialization failure or deadlock on its own statement): the event runs again (at
+    /// once unless it had failed before, then after the retry delay), and its
+    /// `MaxRetryAttempts` is not charged.
     async fn release_claim(&self, fence: Fence, error: &str) -> Result<FenceOutcome>;
 
     /// `UpdateStatus` on a connection of its own: a terminal status, fenced. `failed` also

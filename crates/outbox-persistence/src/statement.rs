@@ -9,14 +9,16 @@
 //! A statement behind a transaction pooler must also run inside a transaction: see
 //! [`crate::with_conn!`] for statements that would otherwise run on the pool.
 
-use sqlx::query::{Query, QueryAs, QueryScalar};
 use sqlx::database::HasStatementCache;
+use sqlx::query::{Query, QueryAs, QueryScalar};
 use sqlx::{Database, FromRow, SqlSafeStr};
 
 use crate::postgres::caches_statements;
 
 /// `sqlx::query`, unnamed behind a transaction pooler.
-pub fn query<'a, DB: Database + HasStatementCache>(sql: impl SqlSafeStr) -> Query<'a, DB, <DB as Database>::Arguments> {
+pub fn query<'a, DB: Database + HasStatementCache>(
+    sql: impl SqlSafeStr,
+) -> Query<'a, DB, <DB as Database>::Arguments> {
     sqlx::query(sql).persistent(caches_statements())
 }
 

@@ -128,7 +128,9 @@ pub fn run(args: &[String]) -> Result<()> {
     let mut reports = Vec::new();
     let mut failed = Vec::new();
     let bouncer = if options.pgbouncer && options.backends.contains(&Backend::Postgres) {
-        Some(crate::pgbouncer::PgBouncer::start(&crate::postgres::database_url())?)
+        Some(crate::pgbouncer::PgBouncer::start(
+            &crate::postgres::database_url(),
+        )?)
     } else {
         None
     };

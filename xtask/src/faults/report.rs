@@ -68,7 +68,11 @@ impl Suite<'_> {
             md,
             "### Fault suite on {}{} ({} profile): {}\n",
             self.backend.name(),
-            if self.pooled() { " through PgBouncer (transaction pooling)" } else { "" },
+            if self.pooled() {
+                " through PgBouncer (transaction pooling)"
+            } else {
+                ""
+            },
             self.profile.name,
             if passed { "PASSED" } else { "FAILED" }
         );

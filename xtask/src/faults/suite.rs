@@ -69,7 +69,11 @@ impl<'a> Suite<'a> {
     ) -> Result<Self> {
         let stamp = unix_ms();
         let through = if pooler.is_some() { "-pgbouncer" } else { "" };
-        let dir = logs.join(format!("{}{through}-{}-{stamp}", backend.name(), profile.name));
+        let dir = logs.join(format!(
+            "{}{through}-{}-{stamp}",
+            backend.name(),
+            profile.name
+        ));
         std::fs::create_dir_all(&dir)?;
         let (url, pg) = match backend {
             Backend::Postgres => {

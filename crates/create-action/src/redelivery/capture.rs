@@ -63,12 +63,17 @@ async fn capture_postgres(
         let table = postgres_table(conn, spec).await?;
         out.tables.insert(spec.table.folded(), table);
     }
-    let counters_exist: bool =
-        outbox_persistence::statement::query_scalar("SELECT to_regclass('_system_autonumber') IS NOT NULL")
-            .fetch_one(&mut *conn)
-            .await?;
+    let counters_exist: bool = outbox_persistence::statement::query_scalar(
+        "SELECT to_regclass('_system_autonumber') IS NOT NULL",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
     if counters_exist {
-        out.counters = counters_of(outbox_persistence::statement::query_as(COUNTERS).fetch_all(&mut *conn).await?);
+        out.counters = counters_of(
+            outbox_persistence::statement::query_as(COUNTERS)
+                .fetch_all(&mut *conn)
+                .await?,
+        );
     }
     Ok(out)
 }
@@ -80,10 +85,11 @@ async fn postgres_table(
     spec: &CaptureSpec,
 ) -> Result<TableCapture, KitError> {
     let quoted = spec.table.quoted();
-    let exists: bool = outbox_persistence::statement::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-        .bind(&quoted)
-        .fetch_one(&mut *conn)
-        .await?;
+    let exists: bool =
+        outbox_persistence::statement::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(&quoted)
+            .fetch_one(&mut *conn)
+            .await?;
     if !exists {
         return Err(KitError::UnknownTable(spec.table.to_string()));
     }
@@ -138,7 +144,11 @@ async fn capture_sqlite(
     .fetch_one(&mut *conn)
     .await?;
     if counters_exist {
-        out.counters = counters_of(outbox_persistence::statement::query_as(COUNTERS).fetch_all(&mut *conn).await?);
+        out.counters = counters_of(
+            outbox_persistence::statement::query_as(COUNTERS)
+                .fetch_all(&mut *conn)
+                .await?,
+        );
     }
     Ok(out)
 }
@@ -148,11 +158,12 @@ async fn sqlite_table(
     conn: &mut SqliteConnection,
     spec: &CaptureSpec,
 ) -> Result<TableCapture, KitError> {
-    let columns: Vec<(String, i64)> =
-        outbox_persistence::statement::query_as("SELECT name, pk FROM pragma_table_info(?1) ORDER BY cid")
-            .bind(spec.table.folded())
-            .fetch_all(&mut *conn)
-            .await?;
+    let columns: Vec<(String, i64)> = outbox_persistence::statement::query_as(
+        "SELECT name, pk FROM pragma_table_info(?1) ORDER BY cid",
+    )
+    .bind(spec.table.folded())
+    .fetch_all(&mut *conn)
+    .await?;
     if columns.is_empty() {
         return Err(KitError::UnknownTable(spec.table.to_string()));
     }

@@ -2,6 +2,8 @@
 //! [`super::sql`]), so concurrent workers skip each other's rows instead of queueing behind
 //! them; and decoding the rows those statements return.
 
+use std::time::Duration;
+
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
@@ -111,7 +113,7 @@ impl PgOutbox {
     /// The record keys whose head in `_System_OutboxHead` differs from the outbox rows (see
     /// [`crate::Database::check_heads`]).
     pub async fn check_heads(&self) -> Result<Vec<String>> {
-        let mut tx = self.begin_read().await?;
+        let mut tx = self.begin_unbounded_read().await?;
         let keys = sqlx::query_scalar(HEADS_DIFF)
             .persistent(self.cached())
             .fetch_all(&mut *tx)
@@ -150,7 +152,10 @@ impl PgOutbox {
     /// Rebuilds `_System_OutboxHead` from the outbox rows (see
     /// [`crate::Database::rebuild_heads`]); returns the number of heads.
     pub async fn rebuild_heads(&self) -> Result<u64> {
-        let mut tx = self.begin_write().await?;
+        // The rebuild reads the whole table: no statement timeout.
+        let mut spec = self.begin_spec(false);
+        spec.statement_timeout = Duration::ZERO;
+        let mut tx = self.begin_as(spec).await?;
         sqlx::raw_sql(HEADS_REBUILD).execute(&mut *tx).await?;
         let n: i64 = sqlx::query_scalar("SELECT count(*) FROM _System_OutboxHead")
             .persistent(self.cached())

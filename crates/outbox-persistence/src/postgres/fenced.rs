@@ -217,7 +217,7 @@ impl PgOutbox {
             Ok(_) => {
                 let writes = PgAttemptWrites {
                     shift: self.shift.clone(),
-                    lock_timeout: format!("{}ms", lock_timeout.as_millis().max(1)),
+                    lock_timeout: format!("{}ms", super::session::millis(lock_timeout)),
                     cached: self.cached(),
                 };
                 Ok(Some(Box::new(OpenAttempt::new(Tx::Postgres(tx), writes))))

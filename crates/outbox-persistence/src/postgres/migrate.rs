@@ -15,7 +15,7 @@ use crate::{Error, Result};
 /// database's defaults, no statement timeout (an index build on a large table takes what it
 /// takes), table locks waited for at most `lock_timeout` (a migration queued behind a long
 /// transaction would hold every enqueue and claim behind its own lock request).
-pub(crate) fn migrate_begin(lock_timeout: Duration) -> String {
+fn migrate_begin(lock_timeout: Duration) -> String {
     crate::postgres::begin_sql(crate::postgres::Begin {
         read_only: false,
         lock_timeout,
@@ -26,7 +26,7 @@ pub(crate) fn migrate_begin(lock_timeout: Duration) -> String {
 }
 
 /// The lock timeout of migrations.
-pub(crate) const MIGRATE_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+const MIGRATE_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Checks, in one read-only transaction, that the server can run the outbox: see
 /// [`Database::migrate`]. Changes nothing.
@@ -108,10 +108,36 @@ async fn read_applied(
     ))
 }
 
+/// A migration transaction that holds the migrate lock: it waits for another migrator as long
+/// as that one takes (no lock timeout on the advisory lock), then bounds its table locks by
+/// [`MIGRATE_LOCK_TIMEOUT`].
+pub(crate) async fn locked(
+    pool: &PgPool,
+    cached: bool,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    let mut tx = pool
+        .begin_with(sqlx::AssertSqlSafe(migrate_begin(Duration::ZERO)))
+        .await
+        .map_err(server_refusal)?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1, 0)::text")
+        .persistent(cached)
+        .bind(MIGRATE_LOCK_NAMESPACE)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = '{}ms'",
+        super::session::millis(MIGRATE_LOCK_TIMEOUT)
+    )))
+    .execute(&mut *tx)
+    .await?;
+    Ok(tx)
+}
+
 /// Applies `migrator`'s pending migrations on PostgreSQL, each in a transaction of its own
 /// under the transaction-scoped lock [`MIGRATE_LOCK_NAMESPACE`]; see [`Database::migrate`].
 /// What sqlx's migrator checks is checked the same way: an applied migration whose checksum
-/// differs, or one recorded as failed, stops the run.
+/// differs, one recorded as failed, or one this binary does not know stops the run; a
+/// migration marked to run outside a transaction is refused.
 pub(crate) async fn migrate_postgres(pool: &PgPool, migrator: &Migrator) -> Result<()> {
     use sqlx::migrate::MigrateError;
     let cached = pool_caches_statements(pool);
@@ -119,15 +145,13 @@ pub(crate) async fn migrate_postgres(pool: &PgPool, migrator: &Migrator) -> Resu
         if migration.migration_type.is_down_migration() {
             continue;
         }
-        let mut tx = pool
-            .begin_with(sqlx::AssertSqlSafe(migrate_begin(MIGRATE_LOCK_TIMEOUT)))
-            .await
-            .map_err(server_refusal)?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)::text")
-            .persistent(cached)
-            .bind(MIGRATE_LOCK_NAMESPACE)
-            .execute(&mut *tx)
-            .await?;
+        if migration.no_tx {
+            return Err(Error::Unsupported(format!(
+                "migration {} asks to run outside a transaction, which the outbox's migrator does not do (it must run under its transaction-scoped lock)",
+                migration.version
+            )));
+        }
+        let mut tx = locked(pool, cached).await?;
         let applied = match read_applied(&mut tx, cached).await? {
             Some(applied) => applied,
             None => {
@@ -148,6 +172,12 @@ pub(crate) async fn migrate_postgres(pool: &PgPool, migrator: &Migrator) -> Resu
         };
         if let Some((version, _, _)) = applied.iter().find(|(_, _, success)| !success) {
             return Err(MigrateError::Dirty(*version).into());
+        }
+        if let Some((version, _, _)) = applied
+            .iter()
+            .find(|(v, _, _)| migrator.iter().all(|m| m.version != *v))
+        {
+            return Err(MigrateError::VersionMissing(*version).into());
         }
         if let Some((_, checksum, _)) = applied.iter().find(|(v, _, _)| *v == migration.version) {
             if checksum.as_slice() != &*migration.checksum {

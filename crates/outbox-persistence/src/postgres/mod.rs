@@ -146,7 +146,7 @@ impl PgOutbox {
 
     /// The lock timeout as the statements restate it (`5000ms`).
     fn lock_timeout(&self) -> String {
-        format!("{}ms", self.lock_timeout.as_millis().max(1))
+        format!("{}ms", session::millis(self.lock_timeout))
     }
 
     /// Whether this repository's statements may be prepared under a name (not behind a
@@ -165,6 +165,14 @@ impl PgOutbox {
             may_idle: false,
             async_commit: false,
         }
+    }
+
+    /// A reading transaction without a statement timeout, for the operator's full-table reads
+    /// (`check_heads`, `count_prunable`), which take what the table's size takes.
+    async fn begin_unbounded_read(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        let mut spec = self.begin_spec(true);
+        spec.statement_timeout = Duration::ZERO;
+        self.begin_as(spec).await
     }
 
     /// Begins one of the repository's own transactions as `spec` says.

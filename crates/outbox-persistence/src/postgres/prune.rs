@@ -104,7 +104,7 @@ impl PgOutbox {
     }
 
     async fn count(&self, sql: &'static str, age: Duration) -> Result<u64> {
-        let mut tx = self.begin_read().await?;
+        let mut tx = self.begin_unbounded_read().await?;
         let n: i64 = sqlx::query_scalar(sql)
             .persistent(self.cached())
             .bind(self.shift())

@@ -91,8 +91,13 @@ impl PgSettings {
 }
 
 /// The settings of the pools this process connected, by the identity of their connect options
-/// (a pool keeps one `Arc` of them for its life). A pool holds no outbox data, and the
-/// `Database::Postgres(PgPool)` variant stays as embedding services match on it.
+/// (a pool keeps one `Arc` of them for its life; the `Weak` kept here keeps the allocation, so
+/// an address is never reused for another pool's). A pool holds no outbox data, and the
+/// `Database::Postgres(PgPool)` variant stays as embedding services match on it. A pool whose
+/// options are replaced (`PgPool::set_connect_options`, rotating credentials) gets a new
+/// `Arc`: repositories built after that see the defaults, so register again with
+/// [`crate::postgres::PgOutbox::with_settings`] (the statements stay unnamed meanwhile, through
+/// the process-wide flag).
 static REGISTRY: LazyLock<Registry> = LazyLock::new(Mutex::default);
 
 /// Each pool's connect options (weakly: a dropped pool's entry goes) with its settings.
@@ -157,10 +162,16 @@ pub(crate) struct Begin {
     pub(crate) async_commit: bool,
 }
 
-/// Milliseconds as PostgreSQL reads them; zero (no timeout) stays zero, anything else is at
-/// least one millisecond.
-fn millis(d: Duration) -> u128 {
-    if d.is_zero() { 0 } else { d.as_millis().max(1) }
+/// Milliseconds as PostgreSQL reads a timeout: zero (no timeout) stays zero, anything else is
+/// at least one millisecond and at most `i32::MAX` (about 24.8 days; the server refuses more,
+/// and a `SET LOCAL` that fails inside a begin string would leave the connection in a failed
+/// transaction).
+pub(crate) fn millis(d: Duration) -> u128 {
+    if d.is_zero() {
+        0
+    } else {
+        d.as_millis().clamp(1, i32::MAX as u128)
+    }
 }
 
 /// The simple-query text that begins a transaction of the outbox: one round trip, and nothing

@@ -78,8 +78,9 @@ pub async fn all_rows(db: &Database) -> Result<Vec<StoredRow>> {
     match db {
         Database::Postgres(pool) => {
             let mut tx = super::read(pool).await?;
-            let rows: Vec<Columns<Uuid, DateTime<Utc>>> =
-                crate::statement::query_as(ALL_ROWS).fetch_all(&mut *tx).await?;
+            let rows: Vec<Columns<Uuid, DateTime<Utc>>> = crate::statement::query_as(ALL_ROWS)
+                .fetch_all(&mut *tx)
+                .await?;
             Ok(rows.into_iter().map(row).collect())
         }
         Database::Sqlite(pool) => {
@@ -116,7 +117,9 @@ pub async fn retry_count_sum(db: &Database) -> Result<i64> {
     Ok(match db {
         Database::Postgres(pool) => {
             let mut tx = super::read(pool).await?;
-            crate::statement::query_scalar(SQL).fetch_one(&mut *tx).await?
+            crate::statement::query_scalar(SQL)
+                .fetch_one(&mut *tx)
+                .await?
         }
         Database::Sqlite(pool) => crate::statement::query_scalar(SQL).fetch_one(pool).await?,
     })
@@ -236,10 +239,11 @@ pub async fn retry_audit(db: &Database) -> Result<Vec<RetryAudit>> {
     let rows: Vec<AuditRow> = match db {
         Database::Postgres(pool) => {
             let mut tx = super::read(pool).await?;
-            let exists: bool =
-                crate::statement::query_scalar("SELECT to_regclass('testsupportretryaudit') IS NOT NULL")
-                    .fetch_one(&mut *tx)
-                    .await?;
+            let exists: bool = crate::statement::query_scalar(
+                "SELECT to_regclass('testsupportretryaudit') IS NOT NULL",
+            )
+            .fetch_one(&mut *tx)
+            .await?;
             if !exists {
                 return Err(audit_missing());
             }
