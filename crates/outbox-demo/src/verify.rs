@@ -279,7 +279,8 @@ async fn check_creates(db: &Database, events: &[Row], checks: &mut Vec<Check>) -
 }
 
 /// Field capture: each record's captured fields equal its newest processed snapshot.
-async fn check_captures(db: &Database, events: &[Row], checks: &mut Vec<Check>) -> Result<()> {
+/// Each capturing record's newest processed event with its snapshot.
+fn newest_snapshots(events: &[Row]) -> Result<HashMap<&str, (&Row, serde_json::Value)>> {
     let mut newest: HashMap<&str, (&Row, serde_json::Value)> = HashMap::new();
     for e in events.iter().filter(|e| e.status == "processed") {
         let captures = matches!(
@@ -298,6 +299,11 @@ async fn check_captures(db: &Database, events: &[Row], checks: &mut Vec<Check>) 
         let snapshot = serde_json::from_str::<serde_json::Value>(&e.payload)?["snapshot"].clone();
         newest.insert(key, (e, snapshot));
     }
+    Ok(newest)
+}
+
+async fn check_captures(db: &Database, events: &[Row], checks: &mut Vec<Check>) -> Result<()> {
+    let newest = newest_snapshots(events)?;
     let accounts: Vec<AccountRow> = with_conn!(db, |pool| {
         outbox_persistence::statement::query_as(
             "SELECT Id, CapturedName, CapturedIndustry, CapturedRevision FROM DemoAccount",
