@@ -60,6 +60,7 @@ max_client_conn = 2000
 default_pool_size = 20
 ignore_startup_parameters = extra_float_digits
 server_reset_query =
+server_login_retry = 1
 logfile = {log}
 ",
                 users = dir.join("users.txt").display(),

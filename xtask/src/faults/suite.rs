@@ -136,15 +136,31 @@ impl<'a> Suite<'a> {
     }
 
     fn run_binary(&self, binary: &Path, name: &str, args: &[&str]) -> Result<String> {
-        let output = Command::new(binary)
-            .args(args)
-            .current_dir(&self.dir)
-            .env("DATABASE_URL", &self.client_url)
-            .env("OUTBOX_LISTEN_URL", self.listen_url())
-            .env("RUST_LOG", "error")
-            .env_remove("OUTBOX_PULL_WORKER")
-            .output()
-            .with_context(|| format!("running {name} {}", args.join(" ")))?;
+        let run = || {
+            Command::new(binary)
+                .args(args)
+                .current_dir(&self.dir)
+                .env("DATABASE_URL", &self.client_url)
+                .env("OUTBOX_LISTEN_URL", self.listen_url())
+                .env("RUST_LOG", "error")
+                .env_remove("OUTBOX_PULL_WORKER")
+                .output()
+                .with_context(|| format!("running {name} {}", args.join(" ")))
+        };
+        let mut output = run()?;
+        // Behind PgBouncer, a server restart leaves the pooler refusing logins for a while
+        // (`server_login_retry`) after the server is back: an operator's command says the
+        // database is unavailable and is run again, as an operator would.
+        let mut tries = 0;
+        while self.pooled()
+            && !output.status.success()
+            && String::from_utf8_lossy(&output.stderr).contains("database unavailable")
+            && tries < 60
+        {
+            tries += 1;
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            output = run()?;
+        }
         let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
         if !output.status.success() && args.first() != Some(&"verify") {
             bail!(
