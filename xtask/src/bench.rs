@@ -76,9 +76,21 @@ fn run_bench(args: &[&str]) -> Result<()> {
     let url = postgres::database_url();
     postgres::require(&url, "the benchmark")?;
     let release = Release::build(&[BENCH])?;
-    Cmd::program(&release.path(BENCH).to_string_lossy(), args)
-        .env("DATABASE_URL", &url)
-        .run()
+    // The idle pickup is also measured through a transaction-pooling PgBouncer when one can
+    // be started (Debian's package; skipped with a line when it is not installed).
+    let bouncer = match crate::pgbouncer::PgBouncer::start(&url) {
+        Ok(bouncer) => Some(bouncer),
+        Err(e) => {
+            println!("no PgBouncer for the pooled idle pickup: {e:#}");
+            None
+        }
+    };
+    let mut cmd =
+        Cmd::program(&release.path(BENCH).to_string_lossy(), args).env("DATABASE_URL", &url);
+    if let Some(bouncer) = &bouncer {
+        cmd = cmd.env("OUTBOX_BENCH_PGBOUNCER_URL", &bouncer.url);
+    }
+    cmd.run()
 }
 
 #[cfg(test)]

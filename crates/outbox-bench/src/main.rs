@@ -54,6 +54,11 @@ struct BenchArgs {
     /// Run only the scenarios whose name contains one of these words (for example `claim`).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
+    /// A transaction-pooling PgBouncer in front of the same server (`cargo xtask bench` starts
+    /// one): the idle pickup is also measured through it, with wake-ups from a direct `LISTEN`
+    /// URL and by polling.
+    #[arg(long, env = "OUTBOX_BENCH_PGBOUNCER_URL")]
+    pub pgbouncer_url: Option<String>,
 }
 
 /// Sizes of one run.
@@ -138,6 +143,8 @@ struct BenchDb {
     pub url: String,
     admin: PgConnectOptions,
     name: String,
+    /// The bench database through a transaction-pooling PgBouncer (`--pgbouncer-url`).
+    pooled_url: Option<String>,
 }
 
 impl BenchDb {
@@ -158,7 +165,12 @@ impl BenchDb {
         let db = Database::connect(&url, ConnectConfig::default()).await?;
         db.migrate().await?;
         db.close().await;
-        Ok(Self { url, admin, name })
+        Ok(Self {
+            url,
+            admin,
+            name,
+            pooled_url: None,
+        })
     }
 
     async fn drop_database(&self) -> Result<()> {
@@ -171,6 +183,21 @@ impl BenchDb {
         .await?;
         conn.close().await?;
         Ok(())
+    }
+
+    /// A pool of `connections` on the bench database through the PgBouncer (`None` without
+    /// one), its wake-ups on the direct URL when `listen`, by polling otherwise.
+    pub async fn connect_pooled(&self, connections: u32, listen: bool) -> Result<Option<Database>> {
+        let Some(url) = &self.pooled_url else {
+            return Ok(None);
+        };
+        let config = ConnectConfig {
+            max_connections: connections,
+            acquire_timeout: Duration::from_secs(60),
+            listen_url: listen.then(|| self.url.clone()),
+            ..ConnectConfig::default()
+        };
+        Ok(Some(Database::connect(url, config).await?))
     }
 
     /// A pool of `connections` on the bench database.
@@ -199,7 +226,13 @@ async fn run(args: BenchArgs) -> Result<ExitCode> {
         bail!("`outbox-bench` measures PostgreSQL; point --database-url at a PostgreSQL server");
     }
     let sizes = Sizes::new(args.quick);
-    let db = BenchDb::create(url).await?;
+    let mut db = BenchDb::create(url).await?;
+    db.pooled_url = args.pgbouncer_url.as_deref().map(|pooler| {
+        format!(
+            "{}?outbox_pooler=transaction",
+            outbox_persistence::test_support::with_database(pooler, &db.name)
+        )
+    });
     eprintln!("bench database {} created", db.name);
     let result = if args.explain {
         claim::explain(&db, &sizes).await.map(|()| None)
@@ -257,6 +290,11 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     }
     if wanted("sqlite") {
         sqlite::sqlite_drains(&sizes, &mut report).await?;
+    }
+    // Last: once a pool behind a transaction pooler exists, every statement of this process
+    // is sent unnamed (`postgres::caches_statements`), which would change the figures above.
+    if wanted("idle") {
+        scenarios::idle_pickup_pooled(db, &sizes, &mut report).await?;
     }
     if wanted("retention") {
         retention::retention(db, &sizes, &mut report).await?;
