@@ -61,7 +61,9 @@ pub fn consumer_map_check() -> Result<()> {
 
 /// Runs `outbox demo` (release build of `outbox` and `outbox-demo`, which `outbox demo` runs)
 /// on a new SQLite file, on a fresh PostgreSQL database, and on another through a
-/// transaction-pooling PgBouncer (`xtask/src/pgbouncer.rs`); fails when any verification fails.
+/// transaction-pooling PgBouncer (`xtask/src/pgbouncer.rs`), then as separate processes on
+/// databases whose defaults a DBA changed ([`DBA_DEFAULTS`]); fails when any verification
+/// fails.
 pub fn demo() -> Result<()> {
     let release = Release::build(&[OUTBOX, DEMO])?;
     let outbox = release.path(OUTBOX);
@@ -85,7 +87,78 @@ pub fn demo() -> Result<()> {
         Cmd::program(&outbox, &["demo", "--database-url", &pooled])
             .env("OUTBOX_LISTEN_URL", direct)
             .run()
-    })
+    })?;
+    dba_defaults(&outbox, &release.path(DEMO).to_string_lossy(), &admin)
+}
+
+/// The defaults a DBA may set on a database, each with the handler time the run needs: the
+/// idle-in-transaction timeout is run with handlers longer than it.
+const DBA_DEFAULTS: &[(&str, &str, &str)] = &[
+    ("default_transaction_isolation", "serializable", "0"),
+    ("default_transaction_isolation", "repeatable read", "0"),
+    ("statement_timeout", "200ms", "0"),
+    ("lock_timeout", "50ms", "0"),
+    ("idle_in_transaction_session_timeout", "1s", "6"),
+];
+
+/// The demo as separate processes (`outbox migrate`, `outbox-demo seed` with 5% of events
+/// failing their first attempt, `work --until-drained`, `verify`) on a database per entry of
+/// [`DBA_DEFAULTS`], set with `ALTER DATABASE … SET` before anything connects. Fails unless the
+/// verification passes with no event `failed` (only first-attempt faults were injected, so any
+/// `failed` row is one the outbox's own statements caused).
+fn dba_defaults(outbox: &str, demo: &str, admin: &str) -> Result<()> {
+    for (index, (setting, value, slow_events)) in DBA_DEFAULTS.iter().enumerate() {
+        let name = format!("outbox_demo_dba_{index}_{}", std::process::id());
+        println!("demo on a database with {setting} = '{value}'");
+        postgres::with_fresh_database(admin, &name, |url| {
+            postgres::psql(admin, &format!("ALTER DATABASE {name} SET {setting} = '{value}'"))?;
+            Cmd::program(outbox, &["migrate"]).env("DATABASE_URL", url).run()?;
+            Cmd::program(
+                demo,
+                &[
+                    "seed",
+                    "--events",
+                    "1000",
+                    "--records",
+                    "100",
+                    "--fault-rate",
+                    "0.05",
+                    "--slow-events",
+                    slow_events,
+                    "--slow-ms",
+                    "1600",
+                ],
+            )
+            .env("DATABASE_URL", url)
+            .run()?;
+            Cmd::program(
+                demo,
+                &[
+                    "work",
+                    "--until-drained",
+                    "--pull-worker",
+                    "true",
+                    "--workers",
+                    "8",
+                    "--max-retry-attempts",
+                    "3",
+                ],
+            )
+            .env("DATABASE_URL", url)
+            .run()?;
+            let verified = Cmd::program(demo, &["verify"]).env("DATABASE_URL", url).output();
+            let report = match &verified {
+                Ok(out) => String::from_utf8_lossy(out).into_owned(),
+                Err(e) => format!("{e:#}"),
+            };
+            print!("{report}");
+            if verified.is_err() || !report.contains(" processed, 0 failed") {
+                bail!("the demo on a database with {setting} = '{value}' did not pass with no event failed");
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
 }
 
 /// `cargo xtask example`: the embedding example (`examples/contact-service`) with pull workers
