@@ -257,7 +257,7 @@ mod tests {
             "the benchmark runs after the tests"
         );
         assert!(
-            position("cargo xtask faults --quick") > tests,
+            position("cargo xtask faults --quick --pgbouncer") > tests,
             "the fault suite runs after the tests"
         );
     }

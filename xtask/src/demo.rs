@@ -111,8 +111,13 @@ fn dba_defaults(outbox: &str, demo: &str, admin: &str) -> Result<()> {
         let name = format!("outbox_demo_dba_{index}_{}", std::process::id());
         println!("demo on a database with {setting} = '{value}'");
         postgres::with_fresh_database(admin, &name, |url| {
-            postgres::psql(admin, &format!("ALTER DATABASE {name} SET {setting} = '{value}'"))?;
-            Cmd::program(outbox, &["migrate"]).env("DATABASE_URL", url).run()?;
+            postgres::psql(
+                admin,
+                &format!("ALTER DATABASE {name} SET {setting} = '{value}'"),
+            )?;
+            Cmd::program(outbox, &["migrate"])
+                .env("DATABASE_URL", url)
+                .run()?;
             Cmd::program(
                 demo,
                 &[
@@ -146,14 +151,18 @@ fn dba_defaults(outbox: &str, demo: &str, admin: &str) -> Result<()> {
             )
             .env("DATABASE_URL", url)
             .run()?;
-            let verified = Cmd::program(demo, &["verify"]).env("DATABASE_URL", url).output();
+            let verified = Cmd::program(demo, &["verify"])
+                .env("DATABASE_URL", url)
+                .output();
             let report = match &verified {
                 Ok(out) => String::from_utf8_lossy(out).into_owned(),
                 Err(e) => format!("{e:#}"),
             };
             print!("{report}");
             if verified.is_err() || !report.contains(" processed, 0 failed") {
-                bail!("the demo on a database with {setting} = '{value}' did not pass with no event failed");
+                bail!(
+                    "the demo on a database with {setting} = '{value}' did not pass with no event failed"
+                );
             }
             Ok(())
         })?;

@@ -21,6 +21,11 @@
 //!    file is longer than [`MAX_FILE_LINES`] lines and no function longer than
 //!    [`MAX_FN_LINES`], unless [`LONG_ALLOWED`] names it with a reason. Functions are found by
 //!    a scanner ([`scan`]) that skips comments and literals, not by a parser.
+//! 7. In `outbox-persistence`'s PostgreSQL code ([`PREPARED_DIRS`]), every `sqlx::query`,
+//!    `sqlx::query_as` and `sqlx::query_scalar` states `.persistent(…)` before the statement's
+//!    first `.await`: behind a transaction pooler a statement sqlx names and caches
+//!    collides with other clients' (docs/deployment.md), so each one says whether it may be
+//!    cached. `sqlx::raw_sql` prepares nothing and needs no mark.
 
 mod scan;
 
@@ -31,6 +36,12 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 
 use crate::project_root;
+
+/// Where rule 7 applies.
+const PREPARED_DIRS: &[&str] = &["crates/outbox-persistence/src/postgres/"];
+
+/// How many lines after `sqlx::query…(` rule 7 looks for the statement's `.await`.
+const STATEMENT_LINES: usize = 40;
 
 /// The outbox table, matched without regard to case.
 const OUTBOX_TABLE: &str = "_System_OutboxEvent";
@@ -198,6 +209,7 @@ fn check(files: &[SourceFile]) -> Vec<Violation> {
         check_names(file, &mut violations);
         check_header(file, &mut violations);
         check_lengths(file, test_files.contains(&file.path), &mut violations);
+        check_persistent(file, &mut violations);
         if is_library_root(&file.path) {
             check_missing_docs(file, &mut violations);
         }
@@ -248,6 +260,42 @@ fn check_names(file: &SourceFile, violations: &mut Vec<Violation>) {
         }
         if line.contains(IGNORE_ATTRIBUTE) {
             report("an ignored test: make it run, or delete it".to_string());
+        }
+    }
+}
+
+/// Rule 7: a statement of the persistence crate's PostgreSQL code says whether it may be
+/// cached.
+fn check_persistent(file: &SourceFile, violations: &mut Vec<Violation>) {
+    if !PREPARED_DIRS.iter().any(|dir| file.path.starts_with(dir)) {
+        return;
+    }
+    let lines: Vec<&str> = file.text.lines().collect();
+    for (index, line) in lines.iter().enumerate() {
+        let code = line.split("//").next().unwrap_or_default();
+        let statement = ["sqlx::query(", "sqlx::query_as(", "sqlx::query_scalar("]
+            .iter()
+            .any(|s| code.contains(s));
+        if !statement {
+            continue;
+        }
+        let end = (index + STATEMENT_LINES).min(lines.len());
+        let awaited = lines[index..end]
+            .iter()
+            .position(|l| l.contains(".await"))
+            .map_or(end, |at| index + at + 1);
+        if !lines[index..awaited]
+            .iter()
+            .any(|l| l.contains(".persistent("))
+        {
+            violations.push(Violation {
+                path: file.path.clone(),
+                line: index + 1,
+                message: "a PostgreSQL statement without `.persistent(…)` before its `.await`: \
+                          behind a transaction pooler it must be sent unnamed (`self.cached()`, \
+                          `pool_caches_statements`)"
+                    .to_string(),
+            });
         }
     }
 }
@@ -449,6 +497,28 @@ mod tests {
         assert_eq!(found.len(), 2, "{found:#?}");
         assert!(found[0].starts_with("crates/outbox-demo/src/a.rs:2: names the backend pool"));
         assert!(found[1].starts_with("crates/outbox-events/src/a.rs:2: names the outbox table"));
+    }
+
+    #[test]
+    fn postgres_statements_must_say_whether_they_may_be_cached() {
+        let marked = "//! x\nasync fn f() {\n    sqlx::query(\"SELECT 1\")\n        .persistent(false)\n        .execute(c)\n        .await;\n}\n";
+        let unmarked = "//! x\nasync fn f() {\n    sqlx::query(\"SELECT 1\")\n        .execute(c)\n        .await;\n    x.persistent(true);\n}\n";
+        let files = [
+            file("crates/outbox-persistence/src/postgres/ok.rs", marked),
+            file("crates/outbox-persistence/src/postgres/bad.rs", unmarked),
+            file("crates/outbox-demo/src/elsewhere.rs", unmarked),
+        ];
+        let found: Vec<_> = check(&files)
+            .into_iter()
+            .map(|v| (v.path, v.line))
+            .collect();
+        assert_eq!(
+            found,
+            vec![(
+                "crates/outbox-persistence/src/postgres/bad.rs".to_string(),
+                3
+            )]
+        );
     }
 
     #[test]

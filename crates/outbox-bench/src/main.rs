@@ -14,6 +14,7 @@ mod cost;
 mod cpu;
 mod enqueue;
 mod hot_key;
+mod idle;
 mod metrics_cost;
 mod relay;
 mod report;
@@ -279,7 +280,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
         enqueue::enqueue_rate(db, &sizes, &mut report).await?;
     }
     if wanted("idle") {
-        scenarios::idle_pickup(db, &sizes, &mut report).await?;
+        idle::idle_pickup(db, &sizes, &mut report).await?;
     }
     if wanted("cost") {
         cost::cost(db, &sizes, &mut report).await?;
@@ -294,7 +295,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     // Last: once a pool behind a transaction pooler exists, every statement of this process
     // is sent unnamed (`postgres::caches_statements`), which would change the figures above.
     if wanted("idle") {
-        scenarios::idle_pickup_pooled(db, &sizes, &mut report).await?;
+        idle::idle_pickup_pooled(db, &sizes, &mut report).await?;
     }
     if wanted("retention") {
         retention::retention(db, &sizes, &mut report).await?;

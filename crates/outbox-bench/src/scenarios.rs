@@ -166,6 +166,16 @@ pub(crate) async fn start_with(
         .await?;
     let repository: Arc<dyn OutboxRepository> =
         Arc::new(PgOutbox::new(pg(&pool)?.clone()).with_async_claims(async_claims));
+    start_on(pool, repository, config, handlers).await
+}
+
+/// Starts a dispatcher over `repository`, which works on `pool` (closed by [`Running::stop`]).
+pub(crate) async fn start_on(
+    pool: Database,
+    repository: Arc<dyn OutboxRepository>,
+    config: WorkerConfig,
+    handlers: Handlers,
+) -> Result<Running> {
     let started = Utc::now();
     let handle = Dispatcher::new(repository, handlers, config)
         .start()
@@ -525,115 +535,6 @@ pub(crate) async fn head_of_line(db: &BenchDb, sizes: &Sizes, report: &mut Repor
                 "head-of-line: other records' p99 < 100 ms while one record is blocked",
                 format!("p99 {:.1} ms", f.p99_ms),
                 f.p99_ms < 100.0,
-            );
-        }
-    }
-    Ok(())
-}
-
-/// The idle pickup of pull workers behind a transaction-pooling PgBouncer: woken by `LISTEN`
-/// on a direct URL, and by polling at the poll interval when there is none. The event is
-/// enqueued and the latency read on direct connections.
-pub(crate) async fn idle_pickup_pooled(
-    db: &BenchDb,
-    sizes: &Sizes,
-    report: &mut Report,
-) -> Result<()> {
-    for (listen, wakeups) in [(true, "LISTEN on a direct URL"), (false, "polling")] {
-        let config = config(DispatchMode::Pull, 8);
-        let connections = ConnectConfig::for_workers(config.workers).max_connections;
-        let Some(pool) = db.connect_pooled(connections, listen).await? else {
-            return Ok(());
-        };
-        eprintln!("idle pickup through PgBouncer ({wakeups})");
-        reset(db).await?;
-        let poll = config.poll_interval;
-        let repository: Arc<dyn OutboxRepository> = Arc::new(PgOutbox::new(pg(&pool)?.clone()));
-        let started = Utc::now();
-        let handle = Dispatcher::new(repository, handlers(None, None), config)
-            .start()
-            .await?;
-        let run = Running {
-            handle,
-            db: pool,
-            started,
-            started_at: Instant::now(),
-        };
-        let feeder = db.connect(1).await?;
-        let repo = feeder.repository();
-        for i in 0..sizes.idle_samples {
-            tokio::time::sleep(Duration::from_millis(300 + (i as u64 * 97) % 400)).await;
-            enqueue(
-                &repo,
-                &[NewEvent::new(EVENT_TYPE, payload(Some(&format!("r{i}"))))],
-                1,
-            )
-            .await?;
-            run.wait_for(i as u64 + 1).await?;
-        }
-        let since = run.started;
-        run.stop().await?;
-        let f = bench::latency(pg(&feeder)?, Keys::All, since).await?;
-        feeder.close().await;
-        report.push(Row {
-            scenario: format!("idle pickup through PgBouncer (transaction pooling), {wakeups}"),
-            dispatcher: "pull".into(),
-            workers: Some(8),
-            events: Some(f.n),
-            p50_ms: Some(f.p50_ms),
-            p99_ms: Some(f.p99_ms),
-            note: if listen {
-                "enqueue-to-processed; LISTEN on the server directly, statements through the pooler"
-                    .into()
-            } else {
-                format!(
-                    "enqueue-to-processed; no LISTEN: idle workers poll every {} ms",
-                    poll.as_millis()
-                )
-            },
-            ..Row::default()
-        });
-    }
-    Ok(())
-}
-
-pub(crate) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
-    eprintln!("idle pickup");
-    for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
-        reset(db).await?;
-        let run = start(db, config(mode, 8), handlers(None, None)).await?;
-        let feeder = db.connect(1).await?;
-        let repo = feeder.repository();
-        for i in 0..sizes.idle_samples {
-            // Let the workers go idle (their poll backs off to the poll interval).
-            tokio::time::sleep(Duration::from_millis(300 + (i as u64 * 97) % 400)).await;
-            enqueue(
-                &repo,
-                &[NewEvent::new(EVENT_TYPE, payload(Some(&format!("r{i}"))))],
-                1,
-            )
-            .await?;
-            run.wait_for(i as u64 + 1).await?;
-        }
-        let since = run.started;
-        run.stop().await?;
-        let f = bench::latency(pg(&feeder)?, Keys::All, since).await?;
-        feeder.close().await;
-        report.push(Row {
-            scenario: "idle pickup: one event into an idle pool".into(),
-            dispatcher: mode_name(mode).into(),
-            workers: Some(8),
-            events: Some(f.n),
-            p50_ms: Some(f.p50_ms),
-            p99_ms: Some(f.p99_ms),
-            note: "enqueue-to-processed; LISTEN/NOTIFY wakes pull workers".into(),
-            ..Row::default()
-        });
-        if mode == DispatchMode::Pull {
-            report.target(
-                "idle pickup p50 < 20 ms",
-                format!("p50 {:.1} ms", f.p50_ms),
-                f.p50_ms < 20.0,
             );
         }
     }

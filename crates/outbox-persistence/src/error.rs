@@ -226,6 +226,74 @@ fn is_unavailable_code(code: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// A PostgreSQL error as a pooler relays it.
+    #[derive(Debug)]
+    struct Relayed {
+        code: &'static str,
+        message: &'static str,
+    }
+
+    impl std::fmt::Display for Relayed {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.message)
+        }
+    }
+
+    impl std::error::Error for Relayed {}
+
+    impl sqlx::error::DatabaseError for Relayed {
+        fn message(&self) -> &str {
+            self.message
+        }
+        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+            Some(self.code.into())
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    fn relayed(code: &'static str, message: &'static str) -> Error {
+        sqlx::Error::Database(Box::new(Relayed { code, message })).into()
+    }
+
+    #[test]
+    fn pooler_answers_name_the_setting() {
+        let undeclared = relayed("42P05", r#"prepared statement "sqlx_s_1" already exists"#);
+        assert!(
+            matches!(undeclared, Error::Unsupported(_))
+                && undeclared.to_string().contains("outbox_pooler=transaction"),
+            "{undeclared}"
+        );
+        let missing = relayed("26000", r#"prepared statement "sqlx_s_7" does not exist"#);
+        assert!(
+            missing.to_string().contains("outbox_pooler=transaction"),
+            "{missing}"
+        );
+        let statement_mode = relayed(
+            "08P01",
+            "transaction blocks not allowed in statement pooling mode",
+        );
+        assert!(
+            statement_mode.to_string().contains("statement mode"),
+            "{statement_mode}"
+        );
+        // An application's own statement of that name is not the pooler's doing.
+        let other = relayed("42P05", r#"prepared statement "mine" already exists"#);
+        assert!(matches!(other, Error::Database(_)), "{other}");
+        let conflict = relayed("40001", "could not serialize access");
+        assert!(conflict.is_conflict() && conflict.is_transient() && !conflict.is_lock_timeout());
+    }
+
     #[test]
     fn codes_are_classified() {
         assert!(is_postgres_lock_code("55P03"));

@@ -45,6 +45,11 @@ pub async fn check_server(pool: &PgPool) -> Result<()> {
     .await
     .map_err(server_refusal)?;
     tx.commit().await?;
+    server_verdict(&version, version_num, standby, &read_only)
+}
+
+/// What [`check_server`] concludes from the server's answers.
+fn server_verdict(version: &str, version_num: i32, standby: bool, read_only: &str) -> Result<()> {
     if version_num < MIN_POSTGRES_VERSION {
         return Err(Error::Unsupported(format!(
             "PostgreSQL {version} is older than the oldest supported release ({}); upgrade the server",
@@ -205,4 +210,29 @@ pub(crate) async fn migrate_postgres(pool: &PgPool, migrator: &Migrator) -> Resu
         tx.commit().await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_server_verdict_names_what_to_change_in_one_line() {
+        let old = server_verdict("12.17", 120_017, false, "off").unwrap_err();
+        assert!(
+            old.to_string().contains("PostgreSQL 12.17 is older"),
+            "{old}"
+        );
+        let standby = server_verdict("15.4", 150_004, true, "off").unwrap_err();
+        assert!(
+            standby.to_string().contains("read-only standby"),
+            "{standby}"
+        );
+        let read_only = server_verdict("15.4", 150_004, false, "on").unwrap_err();
+        assert!(read_only.to_string().contains("read-only"), "{read_only}");
+        for e in [old, standby, read_only] {
+            assert!(matches!(e, Error::Unsupported(_)) && !e.to_string().contains('\n'));
+        }
+        assert!(server_verdict("13.0", 130_000, false, "off").is_ok());
+    }
 }
