@@ -6,5 +6,6 @@
 mod common;
 mod delivery;
 mod faults;
+mod production;
 mod secure;
 mod server;
