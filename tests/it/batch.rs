@@ -340,7 +340,7 @@ async fn claims_leave_the_sessions_durability_alone(db: TestDb) {
 }
 
 backend_tests!(
-    a_claim_lost_in_a_crash_is_claimed_again_in_order,
+    with_pgbouncer: a_claim_lost_in_a_crash_is_claimed_again_in_order,
     claims_leave_the_sessions_durability_alone,
     a_batch_reclaims_a_stale_row_once,
     a_batch_claims_the_oldest_heads_of_distinct_keys,

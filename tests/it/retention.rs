@@ -388,7 +388,7 @@ async fn pruner_task_beside_workers(db: TestDb) {
 }
 
 backend_tests!(
-    ages_per_status,
+    with_pgbouncer: ages_per_status,
     age_follows_the_queue_clock,
     batches_are_bounded_and_oldest_first,
     nothing_non_terminal_is_touched,

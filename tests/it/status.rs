@@ -136,4 +136,4 @@ async fn why_each_key_is_stuck(db: TestDb) {
     assert_eq!(repo.blocked_keys(policy(), 1).await.unwrap().len(), 1);
 }
 
-backend_tests!(why_each_key_is_stuck);
+backend_tests!(with_pgbouncer: why_each_key_is_stuck);

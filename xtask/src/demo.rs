@@ -88,7 +88,55 @@ pub fn demo() -> Result<()> {
             .env("OUTBOX_LISTEN_URL", direct)
             .run()
     })?;
-    dba_defaults(&outbox, &release.path(DEMO).to_string_lossy(), &admin)
+    let demo = release.path(DEMO);
+    dba_defaults(&outbox, &demo.to_string_lossy(), &admin)?;
+    as_worker_role(&outbox, &demo.to_string_lossy(), &admin)
+}
+
+/// `outbox-demo work` as a role with the workers' grants of docs/deployment.md (DML on the
+/// tables, the sequences; no `CREATE`, owning nothing) on a database that `outbox migrate`
+/// and `outbox-demo seed` set up as its owner; then `verify` as the owner.
+fn as_worker_role(outbox: &str, demo: &str, admin: &str) -> Result<()> {
+    let name = format!("outbox_demo_role_{}", std::process::id());
+    let role = format!("outbox_demo_worker_{}", std::process::id());
+    println!("demo work as the least-privilege worker role {role}");
+    let result = postgres::with_fresh_database(admin, &name, |url| {
+        Cmd::program(outbox, &["migrate"])
+            .env("DATABASE_URL", url)
+            .run()?;
+        Cmd::program(demo, &["seed", "--events", "600", "--fault-rate", "0.05"])
+            .env("DATABASE_URL", url)
+            .run()?;
+        postgres::psql(admin, &format!("CREATE ROLE {role} LOGIN"))?;
+        for grant in [
+            format!("GRANT USAGE ON SCHEMA public TO {role}"),
+            format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}"
+            ),
+            format!("GRANT USAGE, UPDATE ON ALL SEQUENCES IN SCHEMA public TO {role}"),
+        ] {
+            postgres::psql(url, &grant)?;
+        }
+        let as_role = url.replacen(&format!("{}@", postgres::user(url)), &format!("{role}@"), 1);
+        Cmd::program(demo, &["work", "--until-drained", "--pull-worker", "true"])
+            .env("DATABASE_URL", &as_role)
+            .run()?;
+        let report = String::from_utf8_lossy(
+            &Cmd::program(demo, &["verify"])
+                .env("DATABASE_URL", url)
+                .output()?,
+        )
+        .into_owned();
+        print!("{report}");
+        if !report.contains(" processed, 0 failed") {
+            bail!("the demo's work as the worker role did not process every event");
+        }
+        postgres::psql(url, &format!("DROP OWNED BY {role}"))?;
+        Ok(())
+    });
+    // The role outlives the database only if something above failed before DROP OWNED.
+    let _ = postgres::psql(admin, &format!("DROP ROLE IF EXISTS {role}"));
+    result
 }
 
 /// The defaults a DBA may set on a database, each with the handler time the run needs: the

@@ -78,6 +78,23 @@ impl MailSink {
     /// at `url`.
     pub async fn open(url: &str) -> Result<Self> {
         let db = Database::connect(&sink_url(url), ConnectConfig::default()).await?;
+        if let Database::Postgres(_) = &db {
+            // Created already (by `seed` or an earlier run): create nothing, so that a role
+            // without `CREATE` on the schema (docs/deployment.md, the worker role) can work.
+            let present: bool = with_conn!(&db, |conn| {
+                outbox_persistence::statement::query_scalar(
+                    "SELECT to_regclass('demomailbox') IS NOT NULL
+                        AND to_regclass('demomailsend') IS NOT NULL
+                        AND to_regclass('demoattemptjournal') IS NOT NULL
+                        AND to_regclass('demoworkrun') IS NOT NULL",
+                )
+                .fetch_one(conn)
+                .await
+            })?;
+            if present {
+                return Ok(Self { db });
+            }
+        }
         with_conn!(&db, |pool| outbox_persistence::statement::query(
             super::schema::MAILBOX
         )
