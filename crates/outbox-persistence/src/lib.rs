@@ -43,7 +43,7 @@ pub use sqlx;
 
 pub use database::{
     CONNECTIONS_BESIDE_WORKERS, ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
-    Database, MIGRATIONS_TABLE, redact as redact_url,
+    Database, MIGRATE_LOCK_NAMESPACE, MIGRATIONS_TABLE, MIN_POSTGRES_VERSION, redact as redact_url,
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
 pub use heads::{DEFAULT_HEADS_REPAIR_KEYS, HeadsRepair};
