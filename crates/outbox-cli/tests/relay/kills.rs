@@ -113,6 +113,12 @@ async fn relayed(db: &TestDb, status: EventStatus) -> usize {
     n
 }
 
+/// Rows `processed` now (the relayed types: the other type's one row stays pending).
+async fn processed_now(db: &TestDb) -> usize {
+    let policy = outbox_persistence::ClaimPolicy::new(Duration::from_secs(30), Duration::ZERO, 5);
+    db.repository().stats(policy).await.unwrap().processed as usize
+}
+
 /// What the database held right after one kill: the relayed rows left `processing`, each with
 /// its `RetryCount` (a row still waiting for stale reclaim since an earlier kill shows again
 /// with the same count; a row reclaimed and cut again shows with a higher one).
@@ -157,7 +163,24 @@ async fn kill_until_drained(db: &TestDb, nats: &NatsServer, rng: &mut Rng) -> (V
         } else {
             Duration::from_secs(90)
         };
-        if tokio::time::timeout(after, child.wait()).await.is_ok() {
+        // The kill comes at the random moment, or earlier once the run has relayed a fifth of
+        // the events since the last kill: so every kill but the last lands mid-drain however
+        // fast this machine drains (the moment alone left the drain to chance).
+        let cap = kills.last().map_or(0, |k| k.processed) + EVENTS / 5;
+        let limited = kills.len() < MAX_KILLS;
+        let started = Instant::now();
+        let exited = loop {
+            if tokio::time::timeout(Duration::from_millis(50), child.wait())
+                .await
+                .is_ok()
+            {
+                break true;
+            }
+            if started.elapsed() >= after || (limited && processed_now(db).await >= cap) {
+                break false;
+            }
+        };
+        if exited {
             let out = child.wait_with_output().await.unwrap();
             let text = format!(
                 "{}{}",
