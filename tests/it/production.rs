@@ -43,8 +43,12 @@ fn payload(record: usize, seq: usize) -> String {
 struct Faulty {
     slow: Duration,
     attempts: Arc<Mutex<HashMap<uuid::Uuid, u32>>>,
-    isolation: Arc<Mutex<Vec<String>>>,
+    /// What each attempt ran under.
+    isolation: Arc<Mutex<Vec<AttemptSettings>>>,
 }
+
+/// An attempt's isolation level, lock, statement and idle-in-transaction timeouts.
+type AttemptSettings = (String, String, String, String);
 
 #[async_trait]
 impl Handler for Faulty {
@@ -59,14 +63,18 @@ impl Handler for Faulty {
             *n += 1;
             *n
         };
-        let level: String = with_tx!(ctx.tx(), |conn| {
-            sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
-                .persistent(persistent())
-                .fetch_one(conn)
-                .await
+        let settings: AttemptSettings = with_tx!(ctx.tx(), |conn| {
+            sqlx::query_as(
+                "SELECT current_setting('transaction_isolation'), current_setting('lock_timeout'),
+                        current_setting('statement_timeout'),
+                        current_setting('idle_in_transaction_session_timeout')",
+            )
+            .persistent(persistent())
+            .fetch_one(conn)
+            .await
         })
         .map_err(HandlerError::db)?;
-        self.isolation.lock().unwrap().push(level);
+        self.isolation.lock().unwrap().push(settings);
         if attempt == 1 && event.id.as_u128().is_multiple_of(20) {
             return Err(HandlerError::Retryable(
                 "injected first-attempt fault".into(),
@@ -130,11 +138,19 @@ async fn run_demo_load(db: &TestDb, slow: Duration, what: &str) {
     );
     assert_eq!(processed, 200, "{what}: every event processed");
     assert_eq!(effects, 200, "{what}: one effect per event");
-    let levels = handler.isolation.lock().unwrap().clone();
+    // The attempt's own settings, whatever the database's: READ COMMITTED, the worker's lock
+    // timeout (500 ms), the outbox's statement timeout (30 s), no idle timeout.
+    let settings = handler.isolation.lock().unwrap().clone();
+    let expected = (
+        "read committed".to_string(),
+        "500ms".to_string(),
+        "30s".to_string(),
+        "0".to_string(),
+    );
     assert!(
-        levels.iter().all(|l| l == "read committed"),
-        "{what}: every attempt at READ COMMITTED, saw {:?}",
-        levels.iter().find(|l| *l != "read committed")
+        !settings.is_empty() && settings.iter().all(|s| *s == expected),
+        "{what}: every attempt under the outbox's settings, saw {:?}",
+        settings.iter().find(|s| **s != expected)
     );
     let retried = db
         .count("SELECT count(*) FROM _System_OutboxEvent WHERE RetryCount > 0")
@@ -185,10 +201,16 @@ async fn postgres_dba_defaults_fail_no_event() {
 }
 
 /// The same load through the transaction-pooling PgBouncer, on a database that defaults to
-/// SERIALIZABLE (the pooler hands each transaction any server connection).
+/// SERIALIZABLE with a 1 s idle-in-transaction timeout (the pooler hands each transaction any
+/// server connection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pgbouncer_workers_fail_no_event() {
-    let Some(db) = TestDb::pgbouncer().await else {
+    let Some(db) = TestDb::pgbouncer_with_defaults(&[
+        ("default_transaction_isolation", "serializable"),
+        ("idle_in_transaction_session_timeout", "1s"),
+    ])
+    .await
+    else {
         return;
     };
     run_demo_load(&db, Duration::ZERO, "through PgBouncer").await;
@@ -342,6 +364,8 @@ async fn postgres_least_privilege_roles() {
     );
     // docs/deployment.md, "Roles", as the database's owner.
     for sql in [
+        // As PostgreSQL 15 has it; older releases grant CREATE on `public` to everyone.
+        "REVOKE CREATE ON SCHEMA public FROM PUBLIC".to_string(),
         format!("CREATE ROLE {migrator} LOGIN"),
         format!("CREATE ROLE {worker} LOGIN"),
         format!("CREATE ROLE {reader} LOGIN"),

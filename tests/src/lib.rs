@@ -199,6 +199,12 @@ impl TestDb {
     /// wake-ups `LISTEN` on a direct URL. `None` (with a line on stderr) when no PgBouncer is
     /// configured and none is required.
     pub async fn pgbouncer() -> Option<Self> {
+        Self::pgbouncer_with_defaults(&[]).await
+    }
+
+    /// [`TestDb::pgbouncer`] on a database whose defaults a DBA changed first (as
+    /// [`TestDb::postgres_with_defaults`]).
+    pub async fn pgbouncer_with_defaults(settings: &[(&str, &str)]) -> Option<Self> {
         let Some(pooler) = pgbouncer_url() else {
             if pgbouncer_required() {
                 panic!(
@@ -210,14 +216,13 @@ impl TestDb {
             );
             return None;
         };
-        let mut direct = Self::postgres_unmigrated().await?;
+        let mut direct = Self::postgres_created(settings).await?;
         let Cleanup::PostgresDatabase { name, .. } = &direct.cleanup else {
             unreachable!("a PostgreSQL test database")
         };
-        let url = format!(
-            "{}?outbox_pooler=transaction",
-            outbox_persistence::test_support::with_database(&pooler, name)
-        );
+        let url = outbox_persistence::test_support::with_database(&pooler, name);
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let url = format!("{url}{separator}outbox_pooler=transaction");
         let config = outbox_persistence::ConnectConfig {
             listen_url: Some(direct.url.clone()),
             ..Default::default()

@@ -107,8 +107,10 @@ fn as_worker_role(outbox: &str, demo: &str, admin: &str) -> Result<()> {
         Cmd::program(demo, &["seed", "--events", "600", "--fault-rate", "0.05"])
             .env("DATABASE_URL", url)
             .run()?;
+        postgres::psql(admin, &format!("DROP ROLE IF EXISTS {role}"))?;
         postgres::psql(admin, &format!("CREATE ROLE {role} LOGIN"))?;
         for grant in [
+            "REVOKE CREATE ON SCHEMA public FROM PUBLIC".to_string(),
             format!("GRANT USAGE ON SCHEMA public TO {role}"),
             format!(
                 "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}"
@@ -117,7 +119,11 @@ fn as_worker_role(outbox: &str, demo: &str, admin: &str) -> Result<()> {
         ] {
             postgres::psql(url, &grant)?;
         }
-        let as_role = url.replacen(&format!("{}@", postgres::user(url)), &format!("{role}@"), 1);
+        let as_role = postgres::as_user(url, &role);
+        let current = postgres::psql(&as_role, "SELECT current_user")?;
+        if current.trim() != role {
+            bail!("the worker-role run would connect as {current:?}, not {role}");
+        }
         Cmd::program(demo, &["work", "--until-drained", "--pull-worker", "true"])
             .env("DATABASE_URL", &as_role)
             .run()?;

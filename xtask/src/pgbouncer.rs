@@ -79,7 +79,7 @@ logfile = {log}
         let child = command
             .arg(dir.join("pgbouncer.ini"))
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("stderr.txt"))?)
             .spawn()
             .context("starting pgbouncer")?;
         let url = postgres::with_port(server_url, listen);
@@ -90,8 +90,11 @@ logfile = {log}
                 break;
             }
             if let Some(status) = bouncer.child.try_wait()? {
-                let log =
-                    std::fs::read_to_string(bouncer.dir.join("pgbouncer.log")).unwrap_or_default();
+                let log = ["stderr.txt", "pgbouncer.log"]
+                    .iter()
+                    .filter_map(|f| std::fs::read_to_string(bouncer.dir.join(f)).ok())
+                    .collect::<Vec<_>>()
+                    .join("\n");
                 bail!("pgbouncer exited ({status}) before accepting connections:\n{log}");
             }
             if started.elapsed() > START_TIMEOUT {

@@ -139,6 +139,15 @@ pub fn user(url: &str) -> String {
     }
 }
 
+/// `url` with `user` (no password) in place of the user and password it names.
+pub fn as_user(url: &str, user: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    format!("{scheme}://{user}@{hosts}{tail}")
+}
+
 /// `url` pointed at 127.0.0.1:`port` instead of its host and port (user, database and
 /// parameters kept).
 pub fn with_port(url: &str, port: u16) -> String {
@@ -267,6 +276,11 @@ mod tests {
         assert_eq!(user("postgres://root@127.0.0.1:5432/test"), "root");
         assert_eq!(user("postgres://u:pw@h/db"), "u");
         assert_eq!(user("postgres://h/db"), "postgres");
+        assert_eq!(
+            as_user("postgres://u:pw@h:1/db?x=1", "w"),
+            "postgres://w@h:1/db?x=1"
+        );
+        assert_eq!(as_user("postgres://h/db", "w"), "postgres://w@h/db");
         assert_eq!(
             with_port("postgres://root@127.0.0.1:5432/test?x=1", 6432),
             "postgres://root@127.0.0.1:6432/test?x=1"

@@ -126,7 +126,9 @@ async fn hold_one(
     };
     match db {
         Database::Postgres(pool) => {
-            let mut tx = pool.begin().await?;
+            let mut tx = pool
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await?;
             outbox_persistence::statement::query(
                 "SELECT 1 FROM DemoAccount WHERE Id = $1 FOR UPDATE",
             )

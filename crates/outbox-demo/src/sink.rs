@@ -16,6 +16,38 @@ use std::collections::HashMap;
 use anyhow::Result;
 use outbox_persistence::{ConnectConfig, Database, with_conn, with_pool};
 
+/// Begins a transaction on the pool `$pool` of either backend: READ COMMITTED on PostgreSQL
+/// (a database whose default is SERIALIZABLE would otherwise fail the provider's upsert now and
+/// then, charging a welcome email's attempt for it), SQLite's default there.
+macro_rules! begin_demo {
+    ($pool:expr) => {
+        $crate::sink::Begin::begin_demo($pool).await
+    };
+}
+
+/// How the side store begins a transaction on each backend.
+pub(crate) trait Begin {
+    /// The transaction's type.
+    type Tx;
+    /// Begins it.
+    async fn begin_demo(&self) -> Result<Self::Tx, sqlx::Error>;
+}
+
+impl Begin for sqlx::PgPool {
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
+    async fn begin_demo(&self) -> Result<Self::Tx, sqlx::Error> {
+        self.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+    }
+}
+
+impl Begin for sqlx::SqlitePool {
+    type Tx = sqlx::Transaction<'static, sqlx::Sqlite>;
+    async fn begin_demo(&self) -> Result<Self::Tx, sqlx::Error> {
+        self.begin().await
+    }
+}
+
 /// The side store's tables on PostgreSQL, besides the inbox (`super::schema::MAILBOX`).
 const SIDE_TABLES_POSTGRES: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS DemoMailSend (
@@ -126,7 +158,8 @@ impl MailSink {
         // The delivery and its record land together: a send is never half recorded.
         with_pool!(&self.db, |pool| {
             async {
-            let mut tx = pool.begin().await?;
+            // READ COMMITTED on PostgreSQL whatever the database's default: `begin_demo!`.
+            let mut tx = begin_demo!(pool)?;
             outbox_persistence::statement::query(
                 "INSERT INTO DemoMailbox (IdempotencyKey, Recipient, Subject, Deliveries)
                  VALUES ($1, $2, $3, 1)

@@ -40,7 +40,14 @@ pub(super) struct TableCapture {
 /// Reads the tables of `specs` and the autonumber counters.
 pub(super) async fn capture(pool: &Pool, specs: &[CaptureSpec]) -> Result<Capture, KitError> {
     match pool {
-        Pool::Postgres(pool) => capture_postgres(&mut *pool.acquire().await?, specs).await,
+        Pool::Postgres(pool) => {
+            // One snapshot, in a transaction (behind a transaction pooler a statement outside
+            // one is not safe); read only, rolled back when dropped.
+            let mut tx = pool
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED, READ ONLY")
+                .await?;
+            capture_postgres(&mut tx, specs).await
+        }
         Pool::Sqlite(pool) => capture_sqlite(&mut *pool.acquire().await?, specs).await,
     }
 }

@@ -35,4 +35,8 @@ pub enum KitError {
     /// A database error while connecting or capturing.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// Connecting to PostgreSQL failed (as the outbox reports it: a pooler that refuses, a
+    /// server that cannot be reached).
+    #[error("{0}")]
+    Outbox(#[source] outbox_persistence::Error),
 }

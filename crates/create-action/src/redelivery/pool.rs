@@ -7,7 +7,6 @@ use std::task::Poll;
 
 use async_trait::async_trait;
 use serde_json::Value;
-use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use sqlx::{PgPool, SqlitePool};
 
@@ -29,9 +28,18 @@ impl Pool {
     /// connections.
     pub async fn connect(url: &str) -> Result<Self, KitError> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Ok(Pool::Postgres(
-                PgPoolOptions::new().max_connections(4).connect(url).await?,
-            ))
+            // Through the outbox's connect, so that `?outbox_pooler=transaction` is understood
+            // (docs/deployment.md).
+            let config = outbox_persistence::ConnectConfig {
+                max_connections: 4,
+                ..Default::default()
+            };
+            match outbox_persistence::Database::connect(url, config).await {
+                Ok(outbox_persistence::Database::Postgres(pool)) => Ok(Pool::Postgres(pool)),
+                Ok(_) => unreachable!("a postgres:// URL connects to PostgreSQL"),
+                Err(outbox_persistence::Error::InvalidUrl(url)) => Err(KitError::InvalidUrl(url)),
+                Err(e) => Err(KitError::Outbox(e)),
+            }
         } else if url.starts_with("sqlite:") {
             let options = SqliteConnectOptions::from_str(url)?;
             Ok(Pool::Sqlite(
@@ -89,7 +97,9 @@ pub(super) async fn deliver<H: EventHandler + ?Sized>(
 ) -> Result<(), BoxError> {
     match pool {
         Pool::Postgres(pool) => {
-            let mut tx = pool.begin().await?;
+            let mut tx = pool
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await?;
             handler.handle(&mut *tx, payload).await?;
             tx.commit().await?;
         }

@@ -5,7 +5,9 @@
 //! event exactly once (by `Nats-Msg-Id` = event id), each record's events in enqueue order, and
 //! the database holds every event `processed`, each dead attempt counted.
 //!
-//! The kill schedule comes from a seed printed on stderr; `OUTBOX_KILL_SEED=N` replays it.
+//! The kill schedule comes from a seed printed on stderr; `OUTBOX_KILL_SEED=N` replays its
+//! moments (a kill also comes early once a run relayed a fifth of the events, which depends on
+//! the machine's pace, so a replay is close but not exact).
 
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;

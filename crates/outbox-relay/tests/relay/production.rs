@@ -52,6 +52,8 @@ async fn postgres_relay_runs_as_the_worker_role() {
         &uuid::Uuid::now_v7().simple().to_string()[24..]
     );
     for sql in [
+        // As PostgreSQL 15 has it; older releases grant CREATE on `public` to everyone.
+        "REVOKE CREATE ON SCHEMA public FROM PUBLIC".to_string(),
         format!("CREATE ROLE {worker} LOGIN"),
         format!("GRANT CONNECT ON DATABASE {name} TO {worker}"),
         format!("GRANT USAGE ON SCHEMA public TO {worker}"),
