@@ -387,11 +387,7 @@ async fn postgres_least_privilege_roles() {
     ] {
         db.execute(&sql).await;
     }
-    let as_role = |role: &str| {
-        let (scheme, rest) = db.url.split_once("://").unwrap();
-        let host = rest.split_once('@').map_or(rest, |(_, h)| h);
-        format!("{scheme}://{role}@{host}")
-    };
+    let as_role = |role: &str| db.url_as(role);
     let migrate = Database::connect(&as_role(&migrator), ConnectConfig::default())
         .await
         .unwrap();

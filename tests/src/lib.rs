@@ -266,6 +266,14 @@ impl TestDb {
         self.inspect_pg()
     }
 
+    /// This database's URL as `role` would connect (no password; trust authentication), for
+    /// tests of least-privilege roles.
+    pub fn url_as(&self, role: &str) -> String {
+        let (scheme, rest) = self.url.split_once("://").expect("a URL with a scheme");
+        let host = rest.split_once('@').map_or(rest, |(_, h)| h);
+        format!("{scheme}://{role}@{host}")
+    }
+
     /// Whether the code under test reaches this database through a transaction pooler.
     pub fn behind_pooler(&self) -> bool {
         self.direct.is_some()

@@ -7,12 +7,12 @@ use std::time::Duration;
 use anyhow::Result;
 use outbox_events::DispatchMode;
 use outbox_persistence::postgres::PgOutbox;
-use outbox_persistence::test_support::bench::{self, Keys};
+use outbox_persistence::test_support::bench::{self, Figures, Keys};
 use outbox_persistence::{ConnectConfig, NewEvent, OutboxRepository};
 
 use super::report::{Report, Row};
 use super::scenarios::{
-    EVENT_TYPE, config, enqueue, handlers, mode_name, payload, pg, reset, start, start_on,
+    EVENT_TYPE, Running, config, enqueue, handlers, mode_name, payload, pg, reset, start, start_on,
 };
 use super::{BenchDb, Sizes};
 
@@ -35,22 +35,7 @@ pub(crate) async fn idle_pickup_pooled(
         let poll = config.poll_interval;
         let repository: Arc<dyn OutboxRepository> = Arc::new(PgOutbox::new(pg(&pool)?.clone()));
         let run = start_on(pool, repository, config, handlers(None, None)).await?;
-        let feeder = db.connect(1).await?;
-        let repo = feeder.repository();
-        for i in 0..sizes.idle_samples {
-            tokio::time::sleep(Duration::from_millis(300 + (i as u64 * 97) % 400)).await;
-            enqueue(
-                &repo,
-                &[NewEvent::new(EVENT_TYPE, payload(Some(&format!("r{i}"))))],
-                1,
-            )
-            .await?;
-            run.wait_for(i as u64 + 1).await?;
-        }
-        let since = run.started;
-        run.stop().await?;
-        let f = bench::latency(pg(&feeder)?, Keys::All, since).await?;
-        feeder.close().await;
+        let f = sample(db, sizes, run).await?;
         report.push(Row {
             scenario: format!("idle pickup through PgBouncer (transaction pooling), {wakeups}"),
             dispatcher: "pull".into(),
@@ -78,23 +63,7 @@ pub(crate) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report
     for mode in [DispatchMode::Pull, DispatchMode::Legacy] {
         reset(db).await?;
         let run = start(db, config(mode, 8), handlers(None, None)).await?;
-        let feeder = db.connect(1).await?;
-        let repo = feeder.repository();
-        for i in 0..sizes.idle_samples {
-            // Let the workers go idle (their poll backs off to the poll interval).
-            tokio::time::sleep(Duration::from_millis(300 + (i as u64 * 97) % 400)).await;
-            enqueue(
-                &repo,
-                &[NewEvent::new(EVENT_TYPE, payload(Some(&format!("r{i}"))))],
-                1,
-            )
-            .await?;
-            run.wait_for(i as u64 + 1).await?;
-        }
-        let since = run.started;
-        run.stop().await?;
-        let f = bench::latency(pg(&feeder)?, Keys::All, since).await?;
-        feeder.close().await;
+        let f = sample(db, sizes, run).await?;
         report.push(Row {
             scenario: "idle pickup: one event into an idle pool".into(),
             dispatcher: mode_name(mode).into(),
@@ -114,4 +83,27 @@ pub(crate) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report
         }
     }
     Ok(())
+}
+
+/// Feeds `run`'s idle workers one event at a time (each after a pause long enough for the
+/// workers' poll to back off to its interval), enqueued on a direct connection, stops it, and
+/// reads the enqueue-to-processed latencies.
+async fn sample(db: &BenchDb, sizes: &Sizes, run: Running) -> Result<Figures> {
+    let feeder = db.connect(1).await?;
+    let repo = feeder.repository();
+    for i in 0..sizes.idle_samples {
+        tokio::time::sleep(Duration::from_millis(300 + (i as u64 * 97) % 400)).await;
+        enqueue(
+            &repo,
+            &[NewEvent::new(EVENT_TYPE, payload(Some(&format!("r{i}"))))],
+            1,
+        )
+        .await?;
+        run.wait_for(i as u64 + 1).await?;
+    }
+    let since = run.started;
+    run.stop().await?;
+    let figures = bench::latency(pg(&feeder)?, Keys::All, since).await?;
+    feeder.close().await;
+    Ok(figures)
 }

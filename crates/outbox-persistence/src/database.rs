@@ -391,18 +391,7 @@ async fn adopt_legacy_postgres(pool: &PgPool, migrations: Vec<(i64, Vec<u8>)>) -
         return Ok(());
     }
     let (versions, checksums): (Vec<i64>, Vec<Vec<u8>>) = migrations.into_iter().unzip();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
-               version BIGINT PRIMARY KEY,
-               description TEXT NOT NULL,
-               installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
-               success BOOLEAN NOT NULL,
-               checksum BYTEA NOT NULL,
-               execution_time BIGINT NOT NULL)"
-    )))
-    .persistent(cached)
-    .execute(&mut *tx)
-    .await?;
+    crate::postgres::migrate::create_migrations_table(&mut tx, cached).await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "WITH ours AS (
                DELETE FROM _sqlx_migrations l

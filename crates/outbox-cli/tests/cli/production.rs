@@ -58,9 +58,7 @@ async fn the_read_only_role_reads_status_and_is_refused_writes() {
     ] {
         db.execute(&sql).await;
     }
-    let (scheme, rest) = db.url.split_once("://").unwrap();
-    let host = rest.split_once('@').map_or(rest, |(_, h)| h);
-    let url = format!("{scheme}://{reader}@{host}");
+    let url = db.url_as(&reader);
     let status = outbox(&url, &["status"]);
     let events = outbox(&url, &["events"]);
     let retry = outbox(&url, &["retry", "--failed"]);

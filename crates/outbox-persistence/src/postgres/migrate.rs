@@ -113,6 +113,27 @@ async fn read_applied(
     ))
 }
 
+/// Creates [`MIGRATIONS_TABLE`] when missing, with sqlx's migrator's columns (so that sqlx's
+/// own migrator reads the outbox's records as it reads its own).
+pub(crate) async fn create_migrations_table(
+    tx: &mut sqlx::PgConnection,
+    cached: bool,
+) -> Result<()> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
+           version BIGINT PRIMARY KEY,
+           description TEXT NOT NULL,
+           installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
+           success BOOLEAN NOT NULL,
+           checksum BYTEA NOT NULL,
+           execution_time BIGINT NOT NULL)"
+    )))
+    .persistent(cached)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 /// A migration transaction that holds the migrate lock: it waits for another migrator as long
 /// as that one takes (no lock timeout on the advisory lock), then bounds its table locks by
 /// [`MIGRATE_LOCK_TIMEOUT`].
@@ -160,18 +181,7 @@ pub(crate) async fn migrate_postgres(pool: &PgPool, migrator: &Migrator) -> Resu
         let applied = match read_applied(&mut tx, cached).await? {
             Some(applied) => applied,
             None => {
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
-                       version BIGINT PRIMARY KEY,
-                       description TEXT NOT NULL,
-                       installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
-                       success BOOLEAN NOT NULL,
-                       checksum BYTEA NOT NULL,
-                       execution_time BIGINT NOT NULL)"
-                )))
-                .persistent(cached)
-                .execute(&mut *tx)
-                .await?;
+                create_migrations_table(&mut tx, cached).await?;
                 Vec::new()
             }
         };

@@ -62,14 +62,9 @@ async fn postgres_relay_runs_as_the_worker_role() {
     ] {
         db.execute(&sql).await;
     }
-    let (scheme, rest) = db.url.split_once("://").unwrap();
-    let host = rest.split_once('@').map_or(rest, |(_, h)| h);
-    let as_worker = Database::connect(
-        &format!("{scheme}://{worker}@{host}"),
-        ConnectConfig::default(),
-    )
-    .await
-    .unwrap();
+    let as_worker = Database::connect(&db.url_as(&worker), ConnectConfig::default())
+        .await
+        .unwrap();
     as_worker.check_schema().await.unwrap();
     relay_all(&db, as_worker.repository()).await;
     as_worker.close().await;
