@@ -9,7 +9,8 @@ use async_trait::async_trait;
 use chrono::Utc;
 use outbox_events::{
     AttemptContext, Consumer, DispatchMode, Dispatcher, EffectKind, ExternalKind, Handler,
-    HandlerError, Handlers, OutboxEvent, Safeguard, Verdict, WorkerConfig, evaluate_gate,
+    HandlerError, Handlers, OutboxEvent, Safeguard, StartError, Verdict, WorkerConfig,
+    evaluate_gate,
 };
 use outbox_persistence::NewEvent;
 use outbox_tests::{RawRow, TestDb, backend_tests, drain};
@@ -289,8 +290,63 @@ async fn dispatcher_enforces_the_gate(db: TestDb) {
     );
 }
 
+/// `start_pull`: pull workers or an error with the gate's reasons, never the legacy fallback;
+/// it asks for pull mode whatever the configuration's mode says.
+async fn start_pull_fails_when_the_gate_refuses(db: TestDb) {
+    let repo = db.repository();
+    let mut tx = repo.begin().await.unwrap();
+    let events = [NewEvent::new("account.welcome", lead("w1"))];
+    repo.enqueue(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    let ran = Arc::new(AtomicU64::new(0));
+    let refused = Dispatcher::new(
+        repo.clone(),
+        Handlers::new().register_consumer(mail(None), Count(ran.clone(), OrderLog::default())),
+        WorkerConfig::default().with_poll_interval(Duration::from_millis(20)),
+    )
+    .start_pull()
+    .await;
+    let Err(StartError::PullRefused(decision)) = refused else {
+        panic!(
+            "expected the gate's refusal, got {:?}",
+            refused.map(|h| h.decision().clone())
+        );
+    };
+    assert_eq!(decision.mode, DispatchMode::Legacy);
+    assert!(
+        decision.refused.iter().any(|r| r.contains("consumer mail")),
+        "{:?}",
+        decision.refused
+    );
+    // Nothing started: no legacy loop runs the row either.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'pending'")
+            .await,
+        1
+    );
+    // With a safeguard the gate passes: pull workers run, though the configuration said legacy.
+    let protected = mail(Some(Safeguard::Excluded("no ledger yet".into())));
+    let handle = Dispatcher::new(
+        repo.clone(),
+        Handlers::new()
+            .register_consumer(capture(), Count(ran.clone(), OrderLog::default()))
+            .register_consumer(protected, Count(ran.clone(), OrderLog::default())),
+        WorkerConfig::default().with_poll_interval(Duration::from_millis(20)),
+    )
+    .start_pull()
+    .await
+    .unwrap();
+    assert_eq!(handle.decision().mode, DispatchMode::Pull);
+    assert!(handle.drained(Duration::from_millis(20)).await.unwrap());
+    handle.shutdown().await;
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+}
+
 backend_tests!(
     gate_verdicts,
     excluded_consumers_run_on_the_legacy_path,
-    dispatcher_enforces_the_gate
+    dispatcher_enforces_the_gate,
+    start_pull_fails_when_the_gate_refuses
 );

@@ -225,31 +225,24 @@ fn dba_defaults(outbox: &str, demo: &str, admin: &str) -> Result<()> {
 }
 
 /// `cargo xtask example`: the embedding example (`examples/contact-service`) with pull workers
-/// behind the rollout gate, on a fresh SQLite file and a fresh PostgreSQL database. It checks
-/// its own result and exits non-zero when it is wrong.
+/// behind the rollout gate, on a fresh SQLite file (`OUTBOX_PULL_WORKER=true`: pull workers, or
+/// the design's fallback to legacy) and a fresh PostgreSQL database (`--require-pull`: pull
+/// workers or an error). It checks its own result (contacts, metrics) and exits non-zero when
+/// it is wrong.
 pub fn example() -> Result<()> {
-    let run = |url: &str| {
-        Cmd::cargo(&[
-            "run",
-            "--release",
-            "-q",
-            "-p",
-            "contact-service",
-            "--",
-            url,
-            "400",
-        ])
-        .env("OUTBOX_PULL_WORKER", "true")
-        .run()
+    let run = |url: &str, flag: Option<&str>| {
+        let mut args = vec!["run", "--release", "-q", "-p", "contact-service", "--", url, "400"];
+        args.extend(flag);
+        Cmd::cargo(&args).env("OUTBOX_PULL_WORKER", "true").run()
     };
     let dir = std::env::temp_dir().join(format!("contact_service_{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let sqlite = format!("sqlite://{}", dir.join("contacts.db").display());
-    let result = run(&sqlite);
+    let result = run(&sqlite, None);
     std::fs::remove_dir_all(&dir).ok();
     result?;
     let admin = postgres::database_url();
     postgres::require(&admin, "the example's second run")?;
     let name = format!("contact_service_{}", std::process::id());
-    postgres::with_fresh_database(&admin, &name, run)
+    postgres::with_fresh_database(&admin, &name, |url| run(url, Some("--require-pull")))
 }

@@ -24,9 +24,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
-use metrics_exporter_prometheus::{
-    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
-};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 use outbox_events::DispatchMode;
 use outbox_persistence::test_support::bench::{self, Keys};
 
@@ -92,11 +90,7 @@ impl Recorder for Switch {
 
 /// Installs the switch (off) as the global recorder; its switch and the Prometheus handle.
 fn install_switch() -> Result<(Arc<AtomicBool>, PrometheusHandle)> {
-    let inner = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Suffix("_seconds".into()),
-            outbox_cli::metrics::SECONDS_BUCKETS,
-        )
+    let inner = outbox_events::prometheus::with_outbox_buckets(PrometheusBuilder::new())
         .context("histogram buckets")?
         .build_recorder();
     let handle = inner.handle();

@@ -1,20 +1,15 @@
 //! `--metrics-addr`: the Prometheus scrape endpoint of a binary that runs workers (the demo's
-//! `work`, the relay), over the `metrics` facade the workers record into. Histograms of
-//! `_seconds` series get fixed buckets (real Prometheus histograms, aggregatable across
-//! processes); the queue gauges are refreshed by one read of the queue per interval.
+//! `work`, the relay), over the `metrics` facade the workers record into, served by
+//! `outbox_events::prometheus` (the outbox's histograms get fixed buckets: real Prometheus
+//! histograms, aggregatable across processes); the queue gauges are refreshed by one read of
+//! the queue per interval.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use outbox_events::WorkerConfig;
-
-/// Bucket bounds of the `_seconds` histograms: 1 ms to 5 minutes.
-pub const SECONDS_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
-];
 
 /// The metrics options of a binary that runs workers.
 #[derive(Debug, Clone, Args)]
@@ -49,15 +44,8 @@ impl MetricsArgs {
 }
 
 /// Installs the Prometheus recorder as the process's `metrics` recorder and serves it over
-/// HTTP at `addr` (any path answers). Call it once, inside the Tokio runtime.
+/// HTTP at `addr` (any path answers): `outbox_events::prometheus::serve`, which an embedding
+/// service calls without this crate. Call it once, inside the Tokio runtime.
 pub fn serve_prometheus(addr: SocketAddr) -> Result<()> {
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
-        .context("histogram buckets")?
-        .install()
-        .with_context(|| format!("serving metrics at {addr}"))?;
-    outbox_events::describe_metrics();
-    tracing::info!(%addr, "serving Prometheus metrics");
-    Ok(())
+    outbox_events::prometheus::serve(addr).with_context(|| format!("serving metrics at {addr}"))
 }

@@ -262,7 +262,8 @@ pub struct RelayArgs {
 
 impl RelayArgs {
     fn worker_config(&self) -> WorkerConfig {
-        let mut base = WorkerConfig::default().with_workers(self.workers);
+        // `from_env`: OUTBOX_PULL_WORKER, unless `--pull-worker` says otherwise.
+        let mut base = WorkerConfig::from_env().with_workers(self.workers);
         if let Some(pull) = self.pull_worker {
             base = base.with_mode(if pull {
                 DispatchMode::Pull

@@ -44,8 +44,14 @@ impl DispatchMode {
     /// The mode `OUTBOX_PULL_WORKER` asks for: `Pull` for `true`/`1`/`yes`/`on`, `Legacy`
     /// otherwise (also when unset).
     pub fn from_env() -> Self {
-        match std::env::var(OUTBOX_PULL_WORKER) {
-            Ok(v) if matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes" | "on") => {
+        Self::from_flag(std::env::var(OUTBOX_PULL_WORKER).ok().as_deref())
+    }
+
+    /// The mode a value of `OUTBOX_PULL_WORKER` asks for (`None`: unset), for a service that
+    /// reads its configuration from elsewhere than the process environment.
+    pub fn from_flag(value: Option<&str>) -> Self {
+        match value {
+            Some(v) if matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes" | "on") => {
                 DispatchMode::Pull
             }
             _ => DispatchMode::Legacy,
@@ -53,7 +59,9 @@ impl DispatchMode {
     }
 }
 
-/// How the workers run. Build with [`WorkerConfig::default`] and the `with_*` methods.
+/// How the workers run. Build with [`WorkerConfig::default`] (pure: the named defaults, legacy
+/// mode) or [`WorkerConfig::from_env`] (the same, with the mode `OUTBOX_PULL_WORKER` asks for),
+/// and the `with_*` methods.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerConfig {
     /// Pull workers, or legacy slots.
@@ -117,12 +125,13 @@ pub struct WorkerConfig {
 }
 
 impl Default for WorkerConfig {
-    /// The named defaults, with the mode `OUTBOX_PULL_WORKER` asks for
-    /// ([`DispatchMode::from_env`]): legacy unless the flag is on. Pull mode still runs only
-    /// when the rollout gate passes (`Dispatcher::start`).
+    /// The named defaults, in [`DispatchMode::Legacy`]: reads nothing from the environment, so
+    /// a default is the same wherever it runs. [`WorkerConfig::from_env`] takes the mode from
+    /// `OUTBOX_PULL_WORKER`; [`WorkerConfig::with_mode`] sets it in code. Pull mode still runs
+    /// only when the rollout gate passes (`Dispatcher::start`).
     fn default() -> Self {
         Self {
-            mode: DispatchMode::from_env(),
+            mode: DispatchMode::Legacy,
             workers: DEFAULT_WORKERS,
             poll_interval: DEFAULT_POLL_INTERVAL,
             heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
@@ -145,6 +154,13 @@ impl Default for WorkerConfig {
 }
 
 impl WorkerConfig {
+    /// The named defaults with the mode `OUTBOX_PULL_WORKER` asks for
+    /// ([`DispatchMode::from_env`]): legacy unless the flag is on. The one place the library
+    /// reads the flag; a service calls it where it reads the rest of its configuration.
+    pub fn from_env() -> Self {
+        Self::default().with_mode(DispatchMode::from_env())
+    }
+
     /// The claim rules these settings give the repository: stale-after, the base retry delay
     /// and `MaxRetryAttempts`.
     pub fn claim_policy(&self) -> outbox_persistence::ClaimPolicy {
@@ -312,5 +328,25 @@ mod tests {
             .with_stale_after(Duration::from_secs(5));
         assert!(c.validate().is_err());
         assert!(WorkerConfig::default().validate().is_ok());
+    }
+
+    /// The default is legacy whatever the environment says; the flag's spellings.
+    #[test]
+    fn the_default_is_legacy_and_the_flag_reads_its_spellings() {
+        assert_eq!(WorkerConfig::default().mode, DispatchMode::Legacy);
+        for on in ["true", "1", "yes", "on", "TRUE", "On"] {
+            assert_eq!(
+                DispatchMode::from_flag(Some(on)),
+                DispatchMode::Pull,
+                "{on}"
+            );
+        }
+        for off in [None, Some(""), Some("false"), Some("0"), Some("pull")] {
+            assert_eq!(
+                DispatchMode::from_flag(off),
+                DispatchMode::Legacy,
+                "{off:?}"
+            );
+        }
     }
 }

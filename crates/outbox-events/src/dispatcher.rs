@@ -26,6 +26,19 @@ const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
 /// timeout) before it returns the error.
 pub const DECIDE_RETRY_FOR: Duration = Duration::from_secs(30);
 
+/// Why [`Dispatcher::start_pull`] started nothing.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The rollout gate's inputs could not be read (see [`Dispatcher::decide`]).
+    #[error(transparent)]
+    Database(#[from] outbox_persistence::Error),
+    /// The rollout gate refused pull mode; the decision holds its reasons
+    /// ([`ModeDecision::refused`]).
+    #[error("the rollout gate refuses pull workers: {}", .0.refused.join("; "))]
+    PullRefused(ModeDecision),
+}
+
 /// Runs outbox workers over a repository.
 pub struct Dispatcher {
     repo: Arc<dyn OutboxRepository>,
@@ -56,8 +69,8 @@ impl Dispatcher {
         self
     }
 
-    /// Decides what to run: pull workers when the configuration asks for them (see
-    /// [`WorkerConfig::default`]: `OUTBOX_PULL_WORKER`) and the rollout gate passes over the
+    /// Decides what to run: pull workers when the configuration asks for them
+    /// ([`WorkerConfig::mode`]; [`WorkerConfig::from_env`] reads `OUTBOX_PULL_WORKER`) and the rollout gate passes over the
     /// registered consumers ([`crate::evaluate_gate`]), or the configuration skips the gate by
     /// name; the legacy dispatcher otherwise (fail closed). The decision and its reasons are
     /// logged.
@@ -93,9 +106,26 @@ impl Dispatcher {
         }
     }
 
-    /// Decides ([`Dispatcher::decide`]) and starts the workers.
+    /// Decides ([`Dispatcher::decide`]) and starts the workers: pull workers, or the legacy
+    /// dispatcher when the configuration does not ask for pull mode or the rollout gate refuses
+    /// it (the design's fallback; `handle.decision()` says which and why).
     pub async fn start(self) -> Result<DispatcherHandle, outbox_persistence::Error> {
         let decision = self.decide().await?;
+        Ok(self.start_decided(decision))
+    }
+
+    /// Starts pull workers or nothing: for a service that must not run the legacy dispatcher.
+    /// Asks for pull mode whatever [`WorkerConfig::mode`] says (the service chose it in code;
+    /// `OUTBOX_PULL_WORKER` is not read), decides as [`Dispatcher::start`] does, and returns
+    /// [`StartError::PullRefused`] with the gate's reasons, having started nothing, when the
+    /// rollout gate refuses. The gate still decides: only
+    /// [`WorkerConfig::dangerously_skip_rollout_gate`] skips it.
+    pub async fn start_pull(mut self) -> Result<DispatcherHandle, StartError> {
+        self.config.mode = DispatchMode::Pull;
+        let decision = self.decide().await?;
+        if decision.mode != DispatchMode::Pull {
+            return Err(StartError::PullRefused(decision));
+        }
         Ok(self.start_decided(decision))
     }
 

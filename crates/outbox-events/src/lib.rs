@@ -8,6 +8,11 @@
 //!
 //! This crate names no concrete database: it speaks to [`OutboxRepository`] and hands handlers
 //! the attempt's [`Tx`].
+//!
+//! An embedding service imports from one place, [`prelude`] (`use outbox_events::prelude::*;`),
+//! which covers `docs/embedding.md`. Features: `mock` (the mocked repository and attempt, for
+//! unit tests: `outbox_events::mock`), `prometheus` (the Prometheus recorder with the outbox's histogram
+//! buckets: `outbox_events::prometheus`), `otel` (W3C trace context through OpenTelemetry).
 
 #![warn(missing_docs)]
 
@@ -35,12 +40,13 @@ pub use config::{
     DispatchMode, OUTBOX_PULL_WORKER, WorkerConfig,
 };
 pub use consumer::{Consumer, DeclaredEffect, EffectKind, ExternalKind, Safeguard, Verdict};
-pub use dispatcher::{DECIDE_RETRY_FOR, Dispatcher, DispatcherHandle, ShutdownReport};
+pub use dispatcher::{DECIDE_RETRY_FOR, Dispatcher, DispatcherHandle, ShutdownReport, StartError};
 pub use gate::{GateReport, ModeDecision, evaluate_gate};
 pub use handler::{AttemptContext, BoxError, Handler, HandlerError, Handlers};
 pub use legacy::slot_for_event;
 pub use metrics::{
-    Metrics, MetricsSnapshot, describe_metrics, names as metric_names, record_queue_gauges,
+    HISTOGRAMS, Metrics, MetricsSnapshot, SECONDS_BUCKETS, describe_metrics, names as metric_names,
+    record_queue_gauges,
 };
 pub use prune::{
     DEFAULT_PRUNE_BATCH_PAUSE, DEFAULT_PRUNE_INTERVAL, DEFAULT_PRUNE_PAUSE_FACTOR, PrunePacing,
@@ -52,11 +58,71 @@ pub use trace::{TraceParent, TraceParentError, enqueue};
 // register and test a handler (see `docs/embedding.md` once written; `docs/state-machine.md`).
 pub use async_trait::async_trait;
 pub use outbox_persistence::{
-    self as persistence, ClaimPolicy, ConnectConfig, Database, NewEvent, OutboxEvent,
-    OutboxRepository, Scope, Tx, with_pool, with_tx,
+    self as persistence, Attempt, Claim, ClaimPolicy, ConnectConfig, Database, EventEnvelope,
+    EventFilter, EventId, EventRow, EventStatus, FailureBookkeeping, Fence, FenceOutcome,
+    MIGRATIONS_TABLE, NewEvent, OutboxEvent, OutboxRepository, RecordKey, Scope, Tx, with_conn,
+    with_pool, with_tx,
 };
 pub use outbox_persistence::{PrunePolicy, PruneReport};
 pub use tokio_util::sync::CancellationToken;
+
+/// What an embedding service uses, in one import: `use outbox_events::prelude::*;` brings the
+/// dispatcher and its configuration, handlers and consumer declarations, the queue's types
+/// (events, filters, ids, statuses, claims and fences), the database and its macros, and the
+/// re-exported `async_trait` and `CancellationToken`. Everything else stays at the crate's top
+/// level (metric names, defaults, the gate's report) and in [`persistence`].
+pub mod prelude {
+    pub use crate::{
+        Attempt, CancellationToken, Claim, ClaimPolicy, ConnectConfig, Database, EventEnvelope,
+        EventFilter, EventId, EventRow, EventStatus, FailureBookkeeping, Fence, FenceOutcome,
+        MIGRATIONS_TABLE, NewEvent, OutboxEvent, OutboxRepository, RecordKey, Scope, Tx,
+        async_trait, with_conn, with_pool, with_tx,
+    };
+    pub use crate::{
+        AttemptContext, AttemptOutcome, BoxError, ClaimRunner, Consumer, DispatchMode, Dispatcher,
+        DispatcherHandle, Handler, HandlerError, Handlers, ModeDecision, RetentionConfig,
+        Safeguard, ShutdownReport, StartError, WorkerConfig,
+    };
+    /// `sqlx`'s statement constructors for the service's own SQL beside the outbox, unnamed
+    /// behind a transaction pooler.
+    pub use outbox_persistence::statement;
+}
+
+#[cfg(feature = "mock")]
+pub mod mock {
+    //! The mocked repository and attempt (`mockall`), for unit tests of the attempt state machine
+    //! and of code that takes an `Arc<dyn OutboxRepository>` (feature `mock`; enable it in
+    //! `[dev-dependencies]`).
+    //!
+    //! A [`ClaimRunner`](crate::ClaimRunner) over a [`MockOutboxRepository`] runs one claim as a worker does. The
+    //! repository's mock needs `backend_name`, `serializes_writers`, `note_alive` and
+    //! `begin_attempt` (returning `Ok(Some(Box::new(attempt)))` with the [`MockAttempt`] below),
+    //! plus `heartbeat` when the handler outlasts a heartbeat interval. What the attempt must
+    //! expect, by the handler's result:
+    //!
+    //! | handler | the attempt's calls, in order |
+    //! |---|---|
+    //! | `Ok(())` | `tx` (only if the handler writes), `mark_processed(fence)` returning `FenceOutcome::Written`, `commit` |
+    //! | `Err(HandlerError::Retryable(_))` below `MaxRetryAttempts` | `rollback_to_savepoint`, `record_failure(fence, FailureBookkeeping::Retry { .. }, message)`, `commit` |
+    //! | `Err(HandlerError::Permanent(_))`, or the last allowed failure | `rollback_to_savepoint`, `record_failure(fence, FailureBookkeeping::Fail, message)`, `commit` |
+    //! | any, when the fenced write returns `FenceOutcome::Lost` | then `rollback` instead of `commit` (`AttemptOutcome::LostClaim`) |
+    //!
+    //! When `commit` fails, the bookkeeping goes to the repository on the side: `get_event`, then
+    //! `increment_retry` or `update_status` (see `docs/state-machine.md`, "The attempt", rule 6).
+    //!
+    //! `MockAttempt::tx` returns a `&mut Tx`, which must be a real transaction: a handler that
+    //! writes is tested over mocks with `attempt.expect_tx().return_var(tx)`, `tx` from
+    //! [`Database::sqlite_in_memory`](crate::Database::sqlite_in_memory) (no server, no file), or
+    //! more simply without mocks, through [`AttemptContext::new`](crate::AttemptContext::new) on
+    //! such a transaction (see its example). `examples/contact-service/src/tests.rs` has both,
+    //! and a failure's expectations in order (`Sequence`).
+
+    pub use outbox_persistence::mockall::{self, Sequence, predicate};
+    pub use outbox_persistence::{MockAttempt, MockOutboxRepository};
+}
+
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 
 #[cfg(test)]
 mod tests;

@@ -299,6 +299,21 @@ pub(crate) fn gauge_read_failed() {
     counter!(names::GAUGE_READ_ERRORS).increment(1);
 }
 
+/// Bucket bounds, in seconds, of the outbox's histograms ([`HISTOGRAMS`]): 1 ms to 5 minutes.
+/// An exporter that makes summaries unless told the buckets (the Prometheus exporter does)
+/// should get these for those names: the `prometheus` feature's
+/// [`crate::prometheus::with_outbox_buckets`] sets them on a `PrometheusBuilder`.
+pub const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+/// The names of the outbox's histograms, each in seconds.
+pub const HISTOGRAMS: &[&str] = &[
+    names::ATTEMPT_DURATION,
+    names::HANDLER_DURATION,
+    names::ENQUEUE_TO_PROCESSED,
+];
+
 /// Describes every series to the installed recorder (units and help text), once per process.
 /// The dispatcher calls it when it starts; call it yourself after installing a recorder if you
 /// record before starting one.

@@ -177,6 +177,36 @@ impl Database {
         }
     }
 
+    /// A private SQLite database in memory with the outbox's tables, on one connection that
+    /// lives as long as the pool: for unit tests of handlers, and of the code beside them,
+    /// without a database server or a file. Run the application's own migrator on it
+    /// (`with_pool!`), open a transaction (`db.repository().begin()`) and hand it to the
+    /// handler (`AttemptContext::new`); everything is gone once the `Database` is dropped.
+    ///
+    /// One connection: a transaction holds it until it ends, so run one transaction at a time
+    /// (a second `begin` waits for the first, up to the acquire timeout). Not for pull workers,
+    /// which need a connection for the claim beside the attempt: use a file
+    /// (`sqlite://PATH`) or PostgreSQL for those.
+    pub async fn sqlite_in_memory() -> Result<Self> {
+        let options = SqliteConnectOptions::from_str("sqlite::memory:")
+            .map_err(|e| Error::InvalidUrl(format!("sqlite::memory: {e}")))?
+            .foreign_keys(true);
+        let config = ConnectConfig::default();
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            // The database lives in its one connection: never close it while the pool is open.
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .acquire_timeout(config.acquire_timeout)
+            .connect_with(options)
+            .await?;
+        crate::sqlite::gate::Gate::bound(&pool, config.lock_timeout);
+        let db = Database::Sqlite(pool);
+        db.migrate().await?;
+        Ok(db)
+    }
+
     /// The backend's name.
     pub fn backend_name(&self) -> &'static str {
         match self {

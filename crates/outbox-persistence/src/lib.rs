@@ -39,6 +39,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, SubsecRound, Utc};
 
+/// The `mockall` version the mocks are generated with (feature `mock`), for its `Sequence`
+/// and `predicate` in tests that use [`MockOutboxRepository`] and [`MockAttempt`].
+#[cfg(feature = "mock")]
+pub use mockall;
 pub use sqlx;
 
 pub use database::{
@@ -50,6 +54,9 @@ pub use heads::{DEFAULT_HEADS_REPAIR_KEYS, HeadsRepair};
 pub use keys::{BlockedKey, HeadState, KeyReport, explain_head, key_report};
 pub use listing::{EventFilter, EventRow};
 pub use model::*;
+/// The payload's envelope (`object`, `record_id`, `snapshot`) that the `RecordKey` is derived
+/// from; a handler parses its event's payload with [`EventEnvelope::parse`].
+pub use record_key::EventEnvelope;
 /// The `RecordKey` type of [`OutboxEvent::record_key`] and [`EventRow::record_key`].
 pub use record_key::RecordKey;
 pub use retention::{

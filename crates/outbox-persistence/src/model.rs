@@ -90,6 +90,42 @@ impl NewEvent {
             payload: payload.into(),
         }
     }
+
+    /// An event about one record: the payload is the envelope its `RecordKey` is derived from,
+    /// `{"object": object, "record_id": record_id, "snapshot": snapshot}`, JSON-encoded here
+    /// (values need no escaping by the caller), and the key is `object:record_id` with the
+    /// object in lower case. `snapshot` is the frozen fields a handler reads: anything that
+    /// serializes to a JSON object (a `BTreeMap`, a `#[derive(Serialize)]` struct,
+    /// `serde_json::json!({…})`). Fails with [`crate::Error::InvalidPayload`], as enqueue
+    /// would, when the object name or record id is not valid or the snapshot is not an object.
+    ///
+    /// ```
+    /// use std::collections::BTreeMap;
+    /// use outbox_persistence::{EventEnvelope, NewEvent, RecordKey};
+    /// let snapshot = BTreeMap::from([("email", "a@example.com"), ("name", r#"Ann "A" Lee"#)]);
+    /// let event = NewEvent::for_record("contact.requested", "ContactRequest", "req-1", &snapshot)?;
+    /// let envelope = EventEnvelope::parse(&event.payload)?;
+    /// assert_eq!(envelope.record_key(), Some(RecordKey::new("ContactRequest", "req-1")?));
+    /// assert_eq!(envelope.snapshot["name"], r#"Ann "A" Lee"#);
+    /// assert!(NewEvent::for_record("t", "Contact", "1", &"not an object").is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn for_record<S: Serialize + ?Sized>(
+        event_type: impl Into<String>,
+        object: &str,
+        record_id: &str,
+        snapshot: &S,
+    ) -> crate::Result<Self> {
+        let invalid = |e| crate::Error::InvalidPayload(record_key::RecordKeyError::InvalidJson(e));
+        let payload = serde_json::json!({
+            "object": object,
+            "record_id": record_id,
+            "snapshot": serde_json::to_value(snapshot).map_err(invalid)?,
+        });
+        let text = payload.to_string();
+        record_key::EventEnvelope::from_value(payload).map_err(crate::Error::InvalidPayload)?;
+        Ok(Self::new(event_type, text))
+    }
 }
 
 /// One outbox row. Neither `Debug` nor `Serialize` shows the payload (customer data): `Debug`
@@ -216,6 +252,24 @@ pub struct Claim {
     pub fence: Fence,
     /// Whether the row was a stale `processing` row taken over from a worker that stopped.
     pub reclaimed: bool,
+}
+
+impl Claim {
+    /// A claim of `event` as a claim would return it (`processing`, fenced on its
+    /// `LastModifiedDate`, not a reclaim), for tests that run an attempt over a mocked
+    /// repository (`ClaimRunner` in `outbox-events`) without claiming a row.
+    pub fn for_test(mut event: OutboxEvent) -> Self {
+        event.status = EventStatus::Processing;
+        let fence = Fence {
+            id: event.id,
+            last_written: event.last_modified_date,
+        };
+        Self {
+            event,
+            fence,
+            reclaimed: false,
+        }
+    }
 }
 
 /// The `LastModifiedDate` this worker last wrote to a claimed row. A heartbeat or status write

@@ -18,7 +18,7 @@
 //! let db = Database::connect("postgres://localhost/app", Default::default()).await?;
 //! let client = NatsConnect::new("nats://127.0.0.1:4222").connect().await?;
 //! let relay = Relay::new(client, RelayConfig::new("CRM", "crm", ["account.updated"]))?;
-//! let (dispatcher, check) = relay.dispatcher(db.repository(), WorkerConfig::default()).await?;
+//! let (dispatcher, check) = relay.dispatcher(db.repository(), WorkerConfig::from_env()).await?;
 //! println!("stream {} holds {} messages", check.stream, check.messages);
 //! let handle = dispatcher.start().await?;
 //! # handle.shutdown().await;
