@@ -231,7 +231,16 @@ fn dba_defaults(outbox: &str, demo: &str, admin: &str) -> Result<()> {
 /// it is wrong.
 pub fn example() -> Result<()> {
     let run = |url: &str, flag: Option<&str>| {
-        let mut args = vec!["run", "--release", "-q", "-p", "contact-service", "--", url, "400"];
+        let mut args = vec![
+            "run",
+            "--release",
+            "-q",
+            "-p",
+            "contact-service",
+            "--",
+            url,
+            "400",
+        ];
         args.extend(flag);
         Cmd::cargo(&args).env("OUTBOX_PULL_WORKER", "true").run()
     };

@@ -272,33 +272,46 @@ pub(crate) struct Variant {
     mode: DispatchMode,
     batch: Option<usize>,
     async_claims: bool,
+    /// One event per attempt transaction (batched attempts off).
+    one_per_attempt: bool,
     pub(crate) name: &'static str,
 }
 
 /// Every dispatcher the drains, the head-of-line and the slow handlers compare, in order.
-pub(crate) const VARIANTS: [Variant; 4] = [
+pub(crate) const VARIANTS: [Variant; 5] = [
     Variant {
         mode: DispatchMode::Pull,
         batch: None,
         async_claims: false,
+        one_per_attempt: false,
         name: "pull",
     },
     Variant {
         mode: DispatchMode::Pull,
         batch: None,
+        async_claims: false,
+        one_per_attempt: true,
+        name: "pull, one event per attempt",
+    },
+    Variant {
+        mode: DispatchMode::Pull,
+        batch: None,
         async_claims: true,
+        one_per_attempt: false,
         name: "pull, async claims",
     },
     Variant {
         mode: DispatchMode::Pull,
         batch: Some(1),
         async_claims: false,
+        one_per_attempt: true,
         name: "pull, claim per worker",
     },
     Variant {
         mode: DispatchMode::Legacy,
         batch: None,
         async_claims: false,
+        one_per_attempt: false,
         name: "legacy",
     },
 ];
@@ -311,6 +324,11 @@ impl Variant {
             Some(batch) => config.with_max_claim_batch(batch),
             None => config,
         };
+        let config = if self.one_per_attempt {
+            config.without_batches()
+        } else {
+            config
+        };
         (config, self.async_claims)
     }
 
@@ -322,7 +340,10 @@ impl Variant {
 
     /// The pull workers as shipped: the one the targets are read from.
     pub(crate) fn shipped_pull(self) -> bool {
-        self.mode == DispatchMode::Pull && self.batch.is_none() && !self.async_claims
+        self.mode == DispatchMode::Pull
+            && self.batch.is_none()
+            && !self.async_claims
+            && !self.one_per_attempt
     }
 
     /// The rows claimed per claim statement, for a note (pull workers only).

@@ -14,7 +14,7 @@
 //!    nothing.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use outbox_persistence::{Attempt, Claim, FailureBookkeeping, FenceOutcome, OutboxRepository};
 use tokio_util::sync::CancellationToken;
@@ -48,10 +48,14 @@ pub enum AttemptOutcome {
     /// serialization failure or deadlock on its own statement): the effects rolled back and
     /// the row went back to `pending` without counting the attempt.
     Released,
+    /// A batched attempt gave the claim back before running it (its time budget was spent, an
+    /// older event of the record failed, or the batch's transaction died first): back to
+    /// `pending`, not counted.
+    NotRun,
 }
 
 impl AttemptOutcome {
-    fn as_str(&self) -> &'static str {
+    pub(crate) fn as_str(&self) -> &'static str {
         match self {
             AttemptOutcome::Processed => "processed",
             AttemptOutcome::Retried => "retried",
@@ -60,6 +64,7 @@ impl AttemptOutcome {
             AttemptOutcome::Cancelled => "cancelled",
             AttemptOutcome::Abandoned => "abandoned",
             AttemptOutcome::Released => "released",
+            AttemptOutcome::NotRun => "not_run",
         }
     }
 }
@@ -99,7 +104,7 @@ pub(crate) struct Failure {
 }
 
 impl AttemptEnv {
-    fn failure(&self, claim: &Claim, retryable: bool, message: String) -> Failure {
+    pub(crate) fn failure(&self, claim: &Claim, retryable: bool, message: String) -> Failure {
         let failures = claim.event.retry_count.saturating_add(1);
         let bookkeeping = if retryable && failures < self.config.max_retry_attempts {
             FailureBookkeeping::Retry {
@@ -166,6 +171,57 @@ impl ClaimRunner {
 }
 
 pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
+    run_timed(env, claim).await.0
+}
+
+/// [`run`], and how long its handler ran (zero when it did not run).
+pub(crate) async fn run_timed(env: &AttemptEnv, claim: Claim) -> (AttemptOutcome, Duration) {
+    let claimed_at = Instant::now();
+    let fence = FenceCell::new(claim.fence);
+    let lost = CancellationToken::new();
+    let beat = Beat::new(env, fence, lost);
+    // The claim beats from one heartbeat interval after the claim on. An attempt that ends
+    // sooner (most do) never needs a heartbeat task: the first interval is timed here, in
+    // the attempt's own task, and the task that beats is spawned only when it passes. A
+    // backend whose attempts exclude other writers stops the beat once the attempt has
+    // begun (nobody can reclaim the row until the attempt commits, and the beat could not
+    // write meanwhile); until then the claim may wait for the write lock behind other
+    // attempts, and must not look silent.
+    let body = one(env, &claim, &beat, claimed_at);
+    tokio::pin!(body);
+    tokio::select! {
+        biased;
+        outcome = &mut body => outcome,
+        _ = tokio::time::sleep(env.config.heartbeat_interval) => {
+            beat.start_after_first_interval();
+            body.await
+        }
+    }
+}
+
+/// The attempt of one claim whose beat is `beat` (not started before its first interval),
+/// claimed at `claimed_at`: its span, its metrics, and how long its handler ran.
+pub(crate) async fn one(
+    env: &AttemptEnv,
+    claim: &Claim,
+    beat: &Beat<'_>,
+    claimed_at: Instant,
+) -> (AttemptOutcome, Duration) {
+    let span = attempt_span(claim);
+    async move {
+        let event_type = claim.event.event_type.as_str();
+        env.metrics.claimed(event_type, claim.reclaimed);
+        let (outcome, handler_time) = attempt(env, claim, beat).await;
+        beat.stop();
+        ended(env, claim, &outcome, claimed_at);
+        (outcome, handler_time)
+    }
+    .instrument(span)
+    .await
+}
+
+/// The span of one event's attempt.
+pub(crate) fn attempt_span(claim: &Claim) -> tracing::Span {
     let span = tracing::info_span!(
         "outbox.attempt",
         event_id = %claim.event.id,
@@ -177,51 +233,30 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
         traceparent = field::Empty,
     );
     crate::trace::note_on_span(&span, &claim.event.payload);
-    async move {
-        let claimed_at = Instant::now();
-        let event_type = claim.event.event_type.as_str();
-        env.metrics.claimed(event_type, claim.reclaimed);
-        let fence = FenceCell::new(claim.fence);
-        let lost = CancellationToken::new();
-        let beat = Beat::new(env, fence.clone(), lost.clone());
-        // The claim beats from one heartbeat interval after the claim on. An attempt that ends
-        // sooner (most do) never needs a heartbeat task: the first interval is timed here, in
-        // the attempt's own task, and the task that beats is spawned only when it passes. A
-        // backend whose attempts exclude other writers stops the beat once the attempt has
-        // begun (nobody can reclaim the row until the attempt commits, and the beat could not
-        // write meanwhile); until then the claim may wait for the write lock behind other
-        // attempts, and must not look silent.
-        let outcome = {
-            let body = attempt(env, &claim, &beat);
-            tokio::pin!(body);
-            tokio::select! {
-                biased;
-                outcome = &mut body => outcome,
-                _ = tokio::time::sleep(env.config.heartbeat_interval) => {
-                    beat.start_after_first_interval();
-                    body.await
-                }
-            }
-        };
-        drop(beat);
-        // Both ends of the wait in the queue are the database's times (`CreatedDate` and the
-        // claim's `LastModifiedDate`); the attempt itself is timed on this host's monotonic
-        // clock. A skewed host clock changes neither.
-        let queued = (claim.fence.last_written - claim.event.created_date)
-            .to_std()
-            .ok();
-        env.metrics.ended(
-            event_type,
-            Ended::from(&outcome),
-            claimed_at.elapsed(),
-            queued,
-        );
-        tracing::Span::current().record("outcome", outcome.as_str());
-        tracing::debug!("attempt finished");
-        outcome
-    }
-    .instrument(span)
-    .await
+    span
+}
+
+/// Counts how an event's attempt ended (in the current span).
+pub(crate) fn ended(
+    env: &AttemptEnv,
+    claim: &Claim,
+    outcome: &AttemptOutcome,
+    claimed_at: Instant,
+) {
+    // Both ends of the wait in the queue are the database's times (`CreatedDate` and the
+    // claim's `LastModifiedDate`); the attempt itself is timed on this host's monotonic
+    // clock. A skewed host clock changes neither.
+    let queued = (claim.fence.last_written - claim.event.created_date)
+        .to_std()
+        .ok();
+    env.metrics.ended(
+        &claim.event.event_type,
+        Ended::from(outcome),
+        claimed_at.elapsed(),
+        queued,
+    );
+    tracing::Span::current().record("outcome", outcome.as_str());
+    tracing::debug!("attempt finished");
 }
 
 /// Opens the attempt transaction. A failure to begin (the database is down, the pool is
@@ -280,15 +315,16 @@ async fn begin(
     Err(AttemptOutcome::Abandoned)
 }
 
-async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> AttemptOutcome {
+async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> (AttemptOutcome, Duration) {
     let mut tx = match begin(env, &claim.event.event_type, beat).await {
         Ok(tx) => tx,
-        Err(outcome) => return outcome,
+        Err(outcome) => return (outcome, Duration::ZERO),
     };
     let lost = beat.lost.clone();
     let lost = &lost;
 
     let handler = env.handlers.get(&claim.event.event_type).cloned();
+    let mut handler_time = Duration::ZERO;
     let result = match handler {
         None => Ok(Err(HandlerError::Permanent(format!(
             "no handler registered for event type {:?}",
@@ -303,8 +339,9 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> AttemptOut
                 _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
                 result = CatchPanic(handler.handle(&claim.event, &mut ctx)) => Ok(result),
             };
+            handler_time = started.elapsed();
             env.metrics
-                .handler_ran(&claim.event.event_type, started.elapsed());
+                .handler_ran(&claim.event.event_type, handler_time);
             result
         }
     };
@@ -315,11 +352,11 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> AttemptOut
             if interrupted == AttemptOutcome::Cancelled {
                 tracing::warn!("attempt cancelled by shutdown; the row is left to stale reclaim");
             }
-            return interrupted;
+            return (interrupted, handler_time);
         }
     };
 
-    match result {
+    let outcome = match result {
         Ok(()) => finish_success(env, claim, beat, tx).await,
         Err(error) => {
             if error.is_lock_timeout() {
@@ -329,7 +366,8 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> AttemptOut
             tracing::info!(error = %failure.message, "handler failed");
             finish_failure(env, claim, beat, tx, failure).await
         }
-    }
+    };
+    (outcome, handler_time)
 }
 
 async fn finish_success(
@@ -436,7 +474,7 @@ pub(crate) fn failure_outcome(failure: &Failure) -> AttemptOutcome {
     }
 }
 
-async fn rollback_quietly(tx: &mut dyn Attempt) {
+pub(crate) async fn rollback_quietly(tx: &mut dyn Attempt) {
     if let Err(e) = tx.rollback().await {
         tracing::debug!(error = %e.chain(), "rollback failed (the transaction is gone with its connection)");
     }
@@ -444,7 +482,7 @@ async fn rollback_quietly(tx: &mut dyn Attempt) {
 
 /// Turns a handler's panic into a retryable error, so a panicking handler never takes its
 /// worker down; a handler that always panics ends `failed` at `MaxRetryAttempts`.
-struct CatchPanic<F>(F);
+pub(crate) struct CatchPanic<F>(pub(crate) F);
 
 impl<F> std::future::Future for CatchPanic<F>
 where

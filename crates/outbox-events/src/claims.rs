@@ -1,8 +1,10 @@
 //! One claim statement for the pull workers that are idle at the same moment.
 //!
-//! A worker that wants a row asks the dispatcher's [`Claims`]. When no claim is under way it
-//! leads: it claims, in one call of [`OutboxRepository::claim_batch`], one row for itself and one
-//! for every worker that queued behind it meanwhile, hands each of those its row (or nothing,
+//! A worker that wants rows asks the dispatcher's [`Claims`] for as many as its next attempt
+//! runs (one, or a batch: see `docs/state-machine.md`, "Batched attempts"). When no claim is
+//! under way it leads: it claims, in one call of [`OutboxRepository::claim_batch`], the rows
+//! it wants and those of every worker that queued behind it meanwhile, deals them out (one to
+//! each worker in turn, so that every worker has one before any has two; nothing to a worker
 //! when fewer were eligible), and passes the lead to the first worker that queued while it
 //! claimed. So at most one claim statement per dispatcher runs at a time, its fixed cost is
 //! shared by the batch, and concurrent claims no longer skip over each other's locked heads.
@@ -21,8 +23,9 @@ use crate::metrics::Metrics;
 /// What a worker is told when it asks for a row.
 #[derive(Debug)]
 pub(crate) enum Reply {
-    /// A row claimed for this worker: start its attempt now.
-    Claimed(Claim),
+    /// Rows claimed for this worker (at least one, at most as many as it asked for): start
+    /// their attempt now.
+    Claimed(Vec<Claim>),
     /// Nothing eligible now.
     Nothing,
     /// The claim failed; the leader got the error (and logs it); the others back off too.
@@ -36,45 +39,58 @@ enum Turn {
     Lead,
 }
 
+/// A worker queued behind the leader, and how many rows it wants.
+struct Follower {
+    tx: oneshot::Sender<Turn>,
+    want: usize,
+}
+
 #[derive(Default)]
 struct Queue {
     /// A worker is claiming.
     leading: bool,
-    waiting: VecDeque<oneshot::Sender<Turn>>,
+    waiting: VecDeque<Follower>,
 }
 
 /// The dispatcher's claims: one per pull-worker set (one scope).
 pub(crate) struct Claims {
     queue: Mutex<Queue>,
-    /// The most rows one statement claims (the number of workers).
-    max_batch: usize,
+    /// The most workers one statement serves (the number of workers, or
+    /// `WorkerConfig::max_claim_batch`).
+    max_workers: usize,
 }
 
 impl Claims {
-    pub(crate) fn new(max_batch: usize) -> Self {
+    pub(crate) fn new(max_workers: usize) -> Self {
         Self {
             queue: Mutex::default(),
-            max_batch: max_batch.clamp(1, outbox_persistence::MAX_CLAIM_BATCH),
+            max_workers: max_workers.clamp(1, outbox_persistence::MAX_CLAIM_BATCH),
         }
     }
 
-    /// A row for the calling worker, claimed by it or by the worker leading when it asked.
-    /// With a batch of one (`WorkerConfig::max_claim_batch` 1) every worker claims for itself,
-    /// concurrently, as before batches. Dropping this future while it waits passes on a lead
-    /// it was handed; a row already claimed for it is left to stale reclaim (the pull worker
-    /// never drops it).
+    /// Up to `want` rows for the calling worker, claimed by it or by the worker leading when
+    /// it asked. With `WorkerConfig::max_claim_batch` 1 every worker claims for itself,
+    /// concurrently. Dropping this future while it waits passes on a lead it was handed; rows
+    /// already claimed for it are left to stale reclaim (the pull worker never drops it).
     pub(crate) async fn claim(
         &self,
         repo: &dyn OutboxRepository,
         metrics: &Metrics,
         policy: ClaimPolicy,
         scope: &Scope,
+        want: usize,
     ) -> Reply {
-        if self.max_batch == 1 {
+        let want = want.clamp(1, outbox_persistence::MAX_CLAIM_BATCH);
+        if self.max_workers == 1 {
             metrics.claim_statement();
-            return match repo.claim_next(policy, scope).await {
-                Ok(Some(claim)) => Reply::Claimed(claim),
-                Ok(None) => Reply::Nothing,
+            let claimed = if want == 1 {
+                repo.claim_next(policy, scope).await.map(Vec::from_iter)
+            } else {
+                repo.claim_batch(policy, scope, want).await
+            };
+            return match claimed {
+                Ok(claims) if claims.is_empty() => Reply::Nothing,
+                Ok(claims) => Reply::Claimed(claims),
                 Err(e) => Reply::Failed(Some(e)),
             };
         }
@@ -82,7 +98,7 @@ impl Claims {
             let mut queue = self.lock();
             if queue.leading {
                 let (tx, rx) = oneshot::channel();
-                queue.waiting.push_back(tx);
+                queue.waiting.push_back(Follower { tx, want });
                 Some(Waiting {
                     rx: Some(rx),
                     claims: self,
@@ -109,7 +125,7 @@ impl Claims {
         }
         let lead = Lead { claims: self };
         metrics.claim_statement();
-        lead.claim(repo, policy, scope).await
+        lead.claim(repo, policy, scope, want).await
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
@@ -145,8 +161,10 @@ impl Drop for Waiting<'_> {
             Ok(Turn::Lead) => drop(Lead {
                 claims: self.claims,
             }),
-            Ok(Turn::Reply(Reply::Claimed(claim))) => {
-                tracing::error!(event_id = %claim.event.id, "a worker stopped waiting after a row was claimed for it; the row will be reclaimed when stale");
+            Ok(Turn::Reply(Reply::Claimed(claims))) => {
+                for claim in claims {
+                    tracing::error!(event_id = %claim.event.id, "a worker stopped waiting after a row was claimed for it; the row will be reclaimed when stale");
+                }
             }
             _ => {}
         }
@@ -164,42 +182,56 @@ impl Lead<'_> {
         repo: &dyn OutboxRepository,
         policy: ClaimPolicy,
         scope: &Scope,
+        want: usize,
     ) -> Reply {
-        let followers: Vec<oneshot::Sender<Turn>> = {
+        let followers: Vec<Follower> = {
             let mut queue = self.claims.lock();
             // No row for a worker that stopped waiting.
-            queue.waiting.retain(|follower| !follower.is_closed());
-            let n = queue.waiting.len().min(self.claims.max_batch - 1);
+            queue.waiting.retain(|follower| !follower.tx.is_closed());
+            let n = queue.waiting.len().min(self.claims.max_workers - 1);
             queue.waiting.drain(..n).collect()
         };
-        match repo.claim_batch(policy, scope, followers.len() + 1).await {
+        let wants: Vec<usize> = std::iter::once(want)
+            .chain(followers.iter().map(|f| f.want))
+            .collect();
+        let total = wants
+            .iter()
+            .sum::<usize>()
+            .min(outbox_persistence::MAX_CLAIM_BATCH);
+        match repo.claim_batch(policy, scope, total).await {
             Ok(claims) => {
-                let mut claims = claims.into_iter();
-                let mine = claims.next();
-                for follower in followers {
-                    let reply = match claims.next() {
-                        Some(claim) => Reply::Claimed(claim),
-                        None => Reply::Nothing,
-                    };
-                    if let Err(Turn::Reply(Reply::Claimed(claim))) =
-                        follower.send(Turn::Reply(reply))
-                    {
-                        // Only a worker that panicked stops listening; its row goes stale and
-                        // is reclaimed like any dead worker's.
-                        tracing::error!(event_id = %claim.event.id, "a claimed row's worker went away before it was handed over; the row will be reclaimed when stale");
+                if claims.len() > total {
+                    for claim in &claims[total..] {
+                        tracing::error!(event_id = %claim.event.id, "the claim returned more rows than asked for; the row will be reclaimed when stale");
                     }
                 }
-                for claim in claims {
-                    tracing::error!(event_id = %claim.event.id, "the claim returned more rows than asked for; the row will be reclaimed when stale");
+                let mut dealt = deal(claims.into_iter().take(total), &wants).into_iter();
+                let mine = dealt.next().unwrap_or_default();
+                for (follower, claims) in followers.into_iter().zip(dealt) {
+                    let reply = if claims.is_empty() {
+                        Reply::Nothing
+                    } else {
+                        Reply::Claimed(claims)
+                    };
+                    if let Err(Turn::Reply(Reply::Claimed(claims))) =
+                        follower.tx.send(Turn::Reply(reply))
+                    {
+                        // Only a worker that panicked stops listening; its rows go stale and
+                        // are reclaimed like any dead worker's.
+                        for claim in claims {
+                            tracing::error!(event_id = %claim.event.id, "a claimed row's worker went away before it was handed over; the row will be reclaimed when stale");
+                        }
+                    }
                 }
-                match mine {
-                    Some(claim) => Reply::Claimed(claim),
-                    None => Reply::Nothing,
+                if mine.is_empty() {
+                    Reply::Nothing
+                } else {
+                    Reply::Claimed(mine)
                 }
             }
             Err(e) => {
                 for follower in followers {
-                    let _ = follower.send(Turn::Reply(Reply::Failed(None)));
+                    let _ = follower.tx.send(Turn::Reply(Reply::Failed(None)));
                 }
                 Reply::Failed(Some(e))
             }
@@ -207,11 +239,30 @@ impl Lead<'_> {
     }
 }
 
+/// Deals `claims` out to workers that want `wants[i]` rows each: one to each worker in turn
+/// (skipping those that have what they asked for), so that every worker has a row before any
+/// has two.
+fn deal(claims: impl Iterator<Item = Claim>, wants: &[usize]) -> Vec<Vec<Claim>> {
+    let mut dealt: Vec<Vec<Claim>> = wants.iter().map(|_| Vec::new()).collect();
+    let mut next = 0;
+    for claim in claims {
+        let Some(worker) = (0..wants.len())
+            .map(|i| (next + i) % wants.len())
+            .find(|&i| dealt[i].len() < wants[i])
+        else {
+            break;
+        };
+        dealt[worker].push(claim);
+        next = worker + 1;
+    }
+    dealt
+}
+
 impl Drop for Lead<'_> {
     fn drop(&mut self) {
         let mut queue = self.claims.lock();
         while let Some(next) = queue.waiting.pop_front() {
-            if next.send(Turn::Lead).is_ok() {
+            if next.tx.send(Turn::Lead).is_ok() {
                 return;
             }
         }
@@ -268,8 +319,18 @@ mod tests {
     }
 
     async fn ask_all(claims: Arc<Claims>, repo: Arc<MockOutboxRepository>, n: usize) -> Vec<Reply> {
-        let tasks: Vec<_> = (0..n)
-            .map(|_| {
+        ask(claims, repo, &vec![1; n]).await
+    }
+
+    /// Worker `i` asks for `wants[i]` rows; all ask at once.
+    async fn ask(
+        claims: Arc<Claims>,
+        repo: Arc<MockOutboxRepository>,
+        wants: &[usize],
+    ) -> Vec<Reply> {
+        let tasks: Vec<_> = wants
+            .iter()
+            .map(|&want| {
                 let (claims, repo) = (claims.clone(), repo.clone());
                 tokio::spawn(async move {
                     let scope = Scope::All;
@@ -279,6 +340,7 @@ mod tests {
                             &Metrics::default(),
                             ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(1), 5),
                             &scope,
+                            want,
                         )
                         .await
                 })
@@ -300,7 +362,7 @@ mod tests {
         let ids: std::collections::HashSet<_> = replies
             .iter()
             .map(|r| match r {
-                Reply::Claimed(c) => c.event.id,
+                Reply::Claimed(c) if c.len() == 1 => c[0].event.id,
                 other => panic!("every worker gets a row, got {other:?}"),
             })
             .collect();
@@ -397,7 +459,10 @@ mod tests {
         claims.lock().leading = true;
         let (gone, gone_rx) = oneshot::channel();
         let (next, mut next_rx) = oneshot::channel();
-        claims.lock().waiting.extend([gone, next]);
+        claims.lock().waiting.extend([
+            Follower { tx: gone, want: 1 },
+            Follower { tx: next, want: 1 },
+        ]);
         drop(Waiting {
             rx: Some(gone_rx),
             claims: &claims,
@@ -415,7 +480,13 @@ mod tests {
         claims.lock().leading = true;
         let (gone, gone_rx) = oneshot::channel();
         let (waiting, mut waiting_rx) = oneshot::channel();
-        claims.lock().waiting.extend([gone, waiting]);
+        claims.lock().waiting.extend([
+            Follower { tx: gone, want: 1 },
+            Follower {
+                tx: waiting,
+                want: 1,
+            },
+        ]);
         drop(gone_rx);
         let scope = Scope::All;
         let lead = Lead { claims: &claims };
@@ -424,6 +495,7 @@ mod tests {
                 &repo,
                 ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(1), 5),
                 &scope,
+                1,
             )
             .await;
         drop(lead);
@@ -438,6 +510,38 @@ mod tests {
             "the leader and the one still waiting"
         );
         assert!(!claims.lock().leading);
+    }
+
+    /// Workers that want batches get what they asked for from one statement while rows last,
+    /// dealt one at a time: with too few rows, every worker has one before any has two.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn batches_are_dealt_one_row_to_each_worker_in_turn() {
+        let wants = [4, 1, 3];
+        let claims: Vec<Claim> = (0..5).map(claim).collect();
+        let dealt = deal(claims.clone().into_iter(), &wants);
+        let sizes: Vec<usize> = dealt.iter().map(Vec::len).collect();
+        assert_eq!(sizes, vec![2, 1, 2]);
+        assert_eq!(
+            dealt[0][0], claims[0],
+            "the leader's first row is the oldest"
+        );
+        let dealt = deal(claims.into_iter(), &[1, 1]);
+        assert_eq!(
+            dealt.iter().map(Vec::len).sum::<usize>(),
+            2,
+            "no more than asked"
+        );
+
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let repo = Arc::new(repo(100, sizes.clone()));
+        let replies = ask(Arc::new(Claims::new(8)), repo, &[16, 16, 16, 16]).await;
+        for reply in &replies {
+            assert!(
+                matches!(reply, Reply::Claimed(c) if c.len() == 16),
+                "{reply:?}"
+            );
+        }
+        assert_eq!(sizes.lock().unwrap().iter().sum::<usize>(), 64);
     }
 
     /// A batch of one restores the claim before batches: each worker calls `claim_next`

@@ -27,6 +27,11 @@ pub const DEFAULT_MAX_RETRY_ATTEMPTS: i32 = 5;
 pub use outbox_persistence::DEFAULT_LOCK_TIMEOUT;
 /// Default time in-flight attempts get to finish at shutdown before they are cancelled.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default most events of one batched attempt ([`WorkerConfig::batch_max_events`]).
+pub const DEFAULT_BATCH_MAX_EVENTS: usize = 16;
+/// Default handler time after which a batched attempt stops taking events
+/// ([`WorkerConfig::batch_budget`]).
+pub const DEFAULT_BATCH_BUDGET: Duration = Duration::from_millis(10);
 /// Default interval of the heads repair ([`WorkerConfig::heads_repair`]).
 pub const DEFAULT_HEADS_REPAIR_EVERY: Duration = Duration::from_secs(30);
 
@@ -122,6 +127,17 @@ pub struct WorkerConfig {
     /// `docs/queries.md`, "Why a head cannot hide a row"). Each key repaired is logged and
     /// counted (`outbox_heads_repaired_total`).
     pub heads_repair: Option<Duration>,
+    /// Pull mode: the most claimed events one attempt transaction runs, each under a savepoint
+    /// of its own (see `docs/state-machine.md`, "Batched attempts"); 1 runs one event per
+    /// attempt. At most [`outbox_persistence::MAX_BATCH_EVENTS`]. A worker asks for as many as
+    /// its handlers' recent times fit in [`WorkerConfig::batch_budget`], starting at one, so
+    /// slow handlers still run one per attempt. Default [`DEFAULT_BATCH_MAX_EVENTS`].
+    pub batch_max_events: usize,
+    /// Pull mode: a batched attempt stops taking events once its handlers have run this long
+    /// (the events claimed for it and not run yet go back to `pending`, uncounted), which
+    /// bounds how long a record's effects wait for the batch's commit. Default
+    /// [`DEFAULT_BATCH_BUDGET`].
+    pub batch_budget: Duration,
 }
 
 impl Default for WorkerConfig {
@@ -149,6 +165,8 @@ impl Default for WorkerConfig {
             queue_gauges: None,
             max_claim_batch: None,
             heads_repair: Some(DEFAULT_HEADS_REPAIR_EVERY),
+            batch_max_events: DEFAULT_BATCH_MAX_EVENTS,
+            batch_budget: DEFAULT_BATCH_BUDGET,
         }
     }
 }
@@ -193,6 +211,29 @@ impl WorkerConfig {
         self.max_claim_batch
             .map_or(self.workers, |max| max.min(self.workers))
             .max(1)
+    }
+    /// Batched attempts of at most `max_events` events (1: one event per attempt), stopping
+    /// once their handlers have run for `budget` (see [`WorkerConfig::batch_max_events`]).
+    pub fn with_batches(mut self, max_events: usize, budget: Duration) -> Self {
+        self.batch_max_events = max_events.clamp(1, outbox_persistence::MAX_BATCH_EVENTS);
+        self.batch_budget = budget;
+        self
+    }
+    /// One event per attempt transaction (no batches).
+    pub fn without_batches(self) -> Self {
+        let budget = self.batch_budget;
+        self.with_batches(1, budget)
+    }
+    /// The most events a pull worker runs in one attempt transaction: 1 when batches are off,
+    /// and when `MaxRetryAttempts` is 1 (a batch whose transaction dies counts a failure for
+    /// every event that ran in it, which would end them all `failed`).
+    pub fn batch_events(&self) -> usize {
+        if self.max_retry_attempts < 2 {
+            1
+        } else {
+            self.batch_max_events
+                .clamp(1, outbox_persistence::MAX_BATCH_EVENTS)
+        }
     }
     /// Refreshes the queue gauges every `every` (one read of the queue per dispatcher; see
     /// [`WorkerConfig::queue_gauges`]).

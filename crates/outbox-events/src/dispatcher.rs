@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::attempt::{self, AttemptEnv};
+use crate::batch;
 use crate::claims::{Claims, Reply};
 use crate::config::{DispatchMode, WorkerConfig};
 use crate::gate::ModeDecision;
@@ -279,20 +280,29 @@ async fn pull_worker(
 ) {
     let mut idle_wait = FIRST_IDLE_WAIT;
     let mut error_backoff = FIRST_ERROR_BACKOFF;
+    let mut sizer = BatchSizer::default();
     while !stop.is_cancelled() {
         // Held from the claim to the attempt's end, released while idle or backing off.
         let Some(permit) = env.attempt_permit(&stop).await else {
             break;
         };
         // The workers that ask at the same moment share one claim statement (`Claims`).
+        let want = sizer.want(&env.config);
         match claims
-            .claim(env.repo.as_ref(), &env.metrics, policy(&env), &scope)
+            .claim(env.repo.as_ref(), &env.metrics, policy(&env), &scope, want)
             .await
         {
-            Reply::Claimed(claim) => {
+            Reply::Claimed(mut claimed) => {
                 idle_wait = FIRST_IDLE_WAIT;
                 error_backoff = FIRST_ERROR_BACKOFF;
-                attempt::run(&env, claim).await;
+                let (handler_time, ran) = if claimed.len() == 1 {
+                    let claim = claimed.pop().expect("one claim");
+                    let (_, handler_time) = attempt::run_timed(&env, claim).await;
+                    (handler_time, 1)
+                } else {
+                    batch::run(&env, claimed).await
+                };
+                sizer.observe(handler_time, ran);
                 drop(permit);
             }
             Reply::Nothing => {
@@ -319,6 +329,41 @@ async fn pull_worker(
         }
     }
     tracing::debug!(worker, "pull worker stopped");
+}
+
+/// How many events a pull worker asks for next: as many as its handlers' recent mean time fits
+/// in the batch budget, between one and the batch's most (see `docs/state-machine.md`,
+/// "Batched attempts", rule 6). It starts at one, measured before it batches.
+#[derive(Debug, Default)]
+struct BatchSizer {
+    /// The handlers' mean time per event, smoothed over the worker's recent attempts.
+    mean: Option<Duration>,
+}
+
+impl BatchSizer {
+    fn want(&self, config: &WorkerConfig) -> usize {
+        let most = config.batch_events();
+        match self.mean {
+            _ if most == 1 => 1,
+            None => 1,
+            Some(mean) => {
+                let fits = config.batch_budget.as_nanos() / mean.as_nanos().max(1_000);
+                (fits.min(most as u128) as usize).max(1)
+            }
+        }
+    }
+
+    /// `ran` handlers took `took` in all.
+    fn observe(&mut self, took: Duration, ran: usize) {
+        if ran == 0 {
+            return;
+        }
+        let sample = took / ran as u32;
+        self.mean = Some(match self.mean {
+            None => sample,
+            Some(mean) => (mean + sample) / 2,
+        });
+    }
 }
 
 /// A running dispatcher.

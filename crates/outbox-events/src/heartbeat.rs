@@ -50,6 +50,12 @@ impl FenceCell {
     pub async fn lock(&self) -> MutexGuard<'_, FenceState> {
         self.0.lock().await
     }
+
+    /// Locks the fence until the guard is dropped: a batched attempt holds the fence of an
+    /// event whose bookkeeping it wrote until the batch commits.
+    pub async fn lock_owned(&self) -> tokio::sync::OwnedMutexGuard<FenceState> {
+        self.0.clone().lock_owned().await
+    }
 }
 
 /// Stops the heartbeat task when dropped.

@@ -17,6 +17,7 @@
 #![warn(missing_docs)]
 
 mod attempt;
+mod batch;
 mod claims;
 mod config;
 mod consumer;
@@ -34,10 +35,10 @@ pub mod trace;
 
 pub use attempt::{AttemptOutcome, ClaimRunner};
 pub use config::{
-    DEFAULT_HEADS_REPAIR_EVERY, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LOCK_TIMEOUT,
-    DEFAULT_MAX_RETRY_ATTEMPTS, DEFAULT_MAX_RETRY_DELAY, DEFAULT_POLL_INTERVAL,
-    DEFAULT_RETRY_DELAY, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STALE_AFTER, DEFAULT_WORKERS,
-    DispatchMode, OUTBOX_PULL_WORKER, WorkerConfig,
+    DEFAULT_BATCH_BUDGET, DEFAULT_BATCH_MAX_EVENTS, DEFAULT_HEADS_REPAIR_EVERY,
+    DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_RETRY_ATTEMPTS,
+    DEFAULT_MAX_RETRY_DELAY, DEFAULT_POLL_INTERVAL, DEFAULT_RETRY_DELAY, DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_STALE_AFTER, DEFAULT_WORKERS, DispatchMode, OUTBOX_PULL_WORKER, WorkerConfig,
 };
 pub use consumer::{Consumer, DeclaredEffect, EffectKind, ExternalKind, Safeguard, Verdict};
 pub use dispatcher::{DECIDE_RETRY_FOR, Dispatcher, DispatcherHandle, ShutdownReport, StartError};

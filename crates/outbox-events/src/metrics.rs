@@ -78,6 +78,8 @@ pub struct Metrics {
     detached_bookkeeping: AtomicU64,
     cancelled: AtomicU64,
     released: AtomicU64,
+    not_run: AtomicU64,
+    batches: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -108,6 +110,13 @@ pub struct MetricsSnapshot {
     /// serialization failure or a deadlock: back to `pending`, not counted towards
     /// `MaxRetryAttempts`.
     pub released: u64,
+    /// Claims a batched attempt gave back before running them (its time budget was spent, an
+    /// older event of their record failed, or its transaction died first): back to `pending`,
+    /// not counted.
+    pub not_run: u64,
+    /// Attempt transactions that ran more than one event (see `docs/state-machine.md`,
+    /// "Batched attempts").
+    pub batches: u64,
 }
 
 /// How an attempt ended, as the metrics label it.
@@ -120,6 +129,7 @@ pub(crate) enum Ended {
     Cancelled,
     Abandoned,
     Released,
+    NotRun,
 }
 
 impl From<&crate::AttemptOutcome> for Ended {
@@ -133,6 +143,7 @@ impl From<&crate::AttemptOutcome> for Ended {
             O::Cancelled => Ended::Cancelled,
             O::Abandoned => Ended::Abandoned,
             O::Released => Ended::Released,
+            O::NotRun => Ended::NotRun,
         }
     }
 }
@@ -147,6 +158,7 @@ impl Ended {
             Ended::Cancelled => "cancelled",
             Ended::Abandoned => "abandoned",
             Ended::Released => "released",
+            Ended::NotRun => "not_run",
         }
     }
 }
@@ -189,6 +201,7 @@ impl Metrics {
             Ended::Cancelled => &self.cancelled,
             Ended::Abandoned => return self.ended_uncounted(event_type, attempt),
             Ended::Released => &self.released,
+            Ended::NotRun => &self.not_run,
         });
         let labels = [
             ("event_type", event_type.to_owned()),
@@ -225,6 +238,11 @@ impl Metrics {
         counter!(names::LOCK_TIMEOUTS, "event_type" => event_type.to_owned()).increment(1);
     }
 
+    /// An attempt transaction ran more than one event.
+    pub(crate) fn batch(&self) {
+        bump(&self.batches);
+    }
+
     /// A failure of `event_type` was recorded on the detached path.
     pub(crate) fn detached_bookkeeping(&self, event_type: &str) {
         bump(&self.detached_bookkeeping);
@@ -246,6 +264,8 @@ impl Metrics {
             detached_bookkeeping: load(&self.detached_bookkeeping),
             cancelled: load(&self.cancelled),
             released: load(&self.released),
+            not_run: load(&self.not_run),
+            batches: load(&self.batches),
         }
     }
 }

@@ -151,6 +151,22 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
         Ok(())
     }
 
+    async fn savepoint(&mut self) -> Result<()> {
+        let (tx, _) = self.open()?;
+        with_tx!(tx, |conn| sqlx::raw_sql(SET_SAVEPOINT)
+            .execute(conn)
+            .await
+            .map(|_| ()))?;
+        Ok(())
+    }
+
+    async fn release(&mut self, fence: Fence, error: &str) -> Result<FenceOutcome> {
+        let (tx, writes) = self.open()?;
+        writes
+            .write(tx, fence, FencedWrite::Release { error })
+            .await
+    }
+
     async fn mark_processed(&mut self, fence: Fence) -> Result<FenceOutcome> {
         let (tx, writes) = self.open()?;
         writes.write(tx, fence, FencedWrite::Processed).await

@@ -142,6 +142,11 @@ impl Tx {
 /// The most rows one [`OutboxRepository::claim_batch`] call claims.
 pub const MAX_CLAIM_BATCH: usize = 256;
 
+/// The most events one batched attempt runs ([`OutboxRepository::begin_batch_attempt`]): each
+/// writes under a savepoint of its own, and PostgreSQL keeps a backend's subtransactions in a
+/// cache of 64; past it every snapshot in the database gets slower.
+pub const MAX_BATCH_EVENTS: usize = 32;
+
 /// The repository: one implementation per backend, one conformance suite for all.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
@@ -253,6 +258,18 @@ pub trait OutboxRepository: Send + Sync + 'static {
         fence: Fence,
     ) -> Result<Option<Box<dyn Attempt>>>;
 
+    /// Opens one attempt transaction for several claimed rows (a batch, see
+    /// `docs/state-machine.md`, "Batched attempts"): begin, lock timeout, the first post-claim
+    /// savepoint, and one fence check for every row. Returns the attempt and the ids of the rows
+    /// whose claim is already lost (nothing may run for those). Before each event after the
+    /// first, the caller takes a new savepoint ([`Attempt::savepoint`]); at most
+    /// [`MAX_BATCH_EVENTS`] rows.
+    async fn begin_batch_attempt(
+        &self,
+        lock_timeout: Duration,
+        fences: Vec<Fence>,
+    ) -> Result<(Box<dyn Attempt>, Vec<EventId>)>;
+
     /// `IncrementRetry` on a connection of its own (the detached bookkeeping path): back to
     /// `pending` with a higher `RetryCount`, fenced.
     async fn increment_retry(
@@ -353,9 +370,17 @@ pub trait Attempt: Send {
     /// The open transaction, for the handler's effects.
     fn tx(&mut self) -> &mut Tx;
 
-    /// Rolls back to the post-claim savepoint: the handler's effects are undone, the
-    /// transaction stays open for bookkeeping.
+    /// Rolls back to the post-claim savepoint (in a batch, the latest one: the running
+    /// event's): the handler's effects are undone, the transaction stays open for bookkeeping.
     async fn rollback_to_savepoint(&mut self) -> Result<()>;
+
+    /// Takes a new post-claim savepoint, for the next event of a batch: what the events before
+    /// it wrote stays when that event rolls back.
+    async fn savepoint(&mut self) -> Result<()>;
+
+    /// Back to `pending` in this transaction, `RetryCount` unchanged, fenced: a batch's event
+    /// not counted (it did not run, or its handler succeeded and its `processed` write failed).
+    async fn release(&mut self, fence: Fence, error: &str) -> Result<FenceOutcome>;
 
     /// `processed`, in this transaction, fenced.
     async fn mark_processed(&mut self, fence: Fence) -> Result<FenceOutcome>;

@@ -13,7 +13,7 @@ use sqlx::postgres::types::PgInterval;
 use super::sql::{db_now, lock_guard};
 use super::{Begin, CLAIM_LOST_SQLSTATE, PgOutbox, begin_sql, interval, span};
 use crate::attempt::{AttemptWrites, FencedWrite, OpenAttempt, SET_SAVEPOINT, fence_outcome};
-use crate::{Attempt, ClockShift, Fence, FenceOutcome, Result, Tx, clip_error};
+use crate::{Attempt, ClockShift, EventId, Fence, FenceOutcome, Result, Tx, clip_error};
 
 const HEARTBEAT: &str = concat!(
     "\
@@ -29,6 +29,16 @@ RETURNING LastModifiedDate"
 
 /// Raises [`CLAIM_LOST_SQLSTATE`] unless the row is still `processing` under the fence.
 const CHECK_FENCE: &str = "SELECT _System_OutboxCheckFence($1, $2)";
+
+/// A batch's fence check: the ids (`$1`) whose row is no longer `processing` under its fence
+/// (`$2`, in the same order).
+const LOST_FENCES: &str = "\
+SELECT f.id
+FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)
+WHERE NOT EXISTS (
+  SELECT 1 FROM _System_OutboxEvent e
+  WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written
+)";
 
 const MARK_PROCESSED: &str = concat!(
     "\
@@ -185,28 +195,43 @@ impl PgOutbox {
         }))
     }
 
-    pub(super) async fn open_attempt(
+    /// Begins an attempt transaction as the attempt needs it whatever the session's defaults
+    /// (READ COMMITTED, the attempt's lock timeout, the outbox's statement timeout, no
+    /// idle-in-transaction timeout: a handler may run longer than the server's while the
+    /// heartbeat keeps its claim) and sets the post-claim savepoint, in one round trip. The
+    /// fence check that follows cannot precede BEGIN in this string: it would start the
+    /// transaction at the session's default level, which BEGIN can no longer change.
+    async fn begin_attempt_tx(
         &self,
         lock_timeout: Duration,
-        fence: Fence,
-    ) -> Result<Option<Box<dyn Attempt>>> {
-        // One round trip begins the transaction as the attempt needs it whatever the session's
-        // defaults (READ COMMITTED, the attempt's lock timeout, the outbox's statement timeout,
-        // no idle-in-transaction timeout: a handler may run longer than the server's while the
-        // heartbeat keeps its claim) and sets the post-claim savepoint; a second checks the
-        // fence (`_System_OutboxCheckFence` raises CLAIM_LOST_SQLSTATE when the claim was taken
-        // over meanwhile), so no handler runs for a lost claim. The check cannot precede BEGIN
-        // in the first string: it would start the transaction at the session's default level,
-        // which BEGIN can no longer change.
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
         let begin = begin_sql(Begin {
             may_idle: true,
             lock_timeout,
             ..self.begin_spec(false)
         });
-        let mut tx = self
+        Ok(self
             .pool
             .begin_with(sqlx::AssertSqlSafe(format!("{begin}; {SET_SAVEPOINT}")))
-            .await?;
+            .await?)
+    }
+
+    fn attempt_writes(&self, lock_timeout: Duration) -> PgAttemptWrites {
+        PgAttemptWrites {
+            shift: self.shift.clone(),
+            lock_timeout: format!("{}ms", super::session::millis(lock_timeout)),
+            cached: self.cached(),
+        }
+    }
+
+    pub(super) async fn open_attempt(
+        &self,
+        lock_timeout: Duration,
+        fence: Fence,
+    ) -> Result<Option<Box<dyn Attempt>>> {
+        // `_System_OutboxCheckFence` raises CLAIM_LOST_SQLSTATE when the claim was taken over
+        // meanwhile, so no handler runs for a lost claim.
+        let mut tx = self.begin_attempt_tx(lock_timeout).await?;
         let checked = sqlx::query(CHECK_FENCE)
             .persistent(self.cached())
             .bind(fence.id)
@@ -215,11 +240,7 @@ impl PgOutbox {
             .await;
         match checked {
             Ok(_) => {
-                let writes = PgAttemptWrites {
-                    shift: self.shift.clone(),
-                    lock_timeout: format!("{}ms", super::session::millis(lock_timeout)),
-                    cached: self.cached(),
-                };
+                let writes = self.attempt_writes(lock_timeout);
                 Ok(Some(Box::new(OpenAttempt::new(Tx::Postgres(tx), writes))))
             }
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(CLAIM_LOST_SQLSTATE) => {
@@ -228,5 +249,25 @@ impl PgOutbox {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// A batch's attempt: the transaction as for one event, then every fence checked in one
+    /// statement, which returns the rows whose claim is lost.
+    pub(super) async fn open_batch_attempt(
+        &self,
+        lock_timeout: Duration,
+        fences: Vec<Fence>,
+    ) -> Result<(Box<dyn Attempt>, Vec<EventId>)> {
+        let mut tx = self.begin_attempt_tx(lock_timeout).await?;
+        let ids: Vec<EventId> = fences.iter().map(|f| f.id).collect();
+        let written: Vec<DateTime<Utc>> = fences.iter().map(|f| f.last_written).collect();
+        let lost: Vec<EventId> = sqlx::query_scalar(LOST_FENCES)
+            .persistent(self.cached())
+            .bind(ids)
+            .bind(written)
+            .fetch_all(&mut *tx)
+            .await?;
+        let writes = self.attempt_writes(lock_timeout);
+        Ok((Box::new(OpenAttempt::new(Tx::Postgres(tx), writes)), lost))
     }
 }

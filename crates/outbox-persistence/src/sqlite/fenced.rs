@@ -14,7 +14,7 @@ use super::SqliteOutbox;
 use super::liveness::Liveness;
 use super::time::{format_ts, host_now, next_written};
 use crate::attempt::{AttemptWrites, FencedWrite, OpenAttempt, chrono_span, fence_outcome};
-use crate::{Attempt, ClockShift, Fence, FenceOutcome, Result, Tx, clip_error};
+use crate::{Attempt, ClockShift, EventId, Fence, FenceOutcome, Result, Tx, clip_error};
 
 const FENCED_PROCESSED: &str = "\
 UPDATE _System_OutboxEvent SET Status = 'processed', LastModifiedDate = ?2, LastError = ?4
@@ -81,9 +81,9 @@ struct SqliteAttemptWrites {
     /// the write lock, so that its own process does not take the claim for stale at once (a
     /// claim whose attempt fails is kept by its detached bookkeeping's heartbeat from then on).
     liveness: Arc<Mutex<Liveness>>,
-    /// The fence the attempt began with (no heartbeat moves it while the attempt holds the
-    /// write lock).
-    fence: Fence,
+    /// The fences the attempt began with, one per event of a batch (no heartbeat moves them
+    /// while the attempt holds the write lock).
+    fences: Vec<Fence>,
     /// This process's writer turn, given back as soon as the transaction has ended (the
     /// detached bookkeeping after a failed commit needs it again).
     turn: Mutex<Option<super::Turn>>,
@@ -101,10 +101,10 @@ impl AttemptWrites for SqliteAttemptWrites {
     }
 
     fn ending(&self) {
-        self.liveness
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .note(self.fence.id, self.fence.last_written, &self.shift);
+        let mut liveness = self.liveness.lock().unwrap_or_else(|e| e.into_inner());
+        for fence in &self.fences {
+            liveness.note(fence.id, fence.last_written, &self.shift);
+        }
     }
 
     fn ended(&self) {
@@ -174,10 +174,39 @@ impl SqliteOutbox {
         let writes = SqliteAttemptWrites {
             shift: self.shift.clone(),
             liveness: self.liveness.clone(),
-            fence,
+            fences: vec![fence],
             turn: Mutex::new(Some(turn)),
         };
         Ok(Some(Box::new(OpenAttempt::new(Tx::Sqlite(tx), writes))))
+    }
+
+    /// A batch's attempt: one write transaction (`BEGIN IMMEDIATE` and the first savepoint),
+    /// every fence read in it; returns the rows whose claim is lost.
+    pub(super) async fn open_batch_attempt(
+        &self,
+        _lock_timeout: Duration,
+        fences: Vec<Fence>,
+    ) -> Result<(Box<dyn Attempt>, Vec<EventId>)> {
+        let turn = self.gate.turn().await?;
+        let mut tx = self.pool.begin_with(BEGIN_ATTEMPT).await?;
+        let mut lost = Vec::new();
+        for fence in &fences {
+            let held: Option<i64> = sqlx::query_scalar(HOLDS_FENCE)
+                .bind(fence.id.to_string())
+                .bind(format_ts(fence.last_written))
+                .fetch_optional(&mut *tx)
+                .await?;
+            if held.is_none() {
+                lost.push(fence.id);
+            }
+        }
+        let writes = SqliteAttemptWrites {
+            shift: self.shift.clone(),
+            liveness: self.liveness.clone(),
+            fences,
+            turn: Mutex::new(Some(turn)),
+        };
+        Ok((Box::new(OpenAttempt::new(Tx::Sqlite(tx), writes)), lost))
     }
 }
 

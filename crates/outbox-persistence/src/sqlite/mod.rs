@@ -247,6 +247,14 @@ impl OutboxRepository for SqliteOutbox {
         self.open_attempt(lock_timeout, fence).await
     }
 
+    async fn begin_batch_attempt(
+        &self,
+        lock_timeout: Duration,
+        fences: Vec<Fence>,
+    ) -> Result<(Box<dyn Attempt>, Vec<EventId>)> {
+        self.open_batch_attempt(lock_timeout, fences).await
+    }
+
     async fn increment_retry(
         &self,
         fence: Fence,

@@ -1,0 +1,561 @@
+//! Batched attempts: the events a pull worker claimed together, run in one attempt transaction,
+//! each under a savepoint of its own, with one `COMMIT` (see `docs/state-machine.md`, "Batched
+//! attempts"). Every event keeps the single attempt's rules (its fence, its heartbeat, its
+//! outcome written right after its handler, effects and state committed together); a row that
+//! failed before or was reclaimed runs in an attempt of its own.
+
+use std::time::{Duration, Instant};
+
+use outbox_persistence::{Attempt, Claim, FenceOutcome};
+use tokio::sync::OwnedMutexGuard;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::attempt::{
+    self, AttemptEnv, AttemptOutcome, CatchPanic, Failure, failure_outcome, rollback_quietly,
+};
+use crate::detached::{
+    DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed, detached, release,
+};
+use crate::handler::{AttemptContext, HandlerError};
+use crate::heartbeat::{Beat, FenceCell, FenceState};
+
+/// Why events still claimed for a batch are given back unrun.
+const BUDGET_SPENT: &str = "not run: the batched attempt reached its time budget";
+const OLDER_FAILED: &str = "not run: an older event of its record did not succeed in the batch";
+const BATCH_DIED: &str = "not run: the batched attempt's transaction failed first";
+
+/// Whether a claim may share an attempt transaction: a row that failed before, or was
+/// reclaimed from a dead worker, runs alone (rule 1), so that an event that kills transactions
+/// is found and counted on its own.
+pub(crate) fn may_share(claim: &Claim) -> bool {
+    !claim.reclaimed && claim.event.retry_count == 0
+}
+
+/// Runs `claims` (claimed together for this worker): those that may share one transaction in
+/// a batch, the others each in an attempt of its own, every claim beating from one heartbeat
+/// interval after the claim. Returns the handlers' total time and how many ran.
+pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usize) {
+    let claimed_at = Instant::now();
+    let beats: Vec<Beat<'_>> = claims
+        .iter()
+        .map(|c| Beat::new(env, FenceCell::new(c.fence), CancellationToken::new()))
+        .collect();
+    let body = async {
+        let (shared, alone): (Vec<usize>, Vec<usize>) =
+            (0..claims.len()).partition(|&i| may_share(&claims[i]));
+        let mut took = (Duration::ZERO, 0);
+        if shared.len() > 1 {
+            let members: Vec<(&Claim, &Beat<'_>)> =
+                shared.iter().map(|&i| (&claims[i], &beats[i])).collect();
+            took = Batch::new(env, members, claimed_at).run().await;
+        }
+        let singles = if shared.len() == 1 {
+            shared
+        } else {
+            Vec::new()
+        };
+        for i in singles.into_iter().chain(alone) {
+            let (_, handler_time) = attempt::one(env, &claims[i], &beats[i], claimed_at).await;
+            took = (took.0 + handler_time, took.1 + 1);
+        }
+        took
+    };
+    tokio::pin!(body);
+    tokio::select! {
+        biased;
+        took = &mut body => took,
+        _ = tokio::time::sleep(env.config.heartbeat_interval) => {
+            for beat in &beats {
+                beat.start_after_first_interval();
+            }
+            body.await
+        }
+    }
+}
+
+/// Where one event of a batch stands.
+enum Step {
+    /// Not run yet.
+    Waiting,
+    /// Its outcome is written in the transaction, which keeps the fence (its heartbeat waits)
+    /// until the batch ends: the outcome once the batch commits, and what the detached path
+    /// records if the transaction dies instead.
+    Written {
+        outcome: AttemptOutcome,
+        /// Its own failure (a failed handler), recorded again if the transaction dies.
+        failure: Option<Failure>,
+        /// What its row shows if a `COMMIT` that reported an error landed after all.
+        landed: Option<Landed>,
+        _fence: OwnedMutexGuard<FenceState>,
+    },
+    /// Its handler ran and its outcome is not written: the transaction died meanwhile.
+    Ran(Option<Failure>),
+    /// Ended.
+    Done(AttemptOutcome),
+}
+
+/// How a batch stopped early.
+enum Stop {
+    /// The transaction failed (the error's text); the detached path accounts for the batch.
+    Died(String),
+    /// A hard shutdown: rolled back, left to stale reclaim.
+    Cancelled,
+}
+
+struct Batch<'a> {
+    env: &'a AttemptEnv,
+    members: Vec<(&'a Claim, &'a Beat<'a>)>,
+    steps: Vec<Step>,
+    claimed_at: Instant,
+    handler_time: Duration,
+    ran: usize,
+}
+
+impl<'a> Batch<'a> {
+    fn new(
+        env: &'a AttemptEnv,
+        members: Vec<(&'a Claim, &'a Beat<'a>)>,
+        claimed_at: Instant,
+    ) -> Self {
+        let steps = members.iter().map(|_| Step::Waiting).collect();
+        Self {
+            env,
+            members,
+            steps,
+            claimed_at,
+            handler_time: Duration::ZERO,
+            ran: 0,
+        }
+    }
+
+    async fn run(mut self) -> (Duration, usize) {
+        for (claim, _) in &self.members {
+            self.env
+                .metrics
+                .claimed(&claim.event.event_type, claim.reclaimed);
+        }
+        match self.begin().await {
+            Ok(mut tx) => {
+                let ended = match self.events(tx.as_mut()).await {
+                    Ok(()) => match tx.commit().await {
+                        Ok(()) => Ok(()),
+                        Err(e) => Err((Stop::Died(format!("commit failed: {}", e.chain())), true)),
+                    },
+                    Err(stop) => {
+                        rollback_quietly(tx.as_mut()).await;
+                        Err((stop, false))
+                    }
+                };
+                match ended {
+                    Ok(()) => self.committed(),
+                    Err((Stop::Cancelled, _)) => self.cancelled(),
+                    Err((Stop::Died(error), commit)) => self.died(&error, commit).await,
+                }
+            }
+            Err(outcome) => self.end_waiting(outcome),
+        }
+        if self.ran > 1 {
+            self.env.metrics.batch();
+        }
+        for (i, step) in self.steps.iter().enumerate() {
+            let Step::Done(outcome) = step else {
+                continue;
+            };
+            let (claim, _) = self.members[i];
+            let _span = attempt::attempt_span(claim).entered();
+            attempt::ended(self.env, claim, outcome, self.claimed_at);
+        }
+        (self.handler_time, self.ran)
+    }
+
+    /// Opens the batch's transaction, retried with backoff while the beats keep the claims (as
+    /// a single attempt's begin is): nothing counted, no handler run.
+    async fn begin(&mut self) -> Result<Box<dyn Attempt>, AttemptOutcome> {
+        let env = self.env;
+        let members = self.members.clone();
+        let mut backoff = DETACHED_FIRST_BACKOFF;
+        for try_number in 1..=DETACHED_MAX_TRIES {
+            let begun = {
+                let mut held = Vec::new();
+                for (i, (_, beat)) in members.iter().enumerate() {
+                    if !matches!(self.steps[i], Step::Waiting) {
+                        continue;
+                    }
+                    let state = beat.fence.lock().await;
+                    if state.lost {
+                        self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                    } else {
+                        held.push(state);
+                    }
+                }
+                if held.is_empty() {
+                    return Err(AttemptOutcome::LostClaim);
+                }
+                let fences = held.iter().map(|state| state.fence).collect();
+                env.repo
+                    .begin_batch_attempt(env.config.lock_timeout, fences)
+                    .await
+            };
+            match begun {
+                Ok((mut tx, lost)) => {
+                    for (i, (claim, beat)) in members.iter().enumerate() {
+                        if lost.contains(&claim.event.id) {
+                            self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                            beat.stop();
+                        } else if env.repo.serializes_writers() {
+                            // The batch holds the only write lock: nobody can reclaim a row
+                            // until it commits, and a beat could not write meanwhile.
+                            beat.stop();
+                        }
+                    }
+                    if !self.steps.iter().any(|s| matches!(s, Step::Waiting)) {
+                        rollback_quietly(tx.as_mut()).await;
+                        return Err(AttemptOutcome::LostClaim);
+                    }
+                    return Ok(tx);
+                }
+                Err(e) => {
+                    if e.is_lock_timeout() {
+                        env.metrics.lock_timeout(&members[0].0.event.event_type);
+                    }
+                    tracing::warn!(error = %e.chain(), try_number, "could not begin the batched attempt; the claims are kept while it retries");
+                    for (_, beat) in &members {
+                        beat.ensure_running(true);
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = env.hard_stop.cancelled() => return Err(AttemptOutcome::Cancelled),
+            }
+            backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
+        }
+        tracing::error!(
+            "giving up on beginning the batched attempt; its rows go stale and will be reclaimed uncounted"
+        );
+        Err(AttemptOutcome::Abandoned)
+    }
+
+    /// Runs the waiting events in claim order, each after a savepoint of its own, until the
+    /// time budget is spent (the rest given back in the transaction).
+    async fn events(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
+        let mut fresh_savepoint = true;
+        for i in 0..self.members.len() {
+            if !matches!(self.steps[i], Step::Waiting) {
+                continue;
+            }
+            if self.ran > 0 && self.handler_time >= self.env.config.batch_budget {
+                return self.give_back(tx, i, |_| true, BUDGET_SPENT).await;
+            }
+            if !std::mem::take(&mut fresh_savepoint) {
+                tx.savepoint()
+                    .await
+                    .map_err(|e| Stop::Died(format!("savepoint failed: {}", e.chain())))?;
+            }
+            let (claim, _) = self.members[i];
+            let span = attempt::attempt_span(claim);
+            self.event(tx, i).instrument(span).await?;
+            if !matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
+                // A record's later events wait for this one: none of them runs in this batch.
+                let key = claim.event.record_key.clone();
+                if key.is_some() {
+                    let members = self.members.clone();
+                    let same = move |j: usize| members[j].0.event.record_key == key;
+                    self.give_back(tx, i + 1, same, OLDER_FAILED).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The outcome event `i` has so far.
+    fn outcome(&self, i: usize) -> Option<&AttemptOutcome> {
+        match &self.steps[i] {
+            Step::Written { outcome, .. } | Step::Done(outcome) => Some(outcome),
+            _ => None,
+        }
+    }
+
+    /// One event: its handler, then its outcome written in the transaction.
+    async fn event(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<(), Stop> {
+        let env = self.env;
+        let (claim, beat) = self.members[i];
+        self.ran += 1;
+        self.steps[i] = Step::Ran(None);
+        let handler = env.handlers.get(&claim.event.event_type).cloned();
+        let result = match handler {
+            None => Ok(Err(HandlerError::Permanent(format!(
+                "no handler registered for event type {:?}",
+                claim.event.event_type
+            )))),
+            Some(handler) => {
+                let mut ctx = AttemptContext::for_attempt(tx);
+                let started = Instant::now();
+                let result = tokio::select! {
+                    biased;
+                    _ = beat.lost.cancelled() => Err(AttemptOutcome::LostClaim),
+                    _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
+                    result = CatchPanic(handler.handle(&claim.event, &mut ctx)) => Ok(result),
+                };
+                let took = started.elapsed();
+                self.handler_time += took;
+                env.metrics.handler_ran(&claim.event.event_type, took);
+                result
+            }
+        };
+        match result {
+            Err(AttemptOutcome::Cancelled) => Err(Stop::Cancelled),
+            Err(_) => {
+                rolled_back(tx).await?;
+                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                Ok(())
+            }
+            Ok(Ok(())) => self.succeeded(tx, i).await,
+            Ok(Err(error)) => {
+                if error.is_lock_timeout() {
+                    env.metrics.lock_timeout(&claim.event.event_type);
+                }
+                let failure = env.failure(claim, error.is_retryable(), error.to_string());
+                tracing::info!(error = %failure.message, "handler failed");
+                if let Err(stop) = rolled_back(tx).await {
+                    self.steps[i] = Step::Ran(Some(failure));
+                    return Err(stop);
+                }
+                self.record_failure(tx, i, failure).await
+            }
+        }
+    }
+
+    /// The handler succeeded: `processed`, fenced, in the transaction.
+    async fn succeeded(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<(), Stop> {
+        let (claim, beat) = self.members[i];
+        let fence = beat.fence.lock_owned().await;
+        if fence.lost {
+            rolled_back(tx).await?;
+            self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+            return Ok(());
+        }
+        match tx.mark_processed(fence.fence).await {
+            Ok(FenceOutcome::Written) => {
+                self.steps[i] = Step::Written {
+                    outcome: AttemptOutcome::Processed,
+                    failure: None,
+                    landed: Some(Landed::Processed),
+                    _fence: fence,
+                };
+                Ok(())
+            }
+            Ok(FenceOutcome::Lost) => {
+                drop(fence);
+                rolled_back(tx).await?;
+                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                Ok(())
+            }
+            Err(e) => {
+                drop(fence);
+                rolled_back(tx).await?;
+                if e.is_lock_timeout() {
+                    self.env.metrics.lock_timeout(&claim.event.event_type);
+                }
+                let message = format!("could not mark processed: {}", e.chain());
+                if e.is_lock_timeout() || e.is_conflict() {
+                    // Not the event's fault (see the single attempt): released, uncounted.
+                    tracing::warn!(error = %message, "the handler succeeded but its outcome could not be written; releasing the claim uncounted");
+                    return self
+                        .release_in_tx(tx, i, &message, AttemptOutcome::Released)
+                        .await;
+                }
+                let failure = self.env.failure(claim, true, message);
+                self.record_failure(tx, i, failure).await
+            }
+        }
+    }
+
+    /// Records event `i`'s retry or `failed`, fenced, in the transaction (rolled back to its
+    /// savepoint already).
+    async fn record_failure(
+        &mut self,
+        tx: &mut dyn Attempt,
+        i: usize,
+        failure: Failure,
+    ) -> Result<(), Stop> {
+        let (_, beat) = self.members[i];
+        let fence = beat.fence.lock_owned().await;
+        if fence.lost {
+            self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+            return Ok(());
+        }
+        match tx
+            .record_failure(fence.fence, failure.bookkeeping, &failure.message)
+            .await
+        {
+            Ok(FenceOutcome::Written) => {
+                self.steps[i] = Step::Written {
+                    outcome: failure_outcome(&failure),
+                    failure: Some(failure),
+                    landed: Some(Landed::Failure),
+                    _fence: fence,
+                };
+                Ok(())
+            }
+            Ok(FenceOutcome::Lost) => {
+                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                Ok(())
+            }
+            Err(e) => {
+                self.steps[i] = Step::Ran(Some(failure));
+                Err(Stop::Died(format!(
+                    "failure bookkeeping failed: {}",
+                    e.chain()
+                )))
+            }
+        }
+    }
+
+    /// Gives event `i`'s claim back in the transaction, uncounted, as `outcome`.
+    async fn release_in_tx(
+        &mut self,
+        tx: &mut dyn Attempt,
+        i: usize,
+        why: &str,
+        outcome: AttemptOutcome,
+    ) -> Result<(), Stop> {
+        let (_, beat) = self.members[i];
+        let fence = beat.fence.lock_owned().await;
+        if fence.lost {
+            self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+            return Ok(());
+        }
+        match tx.release(fence.fence, why).await {
+            Ok(FenceOutcome::Written) => {
+                self.steps[i] = Step::Written {
+                    outcome,
+                    failure: None,
+                    landed: None,
+                    _fence: fence,
+                };
+                Ok(())
+            }
+            Ok(FenceOutcome::Lost) => {
+                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                Ok(())
+            }
+            Err(e) => Err(Stop::Died(format!(
+                "releasing a claim failed: {}",
+                e.chain()
+            ))),
+        }
+    }
+
+    /// Gives back, unrun, the waiting events from `from` on that `which` selects.
+    async fn give_back(
+        &mut self,
+        tx: &mut dyn Attempt,
+        from: usize,
+        which: impl Fn(usize) -> bool,
+        why: &str,
+    ) -> Result<(), Stop> {
+        for j in from..self.members.len() {
+            if matches!(self.steps[j], Step::Waiting) && which(j) {
+                self.release_in_tx(tx, j, why, AttemptOutcome::NotRun)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The batch committed: every written outcome stands.
+    fn committed(&mut self) {
+        for step in &mut self.steps {
+            if let Step::Written { outcome, .. } = step {
+                *step = Step::Done(outcome.clone());
+            }
+        }
+    }
+
+    /// A hard shutdown rolled the batch back: what was not ended is left to stale reclaim.
+    fn cancelled(&mut self) {
+        tracing::warn!("batched attempt cancelled by shutdown; its rows are left to stale reclaim");
+        for step in &mut self.steps {
+            if !matches!(step, Step::Done(_)) {
+                *step = Step::Done(AttemptOutcome::Cancelled);
+            }
+        }
+    }
+
+    /// Every event not ended yet ends as `outcome` (the batch never began).
+    fn end_waiting(&mut self, outcome: AttemptOutcome) {
+        for step in &mut self.steps {
+            if matches!(step, Step::Waiting) {
+                *step = Step::Done(outcome.clone());
+            }
+        }
+    }
+
+    /// The transaction died (`commit`: its `COMMIT` reported `error`, so it may have landed):
+    /// none of the batch is processed. Each event that ran is counted on the detached path,
+    /// each event not run is given back uncounted (rule 5).
+    async fn died(&mut self, error: &str, commit: bool) {
+        tracing::warn!(
+            error,
+            "the batched attempt's transaction failed; accounting for each of its events on the side"
+        );
+        let steps = std::mem::take(&mut self.steps);
+        for (i, step) in steps.into_iter().enumerate() {
+            let (claim, beat) = self.members[i];
+            let outcome = match step {
+                Step::Done(outcome) => outcome,
+                Step::Waiting => not_run(release(self.env, beat, BATCH_DIED).await),
+                Step::Written {
+                    outcome: AttemptOutcome::NotRun,
+                    _fence,
+                    ..
+                } => {
+                    drop(_fence);
+                    not_run(release(self.env, beat, BATCH_DIED).await)
+                }
+                Step::Written {
+                    failure,
+                    landed,
+                    _fence,
+                    ..
+                } => {
+                    drop(_fence);
+                    let failure = failure.unwrap_or_else(|| self.dead_failure(claim, error));
+                    let landed = if commit { landed } else { None };
+                    detached(self.env, claim, beat, failure, landed).await
+                }
+                Step::Ran(failure) => {
+                    let failure = failure.unwrap_or_else(|| self.dead_failure(claim, error));
+                    detached(self.env, claim, beat, failure, None).await
+                }
+            };
+            self.steps.push(Step::Done(outcome));
+        }
+    }
+
+    /// The counted failure of an event whose batch's transaction died.
+    fn dead_failure(&self, claim: &Claim, error: &str) -> Failure {
+        self.env.failure(
+            claim,
+            true,
+            format!("the batched attempt's transaction failed: {error}"),
+        )
+    }
+}
+
+/// A release after the batch died is a claim given back unrun.
+fn not_run(outcome: AttemptOutcome) -> AttemptOutcome {
+    match outcome {
+        AttemptOutcome::Released => AttemptOutcome::NotRun,
+        other => other,
+    }
+}
+
+/// Rolls back to the running event's savepoint; a failure there is the transaction dying.
+async fn rolled_back(tx: &mut dyn Attempt) -> Result<(), Stop> {
+    tx.rollback_to_savepoint()
+        .await
+        .map_err(|e| Stop::Died(format!("rollback to the savepoint failed: {}", e.chain())))
+}
