@@ -3,6 +3,7 @@
 
 mod adopter;
 mod batch;
+mod batched;
 mod create_action;
 mod embedding;
 mod equivalence;

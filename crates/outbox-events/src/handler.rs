@@ -74,6 +74,14 @@ fn with_cause(context: &str, source: &(dyn std::error::Error + 'static)) -> Stri
     out
 }
 
+/// A handler's own statement failed: `?` on a `sqlx` result in a handler classifies it as
+/// [`HandlerError::db`] does (a lock timeout or a lost connection is retried).
+impl From<outbox_persistence::sqlx::Error> for HandlerError {
+    fn from(e: outbox_persistence::sqlx::Error) -> Self {
+        HandlerError::db(e)
+    }
+}
+
 impl HandlerError {
     /// A database error from the handler's statements (`sqlx::Error` converts into
     /// `outbox_persistence::Error`, which classifies lock timeouts and lost connections).

@@ -1,0 +1,351 @@
+//! Batched attempts (docs/state-machine.md, "Batched attempts") on real databases: per-event
+//! savepoints inside one transaction, a transaction that dies at `COMMIT` (a deferred constraint
+//! one event's effects broke), a lock timeout in one event, the time budget, and a claim taken
+//! over inside a live batch. Every invariant is read back from the database.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_events::{
+    AttemptContext, DispatchMode, Dispatcher, DispatcherHandle, Handler, HandlerError, Handlers,
+    MetricsSnapshot, OutboxEvent, WorkerConfig,
+};
+use outbox_persistence::{NewEvent, OutboxRepository, statement, with_tx};
+use outbox_tests::{Backend, TestDb, backend_tests, drain};
+use record_key::EventEnvelope;
+
+const EVENT_TYPE: &str = "batched.test";
+
+/// What the handler does with an event, from its payload's `snapshot.do`.
+#[derive(Debug, PartialEq)]
+enum Act {
+    /// Writes its effect.
+    Effect,
+    /// Writes its effect, then fails (retryable) on its first attempt.
+    FailOnce,
+    /// Writes a child row whose parent does not exist: the deferred constraint fails the
+    /// `COMMIT` of whatever transaction it ran in.
+    BreakCommit,
+    /// Takes a row lock the test holds (PostgreSQL), on its first attempt.
+    LockHeld,
+    /// Sleeps 30 ms, then writes its effect.
+    Slow,
+}
+
+fn act(event: &OutboxEvent) -> Act {
+    let envelope = EventEnvelope::parse(&event.payload).expect("a test payload");
+    match envelope.snapshot.get("do").and_then(|v| v.as_str()) {
+        Some("fail_once") => Act::FailOnce,
+        Some("break_commit") => Act::BreakCommit,
+        Some("lock_held") => Act::LockHeld,
+        Some("slow") => Act::Slow,
+        _ => Act::Effect,
+    }
+}
+
+fn event(record: usize, what: &str) -> NewEvent {
+    NewEvent::new(
+        EVENT_TYPE,
+        format!(r#"{{"object":"Account","record_id":"B{record}","snapshot":{{"do":"{what}"}}}}"#),
+    )
+}
+
+/// The effect table, and a parent/child pair whose foreign key is checked at `COMMIT`.
+async fn create_tables(db: &TestDb) {
+    db.execute("CREATE TABLE batch_effect (event_id TEXT NOT NULL, attempt INTEGER NOT NULL)")
+        .await;
+    db.execute("CREATE TABLE batch_parent (id TEXT PRIMARY KEY)")
+        .await;
+    db.execute(
+        "CREATE TABLE batch_child (id TEXT PRIMARY KEY, parent_id TEXT NOT NULL
+           REFERENCES batch_parent (id) DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .await;
+    db.execute("CREATE TABLE batch_lock (id INTEGER PRIMARY KEY)")
+        .await;
+    db.execute("INSERT INTO batch_lock (id) VALUES (1)").await;
+}
+
+/// Writes the effects the payload asks for, in the attempt transaction.
+struct Acting {
+    calls: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl Handler for Acting {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let what = act(event);
+        if what == Act::Slow {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        if what == Act::LockHeld && event.retry_count == 0 {
+            with_tx!(ctx.tx(), |conn| statement::query(
+                "SELECT id FROM batch_lock WHERE id = 1 FOR UPDATE"
+            )
+            .execute(conn)
+            .await
+            .map(|_| ()))?;
+        }
+        let id = event.id.to_string();
+        let attempt = event.retry_count + 1;
+        with_tx!(ctx.tx(), |conn| statement::query(
+            "INSERT INTO batch_effect (event_id, attempt) VALUES ($1, $2)"
+        )
+        .bind(&id)
+        .bind(attempt)
+        .execute(conn)
+        .await
+        .map(|_| ()))?;
+        if what == Act::BreakCommit {
+            with_tx!(ctx.tx(), |conn| statement::query(
+                "INSERT INTO batch_child (id, parent_id) VALUES ($1, 'missing')"
+            )
+            .bind(&id)
+            .execute(conn)
+            .await
+            .map(|_| ()))?;
+        }
+        if what == Act::FailOnce && event.retry_count == 0 {
+            return Err(HandlerError::Retryable("failing once on purpose".into()));
+        }
+        Ok(())
+    }
+}
+
+fn config() -> WorkerConfig {
+    WorkerConfig::default()
+        .with_mode(DispatchMode::Pull)
+        .dangerously_skip_rollout_gate("batched attempts under test")
+        .with_workers(1)
+        .with_poll_interval(Duration::from_millis(20))
+        .with_retry_delay(Duration::from_millis(20))
+        .with_max_retry_delay(Duration::from_millis(50))
+        .with_max_retry_attempts(3)
+        .with_batches(16, Duration::from_secs(5))
+}
+
+async fn enqueue(repo: &Arc<dyn OutboxRepository>, events: &[NewEvent]) {
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, events).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn start(repo: &Arc<dyn OutboxRepository>, config: WorkerConfig) -> DispatcherHandle {
+    let handlers = Handlers::new().register(
+        EVENT_TYPE,
+        Acting {
+            calls: Arc::default(),
+        },
+    );
+    Dispatcher::new(repo.clone(), handlers, config)
+        .start()
+        .await
+        .unwrap()
+}
+
+async fn finish(repo: &Arc<dyn OutboxRepository>, handle: DispatcherHandle) -> MetricsSnapshot {
+    drain(repo, Duration::from_secs(60)).await;
+    handle.shutdown().await.metrics
+}
+
+/// The effects of `record`'s event that committed (one per committed attempt).
+async fn effects(db: &TestDb, record: usize) -> i64 {
+    db.count(&format!(
+        "SELECT count(*) FROM batch_effect f JOIN _System_OutboxEvent e ON f.event_id = {}
+         WHERE e.RecordKey = 'account:B{record}'",
+        match db.backend() {
+            Backend::Postgres => "e.Id::text",
+            Backend::Sqlite => "e.Id",
+        }
+    ))
+    .await
+}
+
+async fn retry_count(db: &TestDb, record: usize) -> (String, i64) {
+    let status = db
+        .count(&format!(
+            "SELECT CAST(CASE Status WHEN 'processed' THEN 1 WHEN 'failed' THEN 2 ELSE 0 END AS BIGINT)
+             FROM _System_OutboxEvent WHERE RecordKey = 'account:B{record}'"
+        ))
+        .await;
+    let retries = db
+        .count(&format!(
+            "SELECT CAST(RetryCount AS BIGINT) FROM _System_OutboxEvent WHERE RecordKey = 'account:B{record}'"
+        ))
+        .await;
+    let status = match status {
+        1 => "processed",
+        2 => "failed",
+        _ => "open",
+    };
+    (status.to_string(), retries)
+}
+
+/// One transaction, a savepoint per event: a failing event's effects roll back alone, its
+/// retry is recorded in the batch, and the events before and after it keep theirs.
+async fn each_event_keeps_its_own_outcome_in_a_batch(db: TestDb) {
+    create_tables(&db).await;
+    let repo = db.repository();
+    let events: Vec<NewEvent> = (0..40)
+        .map(|i| event(i, if i % 5 == 2 { "fail_once" } else { "effect" }))
+        .collect();
+    enqueue(&repo, &events).await;
+    let handle = start(&repo, config()).await;
+    let metrics = finish(&repo, handle).await;
+    assert!(
+        metrics.batches > 0,
+        "the events ran in batches: {metrics:?}"
+    );
+    for i in 0..40 {
+        let failed_once = i % 5 == 2;
+        assert_eq!(
+            retry_count(&db, i).await,
+            ("processed".into(), i64::from(failed_once)),
+            "record {i}"
+        );
+        // The failed attempt's effect rolled back with its savepoint; the retry's committed.
+        assert_eq!(effects(&db, i).await, 1, "record {i}: one committed effect");
+    }
+    assert_eq!(metrics.processed, 40);
+    assert_eq!(metrics.retried, 8);
+    assert_eq!(
+        db.count("SELECT count(*) FROM batch_effect WHERE attempt = 1")
+            .await,
+        32
+    );
+}
+
+/// A batch whose `COMMIT` fails (one event broke a deferred constraint): nothing of it is
+/// processed, every event that ran is counted once on the detached path, and the events run
+/// again alone, so the one that breaks the commit ends `failed` at MaxRetryAttempts while the
+/// others are processed, each effect committed once.
+async fn a_batch_whose_commit_fails_finds_the_event_that_broke_it(db: TestDb) {
+    create_tables(&db).await;
+    let repo = db.repository();
+    let events: Vec<NewEvent> = (0..30)
+        .map(|i| event(i, if i == 12 { "break_commit" } else { "effect" }))
+        .collect();
+    enqueue(&repo, &events).await;
+    let handle = start(&repo, config()).await;
+    let metrics = finish(&repo, handle).await;
+    let (status, retries) = retry_count(&db, 12).await;
+    assert_eq!(
+        (status.as_str(), retries),
+        ("failed", 3),
+        "the breaking event"
+    );
+    let last_error = db
+        .count(
+            "SELECT count(*) FROM _System_OutboxEvent
+             WHERE RecordKey = 'account:B12' AND LastError LIKE '%commit failed%'",
+        )
+        .await;
+    assert_eq!(last_error, 1, "its LastError names the failed commit");
+    let mut shared = 0;
+    for i in (0..30).filter(|&i| i != 12) {
+        let (status, retries) = retry_count(&db, i).await;
+        assert_eq!(status, "processed", "record {i}");
+        assert!(retries <= 1, "record {i} counted once at most: {retries}");
+        shared += retries;
+        assert_eq!(effects(&db, i).await, 1, "record {i}: one committed effect");
+    }
+    assert!(shared > 0, "some events shared the breaking event's batch");
+    assert_eq!(effects(&db, 12).await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM batch_child").await, 0);
+    assert!(
+        metrics.detached_bookkeeping >= shared as u64 + 1,
+        "{metrics:?}"
+    );
+}
+
+/// A lock timeout in one event of a batch fails that event alone (retried later); the others
+/// of the batch are processed with it.
+async fn a_lock_timeout_in_one_event_fails_it_alone(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return; // SQLite's batch holds the only write lock: no row lock to wait for.
+    }
+    create_tables(&db).await;
+    let pool = db.pg().unwrap().clone();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM batch_lock WHERE id = 1 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let repo = db.repository();
+    // The first attempt runs alone (the worker has not timed its handlers yet); the events
+    // after it share batches.
+    let events: Vec<NewEvent> = (0..20)
+        .map(|i| event(i, if i == 6 { "lock_held" } else { "effect" }))
+        .collect();
+    enqueue(&repo, &events).await;
+    let handle = start(
+        &repo,
+        config().with_lock_timeout(Duration::from_millis(200)),
+    )
+    .await;
+    // Every event but the locked one is processed while the lock is held.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while db
+        .count("SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'processed'")
+        .await
+        < 19
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the others were held up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holder.rollback().await.unwrap();
+    let metrics = finish(&repo, handle).await;
+    assert_eq!(retry_count(&db, 6).await, ("processed".into(), 1));
+    assert!(
+        metrics.lock_timeouts >= 1 && metrics.batches > 0,
+        "{metrics:?}"
+    );
+    for i in 0..20 {
+        assert_eq!(effects(&db, i).await, 1, "record {i}");
+    }
+}
+
+/// A batch stops taking events once its handlers ran for the budget: the rest go back to
+/// `pending` unrun and uncounted, and run in later attempts.
+async fn a_batch_stops_at_its_time_budget(db: TestDb) {
+    create_tables(&db).await;
+    let repo = db.repository();
+    let events: Vec<NewEvent> = (0..60)
+        .map(|i| event(i, if i % 10 == 5 { "slow" } else { "effect" }))
+        .collect();
+    enqueue(&repo, &events).await;
+    let config = config().with_batches(16, Duration::from_millis(10));
+    let handle = start(&repo, config).await;
+    let metrics = finish(&repo, handle).await;
+    assert!(
+        metrics.not_run > 0,
+        "a slow handler spent the budget: {metrics:?}"
+    );
+    assert_eq!(metrics.processed, 60);
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent WHERE RetryCount <> 0")
+            .await,
+        0,
+        "events given back unrun are not counted"
+    );
+    for i in 0..60 {
+        assert_eq!(effects(&db, i).await, 1, "record {i}");
+    }
+}
+
+backend_tests!(
+    each_event_keeps_its_own_outcome_in_a_batch,
+    a_batch_whose_commit_fails_finds_the_event_that_broke_it,
+    a_lock_timeout_in_one_event_fails_it_alone,
+    a_batch_stops_at_its_time_budget,
+);
