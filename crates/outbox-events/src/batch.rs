@@ -4,9 +4,10 @@
 //! outcome written right after its handler, effects and state committed together); a row that
 //! failed before or was reclaimed runs in an attempt of its own.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use outbox_persistence::{Attempt, Claim, FenceOutcome};
+use outbox_persistence::{Attempt, Claim, FenceOutcome, RecordKey};
 use tokio::sync::OwnedMutexGuard;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -46,9 +47,17 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
             (0..claims.len()).partition(|&i| may_share(&claims[i]));
         let mut took = (Duration::ZERO, 0);
         if shared.len() > 1 {
-            let members: Vec<(&Claim, &Beat<'_>)> =
-                shared.iter().map(|&i| (&claims[i], &beats[i])).collect();
-            took = Batch::new(env, members, claimed_at).run().await;
+            // A record whose row did not succeed: its later rows (its chain) are given back
+            // unrun, also from the batches after this one.
+            let mut blocked = HashSet::new();
+            for chunk in shared.chunks(env.config.batch_events().max(1)) {
+                let members: Vec<(&Claim, &Beat<'_>)> =
+                    chunk.iter().map(|&i| (&claims[i], &beats[i])).collect();
+                let (time, ran) = Batch::new(env, members, claimed_at, &mut blocked)
+                    .run()
+                    .await;
+                took = (took.0 + time, took.1 + ran);
+            }
         }
         let singles = if shared.len() == 1 {
             shared
@@ -106,6 +115,9 @@ enum Stop {
 struct Batch<'a> {
     env: &'a AttemptEnv,
     members: Vec<(&'a Claim, &'a Beat<'a>)>,
+    /// Records with a row that did not succeed in this worker's batches: their later rows
+    /// are given back unrun.
+    blocked: &'a mut HashSet<RecordKey>,
     steps: Vec<Step>,
     claimed_at: Instant,
     handler_time: Duration,
@@ -117,11 +129,13 @@ impl<'a> Batch<'a> {
         env: &'a AttemptEnv,
         members: Vec<(&'a Claim, &'a Beat<'a>)>,
         claimed_at: Instant,
+        blocked: &'a mut HashSet<RecordKey>,
     ) -> Self {
         let steps = members.iter().map(|_| Step::Waiting).collect();
         Self {
             env,
             members,
+            blocked,
             steps,
             claimed_at,
             handler_time: Duration::ZERO,
@@ -163,6 +177,11 @@ impl<'a> Batch<'a> {
                 continue;
             };
             let (claim, _) = self.members[i];
+            if *outcome != AttemptOutcome::Processed
+                && let Some(key) = &claim.event.record_key
+            {
+                self.blocked.insert(key.clone());
+            }
             let _span = attempt::attempt_span(claim).entered();
             attempt::ended(self.env, claim, outcome, self.claimed_at);
         }
@@ -248,12 +267,22 @@ impl<'a> Batch<'a> {
             if self.ran > 0 && self.handler_time >= self.env.config.batch_budget {
                 return self.give_back(tx, i, |_| true, BUDGET_SPENT).await;
             }
+            let (claim, _) = self.members[i];
+            if claim
+                .event
+                .record_key
+                .as_ref()
+                .is_some_and(|key| self.blocked.contains(key))
+            {
+                self.release_in_tx(tx, i, OLDER_FAILED, AttemptOutcome::NotRun)
+                    .await?;
+                continue;
+            }
             if !std::mem::take(&mut fresh_savepoint) {
                 tx.savepoint()
                     .await
                     .map_err(|e| Stop::Died(format!("savepoint failed: {}", e.chain())))?;
             }
-            let (claim, _) = self.members[i];
             let span = attempt::attempt_span(claim);
             self.event(tx, i).instrument(span).await?;
             if !matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {

@@ -86,7 +86,7 @@ impl Claims {
             let claimed = if want == 1 {
                 repo.claim_next(policy, scope).await.map(Vec::from_iter)
             } else {
-                repo.claim_batch(policy, scope, want).await
+                repo.claim_chains(policy, scope, want, want - 1).await
             };
             return match claimed {
                 Ok(claims) if claims.is_empty() => Reply::Nothing,
@@ -198,14 +198,17 @@ impl Lead<'_> {
             .iter()
             .sum::<usize>()
             .min(outbox_persistence::MAX_CLAIM_BATCH);
-        match repo.claim_batch(policy, scope, total).await {
+        // Workers that run batches take record chains too: a record's next rows with its
+        // head, where the heads leave room (docs/state-machine.md, "Record chains").
+        let chain = wants.iter().max().map_or(0, |most| most - 1);
+        let claimed = if chain == 0 {
+            repo.claim_batch(policy, scope, total).await
+        } else {
+            repo.claim_chains(policy, scope, total, chain).await
+        };
+        match claimed {
             Ok(claims) => {
-                if claims.len() > total {
-                    for claim in &claims[total..] {
-                        tracing::error!(event_id = %claim.event.id, "the claim returned more rows than asked for; the row will be reclaimed when stale");
-                    }
-                }
-                let mut dealt = deal(claims.into_iter().take(total), &wants).into_iter();
+                let mut dealt = deal(claims.into_iter(), &wants).into_iter();
                 let mine = dealt.next().unwrap_or_default();
                 for (follower, claims) in followers.into_iter().zip(dealt) {
                     let reply = if claims.is_empty() {
@@ -239,20 +242,35 @@ impl Lead<'_> {
     }
 }
 
-/// Deals `claims` out to workers that want `wants[i]` rows each: one to each worker in turn
-/// (skipping those that have what they asked for), so that every worker has a row before any
-/// has two.
+/// Deals `claims` out to workers that want `wants[i]` rows each: one record's rows (its head
+/// and its chain, in order) to one worker, each record (or unkeyed row) to the next worker in
+/// turn that wants more, so that every worker has a record before any has two. A chain goes
+/// whole to its worker, which may then hold more rows than it asked for; rows beyond every
+/// worker's want are dealt all the same (none is dropped).
 fn deal(claims: impl Iterator<Item = Claim>, wants: &[usize]) -> Vec<Vec<Claim>> {
+    let mut units: Vec<Vec<Claim>> = Vec::new();
+    let mut unit_of: std::collections::HashMap<outbox_persistence::RecordKey, usize> =
+        std::collections::HashMap::new();
+    for claim in claims {
+        match &claim.event.record_key {
+            Some(key) => match unit_of.get(key) {
+                Some(&unit) => units[unit].push(claim),
+                None => {
+                    unit_of.insert(key.clone(), units.len());
+                    units.push(vec![claim]);
+                }
+            },
+            None => units.push(vec![claim]),
+        }
+    }
     let mut dealt: Vec<Vec<Claim>> = wants.iter().map(|_| Vec::new()).collect();
     let mut next = 0;
-    for claim in claims {
-        let Some(worker) = (0..wants.len())
+    for unit in units {
+        let worker = (0..wants.len())
             .map(|i| (next + i) % wants.len())
             .find(|&i| dealt[i].len() < wants[i])
-        else {
-            break;
-        };
-        dealt[worker].push(claim);
+            .unwrap_or(next % wants.len());
+        dealt[worker].extend(unit);
         next = worker + 1;
     }
     dealt
@@ -308,13 +326,18 @@ mod tests {
     fn repo(available: usize, sizes: Arc<Mutex<Vec<usize>>>) -> MockOutboxRepository {
         let left = Arc::new(AtomicUsize::new(available));
         let mut repo = MockOutboxRepository::new();
-        repo.expect_claim_batch().returning(move |_, _, max| {
+        let take = move |max: usize| {
             sizes.lock().unwrap().push(max);
             let n = max.min(left.load(Ordering::SeqCst));
             left.fetch_sub(n, Ordering::SeqCst);
             std::thread::sleep(Duration::from_millis(20));
             Ok((0..n).map(claim).collect())
-        });
+        };
+        let chains = take.clone();
+        repo.expect_claim_batch()
+            .returning(move |_, _, max| take(max));
+        repo.expect_claim_chains()
+            .returning(move |_, _, max, _| chains(max));
         repo
     }
 
@@ -526,11 +549,12 @@ mod tests {
             "the leader's first row is the oldest"
         );
         let dealt = deal(claims.into_iter(), &[1, 1]);
-        assert_eq!(
-            dealt.iter().map(Vec::len).sum::<usize>(),
-            2,
-            "no more than asked"
-        );
+        assert_eq!(dealt.iter().map(Vec::len).sum::<usize>(), 5, "none dropped");
+        // A record's rows go to one worker, in order.
+        let chain: Vec<Claim> = (0..3).map(|_| claim(7)).collect();
+        let dealt = deal(chain.clone().into_iter().chain([claim(8)]), &[2, 2]);
+        assert_eq!(dealt[0], chain);
+        assert_eq!(dealt[1].len(), 1);
 
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let repo = Arc::new(repo(100, sizes.clone()));

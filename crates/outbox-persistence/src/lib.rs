@@ -231,6 +231,25 @@ pub trait OutboxRepository: Send + Sync + 'static {
         Ok(claims)
     }
 
+    /// [`OutboxRepository::claim_batch`] with record chains: each claimed row that is its
+    /// record's head on a first attempt (`pending`, `RetryCount` 0) brings up to `chain` of
+    /// the record's next rows, in order, as long as they are consecutive and each is `pending`
+    /// on a first attempt, due, and in `scope` (the first that is not ends the chain), claimed
+    /// in the same transaction (see `docs/state-machine.md`, "Record chains"). A chain's rows
+    /// must run in order, after their head, in one attempt that gives the rest back unrun when
+    /// one of them does not succeed. Returned oldest first (a chain's rows after its head).
+    /// `max` bounds the heads; the chains come on top. The default claims no chains.
+    async fn claim_chains(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        max: usize,
+        chain: usize,
+    ) -> Result<Vec<Claim>> {
+        let _ = chain;
+        self.claim_batch(policy, scope, max).await
+    }
+
     /// Refreshes `LastModifiedDate` of a row this worker still holds, on a connection of its
     /// own. `None` when the row is no longer this worker's (reclaimed, or finished elsewhere).
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>>;

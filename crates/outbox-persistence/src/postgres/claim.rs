@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use super::sql::{CLAIM_BATCH_CALL, CLAIM_EVENT, ELIGIBLE_GUARDED};
+use super::sql::{CLAIM_BATCH_CALL, CLAIM_CHAINS, CLAIM_EVENT, ELIGIBLE_GUARDED};
 use super::{PgOutbox, span};
 use crate::{
     Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, HeadsRepair, OutboxEvent,
@@ -227,7 +227,9 @@ impl PgOutbox {
         policy: ClaimPolicy,
         scope: &Scope,
         max: usize,
+        chain: usize,
     ) -> Result<Vec<Claim>> {
+        let chain = chain.min(crate::MAX_BATCH_EVENTS);
         let max = max.clamp(1, crate::MAX_CLAIM_BATCH);
         for _ in 0..MAX_EXHAUSTED_PER_CLAIM {
             // The statement runs inside `_System_OutboxClaimBatch` (migration 0008), whose
@@ -253,7 +255,15 @@ impl PgOutbox {
                 .bind(self.lock_timeout())
                 .fetch_all(&mut *tx)
                 .await?;
+            let extra = max.saturating_sub(rows.len());
+            let chains = if chain > 0 && extra > 0 {
+                self.claim_chain_rows(&mut tx, &rows, scope, (chain, extra))
+                    .await?
+            } else {
+                Vec::new()
+            };
             tx.commit().await?;
+            let rows: Vec<PgRow> = rows.into_iter().chain(chains).collect();
             if rows.is_empty() {
                 break;
             }
@@ -280,5 +290,46 @@ impl PgOutbox {
             }
         }
         Ok(Vec::new())
+    }
+
+    /// The record chains of the heads just claimed in `tx` (rows of the claim statement):
+    /// each keyed head on a first attempt brings up to `chain` of its record's next
+    /// consecutive first-attempt rows, `extra` rows in all (see [`CLAIM_CHAINS`]).
+    async fn claim_chain_rows(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        heads: &[PgRow],
+        scope: &Scope,
+        (chain, extra): (usize, usize),
+    ) -> Result<Vec<PgRow>> {
+        let (mut keys, mut created, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+        for row in heads {
+            let Ok(Some(head)) = claimed_or_exhausted(row) else {
+                continue;
+            };
+            if let Some(key) = &head.event.record_key
+                && !head.reclaimed
+                && head.event.retry_count == 0
+            {
+                keys.push(key.as_str().to_owned());
+                created.push(head.event.created_date);
+                ids.push(head.event.id);
+            }
+        }
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(sqlx::query(CLAIM_CHAINS)
+            .persistent(self.cached())
+            .bind(self.shift())
+            .bind(keys)
+            .bind(created)
+            .bind(ids)
+            .bind(chain as i64)
+            .bind(scope.only())
+            .bind(scope.except())
+            .bind(extra as i64)
+            .fetch_all(&mut *tx)
+            .await?)
     }
 }

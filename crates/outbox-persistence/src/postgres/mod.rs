@@ -248,7 +248,7 @@ impl OutboxRepository for PgOutbox {
     }
 
     async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>> {
-        Ok(self.claim_oldest(policy, scope, 1).await?.pop())
+        Ok(self.claim_oldest(policy, scope, 1, 0).await?.pop())
     }
 
     async fn claim_batch(
@@ -257,7 +257,17 @@ impl OutboxRepository for PgOutbox {
         scope: &Scope,
         max: usize,
     ) -> Result<Vec<Claim>> {
-        self.claim_oldest(policy, scope, max).await
+        self.claim_oldest(policy, scope, max, 0).await
+    }
+
+    async fn claim_chains(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        max: usize,
+        chain: usize,
+    ) -> Result<Vec<Claim>> {
+        self.claim_oldest(policy, scope, max, chain).await
     }
 
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {

@@ -7,7 +7,9 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
-use super::sql::{CLAIM_CANDIDATES, CLAIM_ROW, ELIGIBLE, ELIGIBLE_BY_ID};
+use super::sql::{
+    CHAIN_CANDIDATES, CLAIM_CANDIDATES, CLAIM_CHAIN_ROW, CLAIM_ROW, ELIGIBLE, ELIGIBLE_BY_ID,
+};
 use super::time::{format_ts, next_written, parse_id, parse_ts};
 use super::{SqliteOutbox, json_list};
 use crate::attempt::chrono_span;
@@ -184,6 +186,36 @@ async fn canonicalize_id(
     }
 }
 
+/// Claims one row of a record chain (a candidate from `chain_candidates`), if it is still
+/// `pending` on a first attempt.
+async fn claim_chain_row(
+    tx: &mut SqliteConnection,
+    candidate: &Claim,
+    now: DateTime<Utc>,
+) -> Result<Option<Claim>> {
+    let written = next_written(now, candidate.event.last_modified_date);
+    let updated = sqlx::query(CLAIM_CHAIN_ROW)
+        .bind(candidate.event.id.to_string())
+        .bind(format_ts(written))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    if updated != 1 {
+        return Ok(None);
+    }
+    let mut event = candidate.event.clone();
+    event.status = EventStatus::Processing;
+    event.last_modified_date = written;
+    Ok(Some(Claim {
+        fence: Fence {
+            id: event.id,
+            last_written: written,
+        },
+        event,
+        reclaimed: false,
+    }))
+}
+
 /// Claims the candidate `row` (read inside the write transaction on `conn`) when its state
 /// allows (see [`Claimed::of`]); a row that cannot be decoded is failed with the reason.
 async fn claim_on(
@@ -351,6 +383,7 @@ impl SqliteOutbox {
         scope: &Scope,
         id: Option<EventId>,
         max: usize,
+        chain: usize,
     ) -> Result<Vec<Claim>> {
         let max = if id.is_some() {
             1
@@ -372,6 +405,41 @@ impl SqliteOutbox {
                 break;
             }
         }
+        if chain > 0 && claims.len() < max {
+            // Rank by rank across the chains, as on PostgreSQL: `max` rows in all.
+            let heads = claims.clone();
+            let mut chains: Vec<Vec<Claim>> = Vec::with_capacity(heads.len());
+            let extra = max - claims.len();
+            for head in &heads {
+                let limit = chain.min(extra);
+                chains.push(
+                    self.chain_candidates(&mut tx, head, now, scope, limit)
+                        .await?,
+                );
+            }
+            let mut taken = 0;
+            'ranks: for rank in 0..chain {
+                for candidates in &chains {
+                    if taken == extra {
+                        break 'ranks;
+                    }
+                    if let Some(row) = candidates.get(rank) {
+                        // A chain whose row at this rank could not be claimed ends there.
+                        if rank > 0
+                            && !claims
+                                .iter()
+                                .any(|c| c.event.id == candidates[rank - 1].event.id)
+                        {
+                            continue;
+                        }
+                        if let Some(claim) = claim_chain_row(&mut tx, row, now).await? {
+                            claims.push(claim);
+                            taken += 1;
+                        }
+                    }
+                }
+            }
+        }
         tx.commit().await?;
         // A later round may claim an older row than an earlier one did (one released by a
         // failed candidate): hand them out oldest first.
@@ -381,6 +449,51 @@ impl SqliteOutbox {
                 .note(claim.fence.id, claim.fence.last_written, &self.shift);
         }
         Ok(claims)
+    }
+
+    /// The candidates of `head`'s record chain, `head` just claimed in `tx` (see
+    /// `docs/state-machine.md`, "Record chains"): up to `limit` of its record's next
+    /// non-terminal rows, in order, while each is `pending` on a first attempt, due and in
+    /// `scope`; the first that is not ends it. The write lock keeps every other writer out.
+    async fn chain_candidates(
+        &self,
+        tx: &mut SqliteConnection,
+        head: &Claim,
+        now: DateTime<Utc>,
+        scope: &Scope,
+        limit: usize,
+    ) -> Result<Vec<Claim>> {
+        let Some(key) = &head.event.record_key else {
+            return Ok(Vec::new());
+        };
+        if head.reclaimed || head.event.retry_count != 0 || limit == 0 {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(CHAIN_CANDIDATES)
+            .bind(key.as_str())
+            .bind(format_ts(head.event.created_date))
+            .bind(head.event.id.to_string())
+            .bind(limit as i64)
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut candidates = Vec::new();
+        for row in &rows {
+            let Ok(event) = event_from_row(row) else {
+                break;
+            };
+            let in_scope = scope
+                .only()
+                .is_none_or(|only| only.contains(&event.event_type))
+                && scope
+                    .except()
+                    .is_none_or(|except| !except.contains(&event.event_type));
+            let due = event.last_modified_date <= now;
+            if event.status != EventStatus::Pending || event.retry_count != 0 || !due || !in_scope {
+                break;
+            }
+            candidates.push(Claim::for_test(event));
+        }
+        Ok(candidates)
     }
 
     /// One pass over the eligible candidates: claims into `claims` until it holds `max`, and

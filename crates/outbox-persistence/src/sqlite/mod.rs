@@ -208,13 +208,13 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn claim_event(&self, id: EventId, policy: ClaimPolicy) -> Result<Option<Claim>> {
         Ok(self
-            .claim_in_tx(policy, &Scope::All, Some(id), 1)
+            .claim_in_tx(policy, &Scope::All, Some(id), 1, 0)
             .await?
             .pop())
     }
 
     async fn claim_next(&self, policy: ClaimPolicy, scope: &Scope) -> Result<Option<Claim>> {
-        Ok(self.claim_in_tx(policy, scope, None, 1).await?.pop())
+        Ok(self.claim_in_tx(policy, scope, None, 1, 0).await?.pop())
     }
 
     async fn claim_batch(
@@ -223,7 +223,17 @@ impl OutboxRepository for SqliteOutbox {
         scope: &Scope,
         max: usize,
     ) -> Result<Vec<Claim>> {
-        self.claim_in_tx(policy, scope, None, max).await
+        self.claim_in_tx(policy, scope, None, max, 0).await
+    }
+
+    async fn claim_chains(
+        &self,
+        policy: ClaimPolicy,
+        scope: &Scope,
+        max: usize,
+        chain: usize,
+    ) -> Result<Vec<Claim>> {
+        self.claim_in_tx(policy, scope, None, max, chain).await
     }
 
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {

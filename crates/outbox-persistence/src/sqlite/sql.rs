@@ -167,6 +167,22 @@ UPDATE _System_OutboxEvent
 SET Status = ?2, LastModifiedDate = ?3, RetryCount = ?4, LastError = ?5
 WHERE rowid = ?1 AND Status = ?6 AND LastModifiedDate = ?7";
 
+/// A head's next non-terminal rows of its record, in order (`?1` the key, `?2`/`?3` the head's
+/// `CreatedDate` and `Id`, `?4` how many): the candidates of its record chain.
+pub(super) const CHAIN_CANDIDATES: &str = "\
+SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent
+WHERE RecordKey = ?1 AND Status NOT IN ('processed', 'failed')
+  AND (CreatedDate > ?2 OR (CreatedDate = ?2 AND Id > ?3))
+ORDER BY CreatedDate, Id
+LIMIT ?4";
+
+/// Claims one row of a record chain (`?1` its id, `?2` the claim's time), still `pending` on a
+/// first attempt.
+pub(super) const CLAIM_CHAIN_ROW: &str = "\
+UPDATE _System_OutboxEvent SET Status = 'processing', LastModifiedDate = ?2
+WHERE Id = ?1 AND Status = 'pending' AND RetryCount = 0";
+
 /// The `processing` rows, for the liveness observations.
 pub(super) const PROCESSING: &str =
     "SELECT Id, LastModifiedDate FROM _System_OutboxEvent WHERE Status = 'processing'";
