@@ -11,6 +11,10 @@ use anyhow::{Context, Result};
 use clap::Args;
 use outbox_events::WorkerConfig;
 
+/// The outbox's histogram buckets, now in `outbox_events` (kept here for callers of earlier
+/// releases).
+pub use outbox_events::SECONDS_BUCKETS;
+
 /// The metrics options of a binary that runs workers.
 #[derive(Debug, Clone, Args)]
 pub struct MetricsArgs {

@@ -122,9 +122,8 @@ impl AttemptEnv {
 
 /// Runs the attempt of one claimed row to its end, as a dispatcher's worker does: for an
 /// application that claims rows itself (`OutboxRepository::claim_next`), and for tests of the
-/// attempt state machine over mocked repositories (the mock needs `backend_name`,
-/// `serializes_writers`, `note_alive`, `begin_attempt` and `heartbeat`, plus `get_event`,
-/// `increment_retry` or `update_status` on the paths that use them).
+/// attempt state machine over mocked repositories (the expectations each path needs are
+/// listed in `outbox_events::mock`, feature `mock`).
 pub struct ClaimRunner {
     env: AttemptEnv,
 }

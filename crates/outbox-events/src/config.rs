@@ -173,8 +173,8 @@ impl Default for WorkerConfig {
 
 impl WorkerConfig {
     /// The named defaults with the mode `OUTBOX_PULL_WORKER` asks for
-    /// ([`DispatchMode::from_env`]): legacy unless the flag is on. The one place the library
-    /// reads the flag; a service calls it where it reads the rest of its configuration.
+    /// ([`DispatchMode::from_env`]): legacy unless the flag is on. The default never reads the
+    /// flag; a service calls this where it reads the rest of its configuration.
     pub fn from_env() -> Self {
         Self::default().with_mode(DispatchMode::from_env())
     }

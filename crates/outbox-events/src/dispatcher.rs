@@ -47,6 +47,8 @@ pub struct Dispatcher {
     config: WorkerConfig,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
+    /// Started by `start_pull`: pull workers or nothing.
+    pull_required: bool,
 }
 
 impl Dispatcher {
@@ -59,6 +61,7 @@ impl Dispatcher {
             config,
             metrics: Arc::default(),
             stop: CancellationToken::new(),
+            pull_required: false,
         }
     }
 
@@ -86,7 +89,9 @@ impl Dispatcher {
         let started = tokio::time::Instant::now();
         let mut backoff = FIRST_ERROR_BACKOFF;
         loop {
-            match ModeDecision::make(&self.repo, &self.handlers.consumers(), &self.config).await {
+            let consumers = self.handlers.consumers();
+            match ModeDecision::make(&self.repo, &consumers, &self.config, self.pull_required).await
+            {
                 // A closed pool stays closed: only a database that may come back is waited for.
                 Err(e)
                     if e.is_transient()
@@ -115,14 +120,18 @@ impl Dispatcher {
         Ok(self.start_decided(decision))
     }
 
-    /// Starts pull workers or nothing: for a service that must not run the legacy dispatcher.
-    /// Asks for pull mode whatever [`WorkerConfig::mode`] says (the service chose it in code;
-    /// `OUTBOX_PULL_WORKER` is not read), decides as [`Dispatcher::start`] does, and returns
-    /// [`StartError::PullRefused`] with the gate's reasons, having started nothing, when the
-    /// rollout gate refuses. The gate still decides: only
+    /// Starts pull workers or nothing: for a service that must not fall back to the legacy
+    /// dispatcher. Asks for pull mode whatever [`WorkerConfig::mode`] says (the service chose
+    /// it in code; `OUTBOX_PULL_WORKER` is not read, so rolling such a service back to legacy
+    /// is a change of its own code or configuration, see `docs/rollout.md`), decides as
+    /// [`Dispatcher::start`] does, and returns [`StartError::PullRefused`] with the gate's
+    /// reasons, having started nothing, when the rollout gate refuses. When it passes, it
+    /// starts what `start` starts in pull mode: the pull workers, and the legacy loop for the
+    /// event types of consumers declared excluded. The gate still decides: only
     /// [`WorkerConfig::dangerously_skip_rollout_gate`] skips it.
     pub async fn start_pull(mut self) -> Result<DispatcherHandle, StartError> {
         self.config.mode = DispatchMode::Pull;
+        self.pull_required = true;
         let decision = self.decide().await?;
         if decision.mode != DispatchMode::Pull {
             return Err(StartError::PullRefused(decision));

@@ -71,10 +71,13 @@ impl ModeDecision {
     }
 
     /// Decides from the configuration and the registered consumers, logging the decision.
+    /// `required`: the caller starts pull workers or nothing (`Dispatcher::start_pull`), so a
+    /// refusal falls back to nothing.
     pub(crate) async fn make(
         repo: &Arc<dyn OutboxRepository>,
         consumers: &[Consumer],
         config: &crate::WorkerConfig,
+        required: bool,
     ) -> Result<Self, outbox_persistence::Error> {
         let mut decision = Self {
             mode: crate::DispatchMode::Legacy,
@@ -108,10 +111,17 @@ impl ModeDecision {
             for reason in &gate.reasons {
                 tracing::warn!("rollout gate: {reason}");
             }
-            tracing::warn!(
-                reasons = gate.reasons.len(),
-                "pull workers asked for, but the rollout gate refuses: running the legacy dispatcher"
-            );
+            if required {
+                tracing::error!(
+                    reasons = gate.reasons.len(),
+                    "pull workers required, but the rollout gate refuses: starting nothing"
+                );
+            } else {
+                tracing::warn!(
+                    reasons = gate.reasons.len(),
+                    "pull workers asked for, but the rollout gate refuses: running the legacy dispatcher"
+                );
+            }
             decision.refused = gate.reasons;
         }
         Ok(decision)

@@ -129,10 +129,7 @@ impl HandlerError {
 /// around a transaction of its own, runs the handler and reads the effects back:
 ///
 /// ```
-/// use outbox_events::{
-///     AttemptContext, Database, Handler, HandlerError, OutboxEvent, OutboxRepository,
-///     async_trait, with_tx,
-/// };
+/// use outbox_events::prelude::*;
 ///
 /// struct Touch;
 ///
@@ -143,26 +140,26 @@ impl HandlerError {
 ///         event: &OutboxEvent,
 ///         ctx: &mut AttemptContext<'_>,
 ///     ) -> Result<(), HandlerError> {
+///         // Both backends' arms of `with_tx!` must give one type: map the query's result.
 ///         with_tx!(ctx.tx(), |conn| {
-///             outbox_events::persistence::sqlx::query("INSERT INTO touched VALUES ($1)")
+///             statement::query("INSERT INTO touched VALUES ($1)")
 ///                 .bind(event.id.to_string())
 ///                 .execute(conn)
 ///                 .await
 ///                 .map(|done| done.rows_affected())
-///         })
-///         .map_err(HandlerError::db)?;
+///         })?; // a sqlx error converts, classified (a lock timeout is retried)
 ///         Ok(())
 ///     }
 /// }
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let path = std::env::temp_dir().join(format!("handler-test-{}.db", std::process::id()));
-/// let db = Database::connect(&format!("sqlite://{}", path.display()), Default::default()).await?;
+/// // No server, no file: SQLite in memory, with the outbox's tables.
+/// let db = Database::sqlite_in_memory().await?;
 /// let repo = db.repository();
 /// let mut tx = repo.begin().await?;
 /// with_tx!(&mut tx, |conn| {
-///     outbox_events::persistence::sqlx::query("CREATE TABLE touched (id TEXT)")
+///     statement::query("CREATE TABLE touched (id TEXT)")
 ///         .execute(conn)
 ///         .await
 ///         .map(|done| done.rows_affected())
@@ -170,14 +167,12 @@ impl HandlerError {
 /// let event = OutboxEvent::for_test("lead.updated", r#"{"object":"Lead","record_id":"1"}"#);
 /// Touch.handle(&event, &mut AttemptContext::new(&mut tx)).await?;
 /// let n: i64 = with_tx!(&mut tx, |conn| {
-///     outbox_events::persistence::sqlx::query_scalar("SELECT count(*) FROM touched")
+///     statement::query_scalar("SELECT count(*) FROM touched")
 ///         .fetch_one(conn)
 ///         .await
 /// })?;
 /// assert_eq!(n, 1);
 /// tx.rollback().await?;
-/// # drop(db);
-/// # std::fs::remove_file(&path).ok();
 /// # Ok(())
 /// # }
 /// ```

@@ -95,11 +95,13 @@ pub mod mock {
     //! and of code that takes an `Arc<dyn OutboxRepository>` (feature `mock`; enable it in
     //! `[dev-dependencies]`).
     //!
-    //! A [`ClaimRunner`](crate::ClaimRunner) over a [`MockOutboxRepository`] runs one claim as a worker does. The
-    //! repository's mock needs `backend_name`, `serializes_writers`, `note_alive` and
-    //! `begin_attempt` (returning `Ok(Some(Box::new(attempt)))` with the [`MockAttempt`] below),
-    //! plus `heartbeat` when the handler outlasts a heartbeat interval. What the attempt must
-    //! expect, by the handler's result:
+    //! A [`ClaimRunner`](crate::ClaimRunner) over a [`MockOutboxRepository`] runs one claim as
+    //! a worker does. The repository's mock always needs `serializes_writers` and
+    //! `begin_attempt` (returning `Ok(Some(Box::new(attempt)))` with the [`MockAttempt`]
+    //! below); `heartbeat` and `note_alive` once the attempt outlasts a heartbeat interval
+    //! (`WorkerConfig::heartbeat_interval`, 2 s by default) or its begin is retried; and
+    //! `get_event`, `increment_retry`, `update_status` or `release_claim` on the detached paths
+    //! below. What the attempt must expect, by the handler's result:
     //!
     //! | handler | the attempt's calls, in order |
     //! |---|---|

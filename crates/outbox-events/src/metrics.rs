@@ -322,7 +322,7 @@ pub(crate) fn gauge_read_failed() {
 /// Bucket bounds, in seconds, of the outbox's histograms ([`HISTOGRAMS`]): 1 ms to 5 minutes.
 /// An exporter that makes summaries unless told the buckets (the Prometheus exporter does)
 /// should get these for those names: the `prometheus` feature's
-/// [`crate::prometheus::with_outbox_buckets`] sets them on a `PrometheusBuilder`.
+/// `outbox_events::prometheus::with_outbox_buckets` sets them on a `PrometheusBuilder`.
 pub const SECONDS_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];

@@ -96,8 +96,10 @@ impl NewEvent {
     /// (values need no escaping by the caller), and the key is `object:record_id` with the
     /// object in lower case. `snapshot` is the frozen fields a handler reads: anything that
     /// serializes to a JSON object (a `BTreeMap`, a `#[derive(Serialize)]` struct,
-    /// `serde_json::json!({…})`). Fails with [`crate::Error::InvalidPayload`], as enqueue
-    /// would, when the object name or record id is not valid or the snapshot is not an object.
+    /// `serde_json::json!({…})`; a derived struct needs `serde` as a dependency of yours).
+    /// Fails with [`crate::Error::InvalidPayload`], as enqueue would, when the object name or
+    /// record id is not valid or the snapshot is not a JSON object (`null` included); a
+    /// snapshot whose `Serialize` fails is reported as invalid JSON.
     ///
     /// ```
     /// use std::collections::BTreeMap;
@@ -108,6 +110,7 @@ impl NewEvent {
     /// assert_eq!(envelope.record_key(), Some(RecordKey::new("ContactRequest", "req-1")?));
     /// assert_eq!(envelope.snapshot["name"], r#"Ann "A" Lee"#);
     /// assert!(NewEvent::for_record("t", "Contact", "1", &"not an object").is_err());
+    /// assert!(NewEvent::for_record("t", "Contact", "1", &()).is_err());
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn for_record<S: Serialize + ?Sized>(
@@ -117,10 +120,16 @@ impl NewEvent {
         snapshot: &S,
     ) -> crate::Result<Self> {
         let invalid = |e| crate::Error::InvalidPayload(record_key::RecordKeyError::InvalidJson(e));
+        let snapshot = serde_json::to_value(snapshot).map_err(invalid)?;
+        if !snapshot.is_object() {
+            return Err(crate::Error::InvalidPayload(
+                record_key::RecordKeyError::InvalidSnapshot,
+            ));
+        }
         let payload = serde_json::json!({
             "object": object,
             "record_id": record_id,
-            "snapshot": serde_json::to_value(snapshot).map_err(invalid)?,
+            "snapshot": snapshot,
         });
         let text = payload.to_string();
         record_key::EventEnvelope::from_value(payload).map_err(crate::Error::InvalidPayload)?;
