@@ -28,7 +28,7 @@ pub use outbox_persistence::DEFAULT_LOCK_TIMEOUT;
 /// Default time in-flight attempts get to finish at shutdown before they are cancelled.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default most events of one batched attempt ([`WorkerConfig::batch_max_events`]).
-pub const DEFAULT_BATCH_MAX_EVENTS: usize = 16;
+pub const DEFAULT_BATCH_MAX_EVENTS: usize = 32;
 /// Default handler time after which a batched attempt stops taking events
 /// ([`WorkerConfig::batch_budget`]).
 pub const DEFAULT_BATCH_BUDGET: Duration = Duration::from_millis(10);
