@@ -32,7 +32,14 @@ enum Act {
     LockHeld,
     /// Sleeps 30 ms, then writes its effect.
     Slow,
+    /// Says it runs ([`WAITING`]), waits for [`RESUME`], then writes its effect.
+    Wait,
 }
+
+/// Set by a `wait` handler once it runs.
+static WAITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Lets a `wait` handler go on.
+static RESUME: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 fn act(event: &OutboxEvent) -> Act {
     let envelope = EventEnvelope::parse(&event.payload).expect("a test payload");
@@ -41,6 +48,7 @@ fn act(event: &OutboxEvent) -> Act {
         Some("break_commit") => Act::BreakCommit,
         Some("lock_held") => Act::LockHeld,
         Some("slow") => Act::Slow,
+        Some("wait") => Act::Wait,
         _ => Act::Effect,
     }
 }
@@ -90,6 +98,11 @@ impl Handler for Acting {
         let what = act(event);
         if what == Act::Slow {
             tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        if what == Act::Wait && event.retry_count == 0 {
+            let resumed = RESUME.notified();
+            WAITING.store(true, Ordering::SeqCst);
+            resumed.await;
         }
         if what == Act::LockHeld && event.retry_count == 0 {
             with_tx!(ctx.tx(), |conn| statement::query(
@@ -451,7 +464,66 @@ async fn a_failure_in_a_chain_gives_back_the_rest_unrun(db: TestDb) {
     assert_in_order(&order, 40);
 }
 
+/// A claim taken over while its batch runs (another worker reclaimed it, moving its fence):
+/// its handler's effects roll back to its own savepoint and nothing is written for it; the
+/// events before it commit. The row is the other worker's; here it goes stale and is reclaimed.
+async fn a_claim_taken_over_inside_a_live_batch_writes_nothing(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return; // SQLite's batch holds the write lock: nobody can take a claim over meanwhile.
+    }
+    create_tables(&db).await;
+    let repo = db.repository();
+    // The first claim runs alone (the worker has not timed its handlers yet): a warm-up.
+    enqueue(&repo, &[event(99, "effect")]).await;
+    enqueue(
+        &repo,
+        &[event(0, "wait"), event(1, "effect"), event(2, "effect")],
+    )
+    .await;
+    let config = config()
+        .with_heartbeat_interval(Duration::from_millis(300))
+        .with_stale_after(Duration::from_millis(1_500));
+    WAITING.store(false, std::sync::atomic::Ordering::SeqCst);
+    let handle = start(&repo, config).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !WAITING.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the wait handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // B1 waits its turn in the live batch: move its fence, as a reclaim by another worker would.
+    db.execute(
+        "UPDATE _System_OutboxEvent SET LastModifiedDate = LastModifiedDate + interval '1 second'
+         WHERE RecordKey = 'account:B1' AND Status = 'processing'",
+    )
+    .await;
+    RESUME.notify_one();
+    let metrics = finish(&repo, handle).await;
+    assert!(
+        metrics.lost_claims >= 1 && metrics.batches >= 1,
+        "{metrics:?}"
+    );
+    for i in [0, 2, 99] {
+        assert_eq!(
+            retry_count(&db, i).await,
+            ("processed".into(), 0),
+            "record {i}"
+        );
+        assert_eq!(effects(&db, i).await, 1, "record {i}");
+    }
+    // B1's run in the batch wrote nothing; its reclaim counted the other worker's attempt.
+    assert_eq!(retry_count(&db, 1).await, ("processed".into(), 1));
+    assert_eq!(
+        effects(&db, 1).await,
+        1,
+        "only the run after the reclaim committed"
+    );
+}
+
 backend_tests!(
+    a_claim_taken_over_inside_a_live_batch_writes_nothing,
     a_hot_record_runs_in_chains_in_order,
     a_failure_in_a_chain_gives_back_the_rest_unrun,
     each_event_keeps_its_own_outcome_in_a_batch,

@@ -61,6 +61,12 @@ pub struct WorkerArgs {
     /// MaxRetryAttempts.
     #[arg(long)]
     pub max_retry_attempts: Option<i32>,
+    /// The most events one attempt transaction runs (batched attempts; 1 turns them off).
+    #[arg(long)]
+    pub batch_max_events: Option<usize>,
+    /// A batched attempt stops taking events once its handlers ran this long, in milliseconds.
+    #[arg(long)]
+    pub batch_budget_ms: Option<u64>,
 }
 
 impl WorkerArgs {
@@ -85,6 +91,11 @@ impl WorkerArgs {
         }
         if let Some(v) = self.max_retry_attempts {
             c = c.with_max_retry_attempts(v);
+        }
+        if self.batch_max_events.is_some() || self.batch_budget_ms.is_some() {
+            let events = self.batch_max_events.unwrap_or(c.batch_max_events);
+            let budget = self.batch_budget_ms.map_or(c.batch_budget, ms);
+            c = c.with_batches(events, budget);
         }
         c
     }
