@@ -420,9 +420,11 @@ async fn a_hot_record_runs_in_chains_in_order(db: TestDb) {
     let metrics = finish(&repo, start(&repo, config().with_workers(4)).await).await;
     assert!(metrics.batches > 0, "{metrics:?}");
     assert_eq!(metrics.processed, 200);
+    // Without chains every one of the hot record's 150 rows needs a claim statement of its
+    // own (a statement takes one head per record); idle workers' empty claims count too.
     assert!(
-        metrics.claimed > metrics.claim_statements * 4,
-        "chains: many rows per claim statement: {metrics:?}"
+        metrics.claim_statements < 100,
+        "chains: the hot record's rows come several per claim: {metrics:?}"
     );
     let order = effect_order(&db).await;
     assert_eq!(order.len(), 200);

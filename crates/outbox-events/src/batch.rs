@@ -15,9 +15,9 @@ use tracing::Instrument;
 use crate::attempt::{
     self, AttemptEnv, AttemptOutcome, CatchPanic, Failure, failure_outcome, rollback_quietly,
 };
-use crate::detached::{
-    DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed, detached, release,
-};
+use crate::detached::{DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed};
+
+mod died;
 use crate::handler::{AttemptContext, HandlerError};
 use crate::heartbeat::{Beat, FenceCell, FenceState};
 
@@ -25,6 +25,8 @@ use crate::heartbeat::{Beat, FenceCell, FenceState};
 const BUDGET_SPENT: &str = "not run: the batched attempt reached its time budget";
 const OLDER_FAILED: &str = "not run: an older event of its record did not succeed in the batch";
 const BATCH_DIED: &str = "not run: the batched attempt's transaction failed first";
+const WAITS_FOR_OLDER: &str =
+    "not run: an older row of its record became non-terminal after the claim";
 
 /// Whether a claim may share an attempt transaction: a row that failed before, or was
 /// reclaimed from a dead worker, runs alone (rule 1), so that an event that kills transactions
@@ -96,7 +98,8 @@ enum Step {
         failure: Option<Failure>,
         /// What its row shows if a `COMMIT` that reported an error landed after all.
         landed: Option<Landed>,
-        _fence: OwnedMutexGuard<FenceState>,
+        /// Held until the batch ends (let go before its detached bookkeeping, if it dies).
+        fence: Option<OwnedMutexGuard<FenceState>>,
     },
     /// Its handler ran and its outcome is not written: the transaction died meanwhile.
     Ran(Option<Failure>),
@@ -119,6 +122,8 @@ struct Batch<'a> {
     /// are given back unrun.
     blocked: &'a mut HashSet<RecordKey>,
     steps: Vec<Step>,
+    /// Members the begin's check says may not run now: given back before any event runs.
+    recheck: Vec<usize>,
     claimed_at: Instant,
     handler_time: Duration,
     ran: usize,
@@ -137,6 +142,7 @@ impl<'a> Batch<'a> {
             members,
             blocked,
             steps,
+            recheck: Vec::new(),
             claimed_at,
             handler_time: Duration::ZERO,
             ran: 0,
@@ -172,6 +178,10 @@ impl<'a> Batch<'a> {
         if self.ran > 1 {
             self.env.metrics.batch();
         }
+        for (_, beat) in &self.members {
+            // Ended: a beat started by a later batch's first interval would only find it gone.
+            beat.stop();
+        }
         for (i, step) in self.steps.iter().enumerate() {
             let Step::Done(outcome) = step else {
                 continue;
@@ -204,6 +214,7 @@ impl<'a> Batch<'a> {
                     let state = beat.fence.lock().await;
                     if state.lost {
                         self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                        self.block(i);
                     } else {
                         held.push(state);
                     }
@@ -220,8 +231,11 @@ impl<'a> Batch<'a> {
                 Ok((mut tx, lost)) => {
                     for (i, (claim, beat)) in members.iter().enumerate() {
                         if lost.contains(&claim.event.id) {
-                            self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-                            beat.stop();
+                            // Lost, or waiting for an older row of its record outside the
+                            // batch: given back first thing (a lost claim's release finds it
+                            // lost), and its record's later rows with it.
+                            self.recheck.push(i);
+                            self.block(i);
                         } else if env.repo.serializes_writers() {
                             // The batch holds the only write lock: nobody can reclaim a row
                             // until it commits, and a beat could not write meanwhile.
@@ -259,7 +273,15 @@ impl<'a> Batch<'a> {
     /// Runs the waiting events in claim order, each after a savepoint of its own, until the
     /// time budget is spent (the rest given back in the transaction).
     async fn events(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
-        let mut fresh_savepoint = true;
+        // The begin's savepoint is fresh; every write after it (an event's, or a release of a
+        // row given back) needs a new one before the next event runs, or that event's rollback
+        // would undo it.
+        let mut written_since_savepoint = false;
+        for i in std::mem::take(&mut self.recheck) {
+            self.release_in_tx(tx, i, WAITS_FOR_OLDER, AttemptOutcome::NotRun)
+                .await?;
+            written_since_savepoint = true;
+        }
         for i in 0..self.members.len() {
             if !matches!(self.steps[i], Step::Waiting) {
                 continue;
@@ -276,9 +298,10 @@ impl<'a> Batch<'a> {
             {
                 self.release_in_tx(tx, i, OLDER_FAILED, AttemptOutcome::NotRun)
                     .await?;
+                written_since_savepoint = true;
                 continue;
             }
-            if !std::mem::take(&mut fresh_savepoint) {
+            if std::mem::replace(&mut written_since_savepoint, true) {
                 tx.savepoint()
                     .await
                     .map_err(|e| Stop::Died(format!("savepoint failed: {}", e.chain())))?;
@@ -293,9 +316,18 @@ impl<'a> Batch<'a> {
                     let same = move |j: usize| members[j].0.event.record_key == key;
                     self.give_back(tx, i + 1, same, OLDER_FAILED).await?;
                 }
+                self.block(i);
             }
         }
         Ok(())
+    }
+
+    /// Member `i` did not succeed: its record's later rows, in this batch and the worker's next
+    /// ones, are given back unrun.
+    fn block(&mut self, i: usize) {
+        if let Some(key) = &self.members[i].0.event.record_key {
+            self.blocked.insert(key.clone());
+        }
     }
 
     /// The outcome event `i` has so far.
@@ -371,7 +403,7 @@ impl<'a> Batch<'a> {
                     outcome: AttemptOutcome::Processed,
                     failure: None,
                     landed: Some(Landed::Processed),
-                    _fence: fence,
+                    fence: Some(fence),
                 };
                 Ok(())
             }
@@ -424,7 +456,7 @@ impl<'a> Batch<'a> {
                     outcome: failure_outcome(&failure),
                     failure: Some(failure),
                     landed: Some(Landed::Failure),
-                    _fence: fence,
+                    fence: Some(fence),
                 };
                 Ok(())
             }
@@ -462,7 +494,7 @@ impl<'a> Batch<'a> {
                     outcome,
                     failure: None,
                     landed: None,
-                    _fence: fence,
+                    fence: Some(fence),
                 };
                 Ok(())
             }
@@ -520,65 +552,6 @@ impl<'a> Batch<'a> {
                 *step = Step::Done(outcome.clone());
             }
         }
-    }
-
-    /// The transaction died (`commit`: its `COMMIT` reported `error`, so it may have landed):
-    /// none of the batch is processed. Each event that ran is counted on the detached path,
-    /// each event not run is given back uncounted (rule 5).
-    async fn died(&mut self, error: &str, commit: bool) {
-        tracing::warn!(
-            error,
-            "the batched attempt's transaction failed; accounting for each of its events on the side"
-        );
-        let steps = std::mem::take(&mut self.steps);
-        for (i, step) in steps.into_iter().enumerate() {
-            let (claim, beat) = self.members[i];
-            let outcome = match step {
-                Step::Done(outcome) => outcome,
-                Step::Waiting => not_run(release(self.env, beat, BATCH_DIED).await),
-                Step::Written {
-                    outcome: AttemptOutcome::NotRun,
-                    _fence,
-                    ..
-                } => {
-                    drop(_fence);
-                    not_run(release(self.env, beat, BATCH_DIED).await)
-                }
-                Step::Written {
-                    failure,
-                    landed,
-                    _fence,
-                    ..
-                } => {
-                    drop(_fence);
-                    let failure = failure.unwrap_or_else(|| self.dead_failure(claim, error));
-                    let landed = if commit { landed } else { None };
-                    detached(self.env, claim, beat, failure, landed).await
-                }
-                Step::Ran(failure) => {
-                    let failure = failure.unwrap_or_else(|| self.dead_failure(claim, error));
-                    detached(self.env, claim, beat, failure, None).await
-                }
-            };
-            self.steps.push(Step::Done(outcome));
-        }
-    }
-
-    /// The counted failure of an event whose batch's transaction died.
-    fn dead_failure(&self, claim: &Claim, error: &str) -> Failure {
-        self.env.failure(
-            claim,
-            true,
-            format!("the batched attempt's transaction failed: {error}"),
-        )
-    }
-}
-
-/// A release after the batch died is a claim given back unrun.
-fn not_run(outcome: AttemptOutcome) -> AttemptOutcome {
-    match outcome {
-        AttemptOutcome::Released => AttemptOutcome::NotRun,
-        other => other,
     }
 }
 

@@ -3,14 +3,15 @@
 //! A worker that wants rows asks the dispatcher's [`Claims`] for as many as its next attempt
 //! runs (one, or a batch: see `docs/state-machine.md`, "Batched attempts"). When no claim is
 //! under way it leads: it claims, in one call of [`OutboxRepository::claim_batch`], the rows
-//! it wants and those of every worker that queued behind it meanwhile, deals them out (one to
-//! each worker in turn, so that every worker has one before any has two; nothing to a worker
-//! when fewer were eligible), and passes the lead to the first worker that queued while it
-//! claimed. So at most one claim statement per dispatcher runs at a time, its fixed cost is
-//! shared by the batch, and concurrent claims no longer skip over each other's locked heads.
-//! Each worker still holds its attempt permit from before it asks until its attempt ends, so a
-//! batch never claims more rows than there are workers ready to start them at once; a row is
-//! handed over in memory, and its attempt begins as soon as the worker is woken.
+//! it wants and those of every worker that queued behind it meanwhile (with record chains when
+//! they run batches), deals them out a record at a time (a record's rows to one worker; one
+//! record to each worker in turn, so that every worker has one before any has two; nothing to
+//! a worker when fewer were eligible), and passes the lead to the first worker that queued
+//! while it claimed. So at most one claim statement per dispatcher runs at a time, its fixed
+//! cost is shared, and concurrent claims no longer skip over each other's locked heads. Each
+//! worker holds its attempt permit from before it asks until its last attempt ends, and rows
+//! are claimed only for workers waiting for them; they are handed over in memory, and the
+//! first attempt begins as soon as the worker is woken.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;

@@ -238,7 +238,8 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// in the same transaction (see `docs/state-machine.md`, "Record chains"). A chain's rows
     /// must run in order, after their head, in one attempt that gives the rest back unrun when
     /// one of them does not succeed. Returned oldest first (a chain's rows after its head).
-    /// `max` bounds the heads; the chains come on top. The default claims no chains.
+    /// `max` bounds the heads and the chain rows together (chains fill what the heads leave).
+    /// The default claims no chains.
     async fn claim_chains(
         &self,
         policy: ClaimPolicy,
@@ -279,8 +280,10 @@ pub trait OutboxRepository: Send + Sync + 'static {
 
     /// Opens one attempt transaction for several claimed rows (a batch, see
     /// `docs/state-machine.md`, "Batched attempts"): begin, lock timeout, the first post-claim
-    /// savepoint, and one fence check for every row. Returns the attempt and the ids of the rows
-    /// whose claim is already lost (nothing may run for those). Before each event after the
+    /// savepoint, and one check of every row. Returns the attempt and the ids of the rows that
+    /// may not run now: their claim is lost, or an older row of their record outside the batch
+    /// is not terminal (an operator retry, or a row other code wrote, since the claim). The
+    /// caller gives those back unrun ([`Attempt::release`], which finds a lost claim lost). Before each event after the
     /// first, the caller takes a new savepoint ([`Attempt::savepoint`]); at most
     /// [`MAX_BATCH_EVENTS`] rows.
     async fn begin_batch_attempt(

@@ -30,14 +30,22 @@ RETURNING LastModifiedDate"
 /// Raises [`CLAIM_LOST_SQLSTATE`] unless the row is still `processing` under the fence.
 const CHECK_FENCE: &str = "SELECT _System_OutboxCheckFence($1, $2)";
 
-/// A batch's fence check: the ids (`$1`) whose row is no longer `processing` under its fence
-/// (`$2`, in the same order).
+/// A batch's fence check: the ids (`$1`) that may not run now: their row is no longer
+/// `processing` under its fence (`$2`, in the same order), or an older row of its record outside
+/// the batch is not terminal (an operator retry, or a row other code wrote, since the claim).
 const LOST_FENCES: &str = "\
 SELECT f.id
 FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)
 WHERE NOT EXISTS (
   SELECT 1 FROM _System_OutboxEvent e
   WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written
+    AND (e.RecordKey IS NULL OR NOT EXISTS (
+      SELECT 1 FROM _System_OutboxEvent older
+      WHERE older.RecordKey = e.RecordKey
+        AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
+        AND older.Status NOT IN ('processed', 'failed')
+        AND older.Id <> ALL($1)
+    ))
 )";
 
 const MARK_PROCESSED: &str = concat!(

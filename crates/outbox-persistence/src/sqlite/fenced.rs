@@ -46,6 +46,21 @@ const HOLDS_FENCE: &str = "\
 SELECT 1 FROM _System_OutboxEvent
 WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?2";
 
+/// A batch's check of one row: still `processing` under its fence, and no older row of its
+/// record outside the batch (`?3`, a JSON array of the batch's ids) non-terminal (an operator
+/// retry, or a row other code wrote, since the claim).
+const MAY_RUN_IN_BATCH: &str = "\
+SELECT 1 FROM _System_OutboxEvent e
+WHERE e.Id = ?1 AND e.Status = 'processing' AND e.LastModifiedDate = ?2
+  AND (e.RecordKey IS NULL OR NOT EXISTS (
+    SELECT 1 FROM _System_OutboxEvent older
+    WHERE older.RecordKey = e.RecordKey
+      AND (older.CreatedDate < e.CreatedDate
+           OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id))
+      AND older.Status NOT IN ('processed', 'failed')
+      AND older.Id NOT IN (SELECT value FROM json_each(?3))
+  ))";
+
 /// `write`, fenced on `fence`, on `conn` (the attempt's transaction or the pool), at `now`
 /// (the host's time plus the clock shift).
 async fn write_fenced<'c>(
@@ -190,10 +205,13 @@ impl SqliteOutbox {
         let turn = self.gate.turn().await?;
         let mut tx = self.pool.begin_with(BEGIN_ATTEMPT).await?;
         let mut lost = Vec::new();
+        let ids: Vec<String> = fences.iter().map(|f| f.id.to_string()).collect();
+        let ids = serde_json::Value::from(ids).to_string();
         for fence in &fences {
-            let held: Option<i64> = sqlx::query_scalar(HOLDS_FENCE)
+            let held: Option<i64> = sqlx::query_scalar(MAY_RUN_IN_BATCH)
                 .bind(fence.id.to_string())
                 .bind(format_ts(fence.last_written))
+                .bind(&ids)
                 .fetch_optional(&mut *tx)
                 .await?;
             if held.is_none() {
