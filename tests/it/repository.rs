@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox_persistence::{
-    ClaimPolicy, Database, EventFilter, EventRow, EventStatus, FailureBookkeeping, FenceOutcome,
-    NewEvent, OutboxRepository, RetryFilter, Scope, Terminal, Tx,
+    BeatOutcome, ClaimPolicy, Database, EventFilter, EventRow, EventStatus, FailureBookkeeping,
+    Fence, FenceOutcome, NewEvent, OutboxRepository, RetryFilter, Scope, Terminal, Tx,
 };
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
@@ -443,6 +443,90 @@ async fn heartbeat_fences(db: TestDb) {
     let row = repo.get_event(ids[0]).await.unwrap().unwrap();
     assert_eq!(row.status, EventStatus::Processed);
     assert_eq!(row.retry_count, 1);
+}
+
+/// One statement beats a worker's claims together: each claim's own outcome, a row finished
+/// elsewhere reported lost, and (PostgreSQL) a row another transaction holds locked skipped at
+/// once as busy, without delaying the others' beats.
+async fn heartbeat_many_beats_each_claim(db: TestDb) {
+    let repo = db.repository();
+    let events: Vec<NewEvent> = (0..3)
+        .map(|i| NewEvent::new("t", lead(&format!("hbm{i}"))))
+        .collect();
+    let ids = enqueue(&repo, &events).await;
+    let claims = repo.claim_batch(policy(), &Scope::All, 3).await.unwrap();
+    assert_eq!(claims.len(), 3);
+    let mut fences: Vec<Fence> = ids
+        .iter()
+        .map(|id| claims.iter().find(|c| c.event.id == *id).unwrap().fence)
+        .collect();
+
+    db.clock.advance(secs(25));
+    let outcomes = repo.heartbeat_many(fences.clone()).await.unwrap();
+    for (i, outcome) in outcomes.iter().enumerate() {
+        let BeatOutcome::Beaten(next) = outcome else {
+            panic!("claim {i} is still ours: {outcome:?}");
+        };
+        assert_eq!(next.id, ids[i]);
+        assert!(next.last_written > fences[i].last_written);
+        let row = repo.get_event(ids[i]).await.unwrap().unwrap();
+        assert_eq!(
+            row.last_modified_date, next.last_written,
+            "the beat is written"
+        );
+        fences[i] = *next;
+    }
+    db.clock.advance(secs(25));
+    assert!(
+        repo.get_pending_events(policy(), &Scope::All, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "beaten claims are not stale"
+    );
+
+    // The third finishes elsewhere (its holder's own write): lost to this beat.
+    assert_eq!(
+        repo.update_status(fences[2], Terminal::Processed, None)
+            .await
+            .unwrap(),
+        FenceOutcome::Written
+    );
+    let outcomes = repo.heartbeat_many(fences.clone()).await.unwrap();
+    assert!(matches!(outcomes[0], BeatOutcome::Beaten(_)));
+    assert!(matches!(outcomes[1], BeatOutcome::Beaten(_)));
+    assert_eq!(outcomes[2], BeatOutcome::Lost);
+    for (i, outcome) in outcomes.iter().take(2).enumerate() {
+        if let BeatOutcome::Beaten(next) = outcome {
+            fences[i] = *next;
+        }
+    }
+
+    let Some(pg) = db.pg() else {
+        return;
+    };
+    // Another transaction holds the second row locked: the beat skips it at once (busy, its
+    // fence unchanged) and beats the first.
+    let mut locker = pg.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM _System_OutboxEvent WHERE Id = $1 FOR UPDATE")
+        .bind(ids[1])
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let outcomes = repo.heartbeat_many(fences[..2].to_vec()).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a locked row is skipped, not waited for"
+    );
+    assert!(matches!(outcomes[0], BeatOutcome::Beaten(_)));
+    assert_eq!(outcomes[1], BeatOutcome::Busy);
+    locker.rollback().await.unwrap();
+    let outcomes = repo.heartbeat_many(vec![fences[1]]).await.unwrap();
+    assert!(
+        matches!(outcomes[0], BeatOutcome::Beaten(_)),
+        "the fence a busy beat left is still the claim's"
+    );
 }
 
 async fn insert_side_effect(tx: &mut Tx) {
@@ -1042,6 +1126,7 @@ backend_tests!(
     claim_race_has_one_winner,
     concurrent_claim_next_respects_keys,
     heartbeat_fences,
+    heartbeat_many_beats_each_claim,
     attempt_savepoint_and_retry_counting,
     backfill_matches_enqueue,
     stats_reports_the_queue,

@@ -167,6 +167,12 @@ impl ClaimRunner {
     pub async fn run(&self, claim: Claim) -> AttemptOutcome {
         run(&self.env, claim).await
     }
+
+    /// Runs `claims`, claimed together, as a pull worker does (batched where they may share).
+    #[cfg(test)]
+    pub(crate) async fn run_batch(&self, claims: Vec<Claim>) -> (Duration, usize) {
+        crate::batch::run(&self.env, claims).await
+    }
 }
 
 pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {

@@ -19,7 +19,7 @@ use crate::detached::{DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX
 
 mod died;
 use crate::handler::{AttemptContext, HandlerError};
-use crate::heartbeat::{Beat, FenceCell, FenceState};
+use crate::heartbeat::{Beat, BeatGroup, FenceCell, FenceState};
 
 /// Why events still claimed for a batch are given back unrun.
 const BUDGET_SPENT: &str = "not run: the batched attempt reached its time budget";
@@ -37,12 +37,22 @@ pub(crate) fn may_share(claim: &Claim) -> bool {
 
 /// Runs `claims` (claimed together for this worker): those that may share one transaction in
 /// a batch, the others each in an attempt of its own, every claim beating from one heartbeat
-/// interval after the claim. Returns the handlers' total time and how many ran.
+/// interval after the claim, all of them in one statement per interval. Returns the handlers'
+/// total time and how many ran.
 pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usize) {
     let claimed_at = Instant::now();
+    // One heartbeat task and one statement per interval for all of them (rule 7).
+    let group = BeatGroup::new(env);
     let beats: Vec<Beat<'_>> = claims
         .iter()
-        .map(|c| Beat::new(env, FenceCell::new(c.fence), CancellationToken::new()))
+        .map(|c| {
+            Beat::grouped(
+                env,
+                FenceCell::new(c.fence),
+                CancellationToken::new(),
+                &group,
+            )
+        })
         .collect();
     let body = async {
         let (shared, alone): (Vec<usize>, Vec<usize>) =

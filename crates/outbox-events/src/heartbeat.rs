@@ -5,13 +5,15 @@
 //! transaction, so other workers see the claim alive. Every fenced write (heartbeat or status)
 //! holds the [`FenceCell`] lock while it runs, so the final write always compares against the
 //! value the heartbeat wrote last. The task lives in a [`HeartbeatGuard`] that stops it on drop:
-//! no early return can leave it beating.
+//! no early return can leave it beating. The claims a worker holds together (a batch's) share
+//! one task in a [`BeatGroup`], which beats them all with one statement per interval.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use outbox_persistence::{Fence, OutboxRepository};
-use tokio::sync::{Mutex, MutexGuard};
+use outbox_persistence::{BeatOutcome, Fence, OutboxRepository};
+use tokio::sync::{Mutex, MutexGuard, Notify, OwnedMutexGuard};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -55,6 +57,17 @@ impl FenceCell {
     /// event whose bookkeeping it wrote until the batch commits.
     pub async fn lock_owned(&self) -> tokio::sync::OwnedMutexGuard<FenceState> {
         self.0.clone().lock_owned().await
+    }
+
+    /// The fence's lock if nobody holds it (a beat of many claims skips a held one).
+    fn try_lock_owned(&self) -> Option<tokio::sync::OwnedMutexGuard<FenceState>> {
+        self.0.clone().try_lock_owned().ok()
+    }
+
+    fn lost(state: &mut FenceState, lost: &CancellationToken) {
+        state.lost = true;
+        lost.cancel();
+        tracing::warn!(event_id = %state.fence.id, "claim lost: the row was reclaimed or finished elsewhere");
     }
 }
 
@@ -112,6 +125,9 @@ pub(crate) struct Beat<'a> {
     /// Stopped by a backend whose attempt excludes other writers: the first interval passing
     /// does not start it again.
     stopped: std::sync::atomic::AtomicBool,
+    /// The group whose one task beats this claim with the others (a worker's batch), and this
+    /// claim's switch in it; `None`: the claim beats in a task of its own.
+    group: Option<(&'a BeatGroup, Arc<AtomicBool>)>,
 }
 
 impl<'a> Beat<'a> {
@@ -124,6 +140,27 @@ impl<'a> Beat<'a> {
             lost,
             guard: std::sync::Mutex::new(None),
             stopped: std::sync::atomic::AtomicBool::new(false),
+            group: None,
+        }
+    }
+
+    /// The beat of a claim held with others in `group`: one task and one statement beat every
+    /// running member of the group together.
+    pub(crate) fn grouped(
+        env: &'a AttemptEnv,
+        fence: FenceCell,
+        lost: CancellationToken,
+        group: &'a BeatGroup,
+    ) -> Self {
+        let running = Arc::new(AtomicBool::new(false));
+        group.join(GroupMember {
+            fence: fence.clone(),
+            lost: lost.clone(),
+            running: running.clone(),
+        });
+        Self {
+            group: Some((group, running)),
+            ..Self::new(env, fence, lost)
         }
     }
 
@@ -134,6 +171,11 @@ impl<'a> Beat<'a> {
     /// Starts the heartbeat unless it runs; `beat_now` beats at once (the claim may have gone
     /// without beats so far).
     pub(crate) fn ensure_running(&self, beat_now: bool) {
+        if let Some((group, running)) = &self.group {
+            running.store(true, Ordering::Release);
+            group.start(beat_now);
+            return;
+        }
         let mut guard = self.guard();
         if guard.is_none() {
             *guard = Some(HeartbeatGuard::start(
@@ -158,6 +200,9 @@ impl<'a> Beat<'a> {
     pub(crate) fn stop(&self) {
         self.stopped
             .store(true, std::sync::atomic::Ordering::Release);
+        if let Some((_, running)) = &self.group {
+            running.store(false, Ordering::Release);
+        }
         self.guard().take();
     }
 }
@@ -179,9 +224,7 @@ async fn beat_once(
             true
         }
         Ok(None) => {
-            state.lost = true;
-            lost.cancel();
-            tracing::warn!(event_id = %state.fence.id, "claim lost: the row was reclaimed or finished elsewhere");
+            FenceCell::lost(&mut state, lost);
             false
         }
         Err(e) => {
@@ -196,5 +239,158 @@ async fn beat_once(
 impl Drop for HeartbeatGuard {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// One claim of a [`BeatGroup`].
+struct GroupMember {
+    fence: FenceCell,
+    lost: CancellationToken,
+    /// Whether its beat runs (started after the first interval, stopped when it ends).
+    running: Arc<AtomicBool>,
+}
+
+/// What the group's task shares with the group.
+struct GroupInner {
+    repo: Arc<dyn OutboxRepository>,
+    interval: Duration,
+    members: std::sync::Mutex<Vec<GroupMember>>,
+    /// Asks for a beat now rather than at the next interval.
+    now: Notify,
+}
+
+/// The heartbeat of the claims a worker holds together (a batch's): one task beats every
+/// running member with one statement per interval ([`OutboxRepository::heartbeat_many`]), so a
+/// worker holding N claims writes one heartbeat per interval, not N on the pool's spare
+/// connections. A member whose fence the attempt holds (writing its outcome) is skipped that
+/// interval, as is a row another transaction holds locked; the task stops when the group is
+/// dropped.
+pub(crate) struct BeatGroup {
+    inner: Arc<GroupInner>,
+    task: std::sync::Mutex<Option<HeartbeatGuard>>,
+}
+
+impl BeatGroup {
+    pub(crate) fn new(env: &AttemptEnv) -> Self {
+        Self {
+            inner: Arc::new(GroupInner {
+                repo: env.repo.clone(),
+                interval: env.config.heartbeat_interval,
+                members: std::sync::Mutex::new(Vec::new()),
+                now: Notify::new(),
+            }),
+            task: std::sync::Mutex::new(None),
+        }
+    }
+
+    fn join(&self, member: GroupMember) {
+        self.inner
+            .members
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(member);
+    }
+
+    /// Starts the group's task unless it runs; `beat_now` beats at once.
+    fn start(&self, beat_now: bool) {
+        let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
+        if beat_now {
+            self.inner.now.notify_one();
+        }
+        if task.is_none() {
+            let inner = self.inner.clone();
+            *task = Some(HeartbeatGuard {
+                task: tokio::spawn(async move { inner.run().await }),
+            });
+        }
+    }
+}
+
+impl GroupInner {
+    async fn run(&self) {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(self.interval) => {}
+                _ = self.now.notified() => {}
+            }
+            self.beat_once().await;
+        }
+    }
+
+    /// The running members: each one's fence cell, its lock unless the attempt holds it, and
+    /// its lost token.
+    fn running(&self) -> Vec<Held> {
+        let members = self.members.lock().unwrap_or_else(|e| e.into_inner());
+        members
+            .iter()
+            .filter(|m| m.running.load(Ordering::Acquire) && !m.lost.is_cancelled())
+            .map(|m| Held {
+                state: m.fence.try_lock_owned().filter(|state| !state.lost),
+                cell: m.fence.clone(),
+                lost: m.lost.clone(),
+            })
+            .collect()
+    }
+
+    /// One statement for every running member whose fence is free; alive for all of them.
+    async fn beat_once(&self) {
+        let mut running = self.running();
+        for member in &running {
+            self.repo.note_alive(member.cell.latest());
+        }
+        running.retain(|member| member.state.is_some());
+        let fences: Vec<Fence> = running.iter().filter_map(Held::fence).collect();
+        if fences.is_empty() {
+            return;
+        }
+        let beat = self.repo.heartbeat_many(fences.clone());
+        tokio::pin!(beat);
+        let beaten = loop {
+            tokio::select! {
+                beaten = &mut beat => break beaten,
+                _ = tokio::time::sleep(self.interval) => {
+                    for fence in &fences {
+                        self.repo.note_alive(*fence);
+                    }
+                }
+            }
+        };
+        let outcomes = match beaten {
+            Ok(outcomes) => outcomes,
+            Err(e) => {
+                // A missed beat is not a lost claim (as for one claim's heartbeat).
+                tracing::warn!(error = %e.chain(), claims = fences.len(), "heartbeat of the worker's claims failed; retrying at the next interval");
+                return;
+            }
+        };
+        for (member, outcome) in running.iter_mut().zip(outcomes) {
+            let Some(state) = member.state.as_mut() else {
+                continue;
+            };
+            match outcome {
+                BeatOutcome::Beaten(next) => {
+                    state.fence = next;
+                    member.cell.set_latest(next);
+                }
+                BeatOutcome::Lost => FenceCell::lost(state, &member.lost),
+                BeatOutcome::Busy => {
+                    tracing::debug!(event_id = %state.fence.id, "the claim's row is locked by another transaction; beating it at the next interval");
+                }
+            }
+        }
+    }
+}
+
+/// A running member of a group, during one beat.
+struct Held {
+    cell: FenceCell,
+    /// Its fence's lock; `None` while the attempt holds it (not beaten this interval).
+    state: Option<OwnedMutexGuard<FenceState>>,
+    lost: CancellationToken,
+}
+
+impl Held {
+    fn fence(&self) -> Option<Fence> {
+        self.state.as_ref().map(|state| state.fence)
     }
 }

@@ -806,3 +806,81 @@ async fn decide_rides_out_a_database_that_is_briefly_away() {
     assert!(started.elapsed() <= crate::DECIDE_RETRY_FOR);
     assert!(started.elapsed() >= crate::DECIDE_RETRY_FOR - Duration::from_secs(6));
 }
+
+/// A batch's claims beat together: one `heartbeat_many` per interval for every running claim,
+/// never one heartbeat per claim, and each event's `processed` write uses the fence its last
+/// group beat wrote.
+#[tokio::test(start_paused = true)]
+async fn a_batch_beats_its_claims_with_one_statement_per_interval() {
+    let claims: Vec<Claim> = (0..4)
+        .map(|i| {
+            let mut c = claim("t", 0);
+            c.event.record_key = Some(outbox_persistence::RecordKey::from_stored(&format!(
+                "Lead:{i}"
+            )));
+            c
+        })
+        .collect();
+    let claimed: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
+    let beats: Arc<Mutex<Vec<Vec<Fence>>>> = Arc::default();
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
+    repo.expect_backend_name().return_const("mock");
+    repo.expect_serializes_writers().return_const(false);
+    repo.expect_heartbeat().never();
+    let b = Arc::clone(&beats);
+    repo.expect_heartbeat_many()
+        .returning(move |fences: Vec<Fence>| {
+            let next: Vec<Fence> = fences
+                .iter()
+                .map(|f| Fence {
+                    id: f.id,
+                    last_written: f.last_written + chrono::Duration::seconds(1),
+                })
+                .collect();
+            b.lock().unwrap().push(next.clone());
+            Ok(next
+                .into_iter()
+                .map(outbox_persistence::BeatOutcome::Beaten)
+                .collect())
+        });
+    let b = Arc::clone(&beats);
+    let mut attempt = MockAttempt::new();
+    attempt.expect_savepoint().times(3).returning(|| Ok(()));
+    attempt
+        .expect_mark_processed()
+        .times(4)
+        .withf(move |f| {
+            let last = b
+                .lock()
+                .unwrap()
+                .iter()
+                .flatten()
+                .rfind(|beaten| beaten.id == f.id)
+                .copied();
+            Some(*f) == last && !claimed.contains(f)
+        })
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt.expect_commit().times(1).returning(|| Ok(()));
+    repo.expect_begin_batch_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok((Box::new(attempt) as Box<dyn Attempt>, Vec::new())));
+    let config = config().with_batches(32, Duration::from_secs(60));
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::from_millis(3500), || Ok(())),
+        config,
+    );
+    let (_, ran) = runner.run_batch(claims).await;
+    assert_eq!(ran, 4);
+    assert_eq!(runner.metrics().snapshot().processed, 4);
+    let beats = beats.lock().unwrap();
+    // 14 s of handlers, one beat a second: about 14 statements, where one beat per claim
+    // would have written about 4 x 14.
+    assert!(
+        (12..=15).contains(&beats.len()),
+        "{} beats for 14 s",
+        beats.len()
+    );
+    assert_eq!(beats[0].len(), 4, "the first beat covers every claim");
+}

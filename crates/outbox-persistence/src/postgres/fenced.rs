@@ -13,7 +13,9 @@ use sqlx::postgres::types::PgInterval;
 use super::sql::{db_now, lock_guard};
 use super::{Begin, CLAIM_LOST_SQLSTATE, PgOutbox, begin_sql, interval, span};
 use crate::attempt::{AttemptWrites, FencedWrite, OpenAttempt, SET_SAVEPOINT, fence_outcome};
-use crate::{Attempt, ClockShift, EventId, Fence, FenceOutcome, Result, Tx, clip_error};
+use crate::{
+    Attempt, BeatOutcome, ClockShift, EventId, Fence, FenceOutcome, Result, Tx, clip_error,
+};
 
 const HEARTBEAT: &str = concat!(
     "\
@@ -25,6 +27,34 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("4"),
     "
 RETURNING LastModifiedDate"
+);
+
+/// Beats several claims in one statement: the rows (`$2`) still `processing` under their fence
+/// (`$3`, in the same order) that no other transaction holds locked move `LastModifiedDate`
+/// forward. One row per fence: its new `LastModifiedDate` when beaten, else whether it is still
+/// this worker's as last committed (`busy`: locked by someone else, not beaten this time) or
+/// lost. The outer `EXISTS` reads the statement's snapshot, from before the update.
+const HEARTBEAT_MANY: &str = concat!(
+    "\
+WITH f AS (SELECT * FROM unnest($2::uuid[], $3::timestamptz[]) AS f(id, written)),
+mine AS (
+  SELECT e.Id FROM _System_OutboxEvent e JOIN f ON e.Id = f.id
+  WHERE e.Status = 'processing' AND e.LastModifiedDate = f.written
+  ORDER BY e.Id
+  FOR UPDATE OF e SKIP LOCKED
+),
+beaten AS (
+  UPDATE _System_OutboxEvent e
+  SET LastModifiedDate = GREATEST(",
+    db_now!(),
+    ", e.LastModifiedDate + interval '1 microsecond')
+  FROM mine WHERE e.Id = mine.Id
+  RETURNING e.Id, e.LastModifiedDate
+)
+SELECT f.id, b.LastModifiedDate AS beaten,
+  EXISTS (SELECT 1 FROM _System_OutboxEvent e
+          WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written) AS mine
+FROM f LEFT JOIN beaten b ON b.Id = f.id"
 );
 
 /// Raises [`CLAIM_LOST_SQLSTATE`] unless the row is still `processing` under the fence.
@@ -201,6 +231,33 @@ impl PgOutbox {
             id: fence.id,
             last_written,
         }))
+    }
+
+    pub(super) async fn beat_many(&self, fences: Vec<Fence>) -> Result<Vec<BeatOutcome>> {
+        let ids: Vec<EventId> = fences.iter().map(|f| f.id).collect();
+        let written: Vec<DateTime<Utc>> = fences.iter().map(|f| f.last_written).collect();
+        let mut tx = self.begin_write().await?;
+        let rows: Vec<(EventId, Option<DateTime<Utc>>, bool)> = sqlx::query_as(HEARTBEAT_MANY)
+            .persistent(self.cached())
+            .bind(self.shift())
+            .bind(&ids)
+            .bind(&written)
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(fences
+            .iter()
+            .map(
+                |fence| match rows.iter().find(|(id, _, _)| *id == fence.id) {
+                    Some((_, Some(last_written), _)) => BeatOutcome::Beaten(Fence {
+                        id: fence.id,
+                        last_written: *last_written,
+                    }),
+                    Some((_, None, true)) => BeatOutcome::Busy,
+                    _ => BeatOutcome::Lost,
+                },
+            )
+            .collect())
     }
 
     /// Begins an attempt transaction as the attempt needs it whatever the session's defaults

@@ -39,8 +39,8 @@ pub use session::{
 
 use crate::attempt::FencedWrite;
 use crate::{
-    Attempt, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter, EventId,
-    EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository,
+    Attempt, BackfillPage, BeatOutcome, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter,
+    EventId, EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository,
     OutboxStats, PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
 };
 
@@ -272,6 +272,10 @@ impl OutboxRepository for PgOutbox {
 
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {
         self.beat(fence).await
+    }
+
+    async fn heartbeat_many(&self, fences: Vec<Fence>) -> Result<Vec<BeatOutcome>> {
+        self.beat_many(fences).await
     }
 
     async fn begin_attempt(
