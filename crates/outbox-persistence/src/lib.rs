@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 mod attempt;
+pub mod console;
 mod database;
 mod error;
 mod heads;
@@ -254,6 +255,21 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// Refreshes `LastModifiedDate` of a row this worker still holds, on a connection of its
     /// own. `None` when the row is no longer this worker's (reclaimed, or finished elsewhere).
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>>;
+
+    /// Beats several claims of this worker at once, in one statement where the backend can:
+    /// one outcome per fence, in order. A row another transaction holds locked is skipped
+    /// ([`BeatOutcome::Busy`]) rather than waited for, so one locked row never delays the
+    /// others' beats. The default beats them one by one.
+    async fn heartbeat_many(&self, fences: Vec<Fence>) -> Result<Vec<BeatOutcome>> {
+        let mut outcomes = Vec::with_capacity(fences.len());
+        for fence in fences {
+            outcomes.push(match self.heartbeat(fence).await? {
+                Some(next) => BeatOutcome::Beaten(next),
+                None => BeatOutcome::Lost,
+            });
+        }
+        Ok(outcomes)
+    }
 
     /// Tells the backend that this process still holds the claim `fence`, at no cost and
     /// without waiting for any lock: the heartbeat calls it every interval, also while its
