@@ -11,6 +11,7 @@ mod gate;
 mod heads;
 mod hostile;
 mod migrations;
+mod pause;
 mod plans;
 mod production;
 mod repository;

@@ -82,6 +82,8 @@ pub(crate) struct AttemptEnv {
     /// both paths (pull mode runs the legacy dispatcher beside the pull workers for excluded
     /// event types), each on one connection: the pool of `workers + 3` holds them.
     pub attempts: Arc<tokio::sync::Semaphore>,
+    /// The paused event types, as this process last read them.
+    pub paused: crate::pause::Paused,
 }
 
 impl AttemptEnv {
@@ -141,6 +143,7 @@ impl ClaimRunner {
                 attempts: Arc::new(tokio::sync::Semaphore::new(
                     tokio::sync::Semaphore::MAX_PERMITS,
                 )),
+                paused: crate::pause::Paused::default(),
             },
         }
     }

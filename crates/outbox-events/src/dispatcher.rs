@@ -160,6 +160,7 @@ impl Dispatcher {
             metrics: self.metrics.clone(),
             hard_stop: hard_stop.clone(),
             attempts: Arc::new(tokio::sync::Semaphore::new(self.config.workers.max(1))),
+            paused: crate::pause::Paused::unread(),
         });
         tracing::info!(
             mode = ?self.config.mode,
@@ -168,6 +169,11 @@ impl Dispatcher {
             "outbox dispatcher starting"
         );
         crate::metrics::describe_metrics();
+        tracker.spawn(crate::pause::run(
+            env.repo.clone(),
+            env.paused.clone(),
+            stop.clone(),
+        ));
         if let Some(every) = self.config.queue_gauges {
             tracker.spawn(crate::gauges::run(
                 env.repo.clone(),
@@ -232,7 +238,7 @@ impl Dispatcher {
 }
 
 /// The event types both `scope` and `within` name.
-fn narrow(scope: &Scope, within: Scope) -> Scope {
+pub(crate) fn narrow(scope: &Scope, within: Scope) -> Scope {
     let keep = |types: &[String], pred: &dyn Fn(&String) -> bool| -> Vec<String> {
         types.iter().filter(|t| pred(t)).cloned().collect()
     };
@@ -297,6 +303,7 @@ async fn pull_worker(
         };
         // The workers that ask at the same moment share one claim statement (`Claims`).
         let want = sizer.want(&env.config);
+        let scope = env.paused.narrow(&scope, &stop).await;
         match claims
             .claim(env.repo.as_ref(), &env.metrics, policy(&env), &scope, want)
             .await

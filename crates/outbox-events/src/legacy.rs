@@ -33,6 +33,7 @@ pub(crate) async fn run(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Sc
     let mut idle_wait = std::time::Duration::from_millis(10);
     let mut error_backoff = std::time::Duration::from_millis(100);
     while !stop.is_cancelled() {
+        let scope = env.paused.narrow(&scope, &stop).await;
         let batch = match env
             .repo
             .get_pending_events(policy(&env), &scope, env.config.legacy_batch_size)

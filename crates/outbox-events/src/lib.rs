@@ -30,6 +30,7 @@ mod heads;
 mod heartbeat;
 mod legacy;
 mod metrics;
+mod pause;
 mod prune;
 pub mod trace;
 
@@ -50,6 +51,7 @@ pub use metrics::{
     HISTOGRAMS, Metrics, MetricsSnapshot, SECONDS_BUCKETS, describe_metrics, names as metric_names,
     record_queue_gauges,
 };
+pub use pause::PAUSE_REFRESH;
 pub use prune::{
     DEFAULT_PRUNE_BATCH_PAUSE, DEFAULT_PRUNE_INTERVAL, DEFAULT_PRUNE_PAUSE_FACTOR, PrunePacing,
     RetentionConfig, prune_until_done,
@@ -65,7 +67,7 @@ pub use outbox_persistence::{
     MIGRATIONS_TABLE, NewEvent, OutboxEvent, OutboxRepository, RecordKey, Scope, Tx, with_conn,
     with_pool, with_tx,
 };
-pub use outbox_persistence::{PrunePolicy, PruneReport};
+pub use outbox_persistence::{AuditEntry, PausedType, PrunePolicy, PruneReport, RetryFilter};
 pub use tokio_util::sync::CancellationToken;
 
 /// What an embedding service uses, in one import: `use outbox_events::prelude::*;` brings the

@@ -27,6 +27,7 @@ mod heads;
 mod keys;
 mod listing;
 mod model;
+mod pause;
 pub mod postgres;
 mod retention;
 pub mod sqlite;
@@ -352,6 +353,26 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// that have not run yet wait for it, and it waits while another row of its key is in
     /// flight (it never runs beside it).
     async fn retry_failed(&self, filter: RetryFilter) -> Result<u64>;
+
+    /// [`OutboxRepository::retry_failed`] by an operator: the retry and its audit row
+    /// ([`OutboxRepository::audit_log`], action `retry`, naming `actor`) commit together.
+    async fn retry_failed_by(&self, filter: RetryFilter, actor: &str) -> Result<u64>;
+
+    /// Pauses `event_type` on behalf of `actor`: every dispatcher stops claiming its rows within
+    /// its next refresh of the paused types (`outbox_events::PAUSE_REFRESH`); a record whose
+    /// head is of that type waits behind it in order. `false` when it was paused already
+    /// (nothing written). The pause and its audit row commit together.
+    async fn pause_event_type(&self, event_type: &str, actor: &str) -> Result<bool>;
+
+    /// Resumes a paused `event_type` on behalf of `actor` (audited); `false` when it was not
+    /// paused. Nothing else is needed: its rows are claimable again at the next refresh.
+    async fn resume_event_type(&self, event_type: &str, actor: &str) -> Result<bool>;
+
+    /// The paused event types, by name.
+    async fn paused_event_types(&self) -> Result<Vec<PausedType>>;
+
+    /// The newest `limit` operator actions (pauses, resumes, retries), newest first.
+    async fn audit_log(&self, limit: u32) -> Result<Vec<AuditEntry>>;
 
     /// Reads one row.
     async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>>;

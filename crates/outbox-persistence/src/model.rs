@@ -389,11 +389,37 @@ impl BackfillPage {
 pub enum RetryFilter {
     /// One row by id (it must be `failed`).
     Id(EventId),
+    /// These rows (those of them that are `failed`).
+    Ids(Vec<EventId>),
     /// Every failed row, optionally of one event type.
     Failed {
         /// Only rows of this `EventType`.
         event_type: Option<String>,
     },
+}
+
+/// An event type an operator paused: dispatchers claim none of its rows until it is resumed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PausedType {
+    /// The paused `EventType`.
+    pub event_type: String,
+    /// When it was paused (the database's clock).
+    pub paused_at: DateTime<Utc>,
+    /// Who paused it (a console token's name, or the CLI's actor).
+    pub paused_by: String,
+}
+
+/// One operator action (a pause, a resume, a retry), as the audit log keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AuditEntry {
+    /// When (the database's clock).
+    pub at: DateTime<Utc>,
+    /// Who: a console token's name, or the CLI's actor.
+    pub actor: String,
+    /// `pause`, `resume` or `retry`.
+    pub action: String,
+    /// What it acted on and how many rows it changed.
+    pub detail: String,
 }
 
 /// A read of the queue's health for operators and the rollout gate.

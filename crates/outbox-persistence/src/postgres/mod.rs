@@ -17,6 +17,7 @@ mod keys;
 mod listen;
 pub(crate) mod migrate;
 mod ops;
+mod pause;
 mod prune;
 mod session;
 mod sql;
@@ -39,9 +40,10 @@ pub use session::{
 
 use crate::attempt::FencedWrite;
 use crate::{
-    Attempt, BackfillPage, BeatOutcome, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter,
-    EventId, EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository,
-    OutboxStats, PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
+    Attempt, AuditEntry, BackfillPage, BeatOutcome, BlockedKey, Claim, ClaimPolicy, ClockShift,
+    EventFilter, EventId, EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent,
+    OutboxRepository, OutboxStats, PausedType, PrunePolicy, PruneReport, Result, RetryFilter,
+    Scope, Terminal, Tx,
 };
 
 /// The notification channel the enqueue trigger signals.
@@ -333,7 +335,27 @@ impl OutboxRepository for PgOutbox {
     }
 
     async fn retry_failed(&self, filter: RetryFilter) -> Result<u64> {
-        self.retry(filter).await
+        self.retry(filter, None).await
+    }
+
+    async fn retry_failed_by(&self, filter: RetryFilter, actor: &str) -> Result<u64> {
+        self.retry(filter, Some(actor)).await
+    }
+
+    async fn pause_event_type(&self, event_type: &str, actor: &str) -> Result<bool> {
+        self.set_paused(event_type, actor, true).await
+    }
+
+    async fn resume_event_type(&self, event_type: &str, actor: &str) -> Result<bool> {
+        self.set_paused(event_type, actor, false).await
+    }
+
+    async fn paused_event_types(&self) -> Result<Vec<PausedType>> {
+        self.paused().await
+    }
+
+    async fn audit_log(&self, limit: u32) -> Result<Vec<AuditEntry>> {
+        self.audit_entries(limit).await
     }
 
     async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>> {

@@ -62,7 +62,7 @@ const RETRY_FAILED: &str = concat!(
     db_now!(),
     ", LastModifiedDate + interval '1 microsecond')
      WHERE Status = 'failed'
-       AND (($3 AND ($4::text IS NULL OR EventType = $4)) OR Id = $2)"
+       AND (($3 AND ($4::text IS NULL OR EventType = $4)) OR Id = ANY($2))"
 );
 
 const SELECT_BY_ID: &str = "SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, \
@@ -120,21 +120,28 @@ impl PgOutbox {
         Ok(stats)
     }
 
-    pub(super) async fn retry(&self, filter: RetryFilter) -> Result<u64> {
-        let (id, all, event_type) = match filter {
-            RetryFilter::Id(id) => (Some(id), false, None),
-            RetryFilter::Failed { event_type } => (None, true, event_type),
+    /// Retries the failed rows `filter` selects; with an `actor`, its audit row commits with it.
+    pub(super) async fn retry(&self, filter: RetryFilter, actor: Option<&str>) -> Result<u64> {
+        let (ids, all, event_type) = match &filter {
+            RetryFilter::Id(id) => (vec![*id], false, None),
+            RetryFilter::Ids(ids) => (ids.clone(), false, None),
+            RetryFilter::Failed { event_type } => (Vec::new(), true, event_type.clone()),
         };
         let mut tx = self.begin_write().await?;
         let rows = sqlx::query(RETRY_FAILED)
             .persistent(self.cached())
             .bind(self.shift())
-            .bind(id)
+            .bind(&ids)
             .bind(all)
             .bind(event_type.as_deref())
             .execute(&mut *tx)
             .await?
             .rows_affected();
+        if let Some(actor) = actor {
+            let detail = crate::pause::retry_detail(&filter, rows);
+            self.audit(&mut tx, actor, crate::pause::RETRY, &detail)
+                .await?;
+        }
         self.commit_excluding_claims(tx).await?;
         Ok(rows)
     }

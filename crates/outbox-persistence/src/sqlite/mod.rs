@@ -25,6 +25,7 @@ pub(crate) mod gate;
 mod keys;
 mod liveness;
 mod ops;
+mod pause;
 mod prune;
 mod sql;
 mod time;
@@ -43,9 +44,9 @@ pub use time::{format_ts, parse_ts};
 
 use crate::attempt::FencedWrite;
 use crate::{
-    Attempt, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter, EventId,
-    EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository,
-    OutboxStats, PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
+    Attempt, AuditEntry, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter,
+    EventId, EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository,
+    OutboxStats, PausedType, PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
 };
 use gate::{Gate, Turn};
 use liveness::Liveness;
@@ -304,7 +305,27 @@ impl OutboxRepository for SqliteOutbox {
     }
 
     async fn retry_failed(&self, filter: RetryFilter) -> Result<u64> {
-        self.retry(filter).await
+        self.retry(filter, None).await
+    }
+
+    async fn retry_failed_by(&self, filter: RetryFilter, actor: &str) -> Result<u64> {
+        self.retry(filter, Some(actor)).await
+    }
+
+    async fn pause_event_type(&self, event_type: &str, actor: &str) -> Result<bool> {
+        self.set_paused(event_type, actor, true).await
+    }
+
+    async fn resume_event_type(&self, event_type: &str, actor: &str) -> Result<bool> {
+        self.set_paused(event_type, actor, false).await
+    }
+
+    async fn paused_event_types(&self) -> Result<Vec<PausedType>> {
+        self.paused().await
+    }
+
+    async fn audit_log(&self, limit: u32) -> Result<Vec<AuditEntry>> {
+        self.audit_entries(limit).await
     }
 
     async fn get_event(&self, id: EventId) -> Result<Option<OutboxEvent>> {

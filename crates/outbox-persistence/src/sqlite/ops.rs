@@ -81,20 +81,24 @@ impl SqliteOutbox {
         Ok(stats)
     }
 
-    pub(super) async fn retry(&self, filter: RetryFilter) -> Result<u64> {
+    /// Retries the failed rows `filter` selects; with an `actor`, its audit row commits with it.
+    pub(super) async fn retry(&self, filter: RetryFilter, actor: Option<&str>) -> Result<u64> {
         // One writer: no claim runs while this transaction holds the write lock, and the
         // in-flight guard keeps the retried row waiting while its key has a live claim.
         let (mut tx, _) = self.begin_write().await?;
         let now = self.now();
-        let (id, all, event_type) = match filter {
-            RetryFilter::Id(id) => (Some(id.to_string()), false, None),
-            RetryFilter::Failed { event_type } => (None, true, event_type),
+        let (ids, all, event_type) = match &filter {
+            RetryFilter::Id(id) => (vec![id.to_string()], false, None),
+            RetryFilter::Ids(ids) => (ids.iter().map(|id| id.to_string()).collect(), false, None),
+            RetryFilter::Failed { event_type } => (Vec::new(), true, event_type.clone()),
         };
+        let ids = serde_json::to_string(&ids).expect("ids serialize");
         let failed: Vec<(String, String)> = sqlx::query_as(
             "SELECT Id, LastModifiedDate FROM _System_OutboxEvent
-             WHERE Status = 'failed' AND ((?2 AND (?3 IS NULL OR EventType = ?3)) OR Id = ?1)",
+             WHERE Status = 'failed' AND ((?2 AND (?3 IS NULL OR EventType = ?3))
+                                          OR Id IN (SELECT value FROM json_each(?1)))",
         )
-        .bind(&id)
+        .bind(&ids)
         .bind(all)
         .bind(&event_type)
         .fetch_all(&mut *tx)
@@ -112,6 +116,10 @@ impl SqliteOutbox {
             .execute(&mut *tx)
             .await?
             .rows_affected();
+        }
+        if let Some(actor) = actor {
+            let detail = crate::pause::retry_detail(&filter, rows);
+            super::pause::audit(&mut tx, now, actor, crate::pause::RETRY, &detail).await?;
         }
         tx.commit().await?;
         Ok(rows)

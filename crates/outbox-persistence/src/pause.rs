@@ -1,0 +1,45 @@
+//! What the pause, resume and retry of an operator write in the audit log, alike on both
+//! backends (`_System_OutboxPausedType`, `_System_OutboxAudit`: migrations 0010 on PostgreSQL,
+//! 0006 on SQLite).
+
+use crate::RetryFilter;
+
+/// The audit log's `Action` of a retry.
+pub(crate) const RETRY: &str = "retry";
+/// The audit log's `Action` of a pause.
+pub(crate) const PAUSE: &str = "pause";
+/// The audit log's `Action` of a resume.
+pub(crate) const RESUME: &str = "resume";
+
+/// The most ids a retry's audit row names one by one.
+const IDS_NAMED: usize = 20;
+
+/// The audit log's `Detail` of a retry that changed `rows` rows.
+pub(crate) fn retry_detail(filter: &RetryFilter, rows: u64) -> String {
+    let what = match filter {
+        RetryFilter::Id(id) => format!("event {id}"),
+        RetryFilter::Ids(ids) => {
+            let named: Vec<String> = ids
+                .iter()
+                .take(IDS_NAMED)
+                .map(|id| id.to_string())
+                .collect();
+            let more = ids.len().saturating_sub(IDS_NAMED);
+            if more > 0 {
+                format!("events {} and {more} more", named.join(", "))
+            } else {
+                format!("events {}", named.join(", "))
+            }
+        }
+        RetryFilter::Failed { event_type: None } => "every failed event".to_string(),
+        RetryFilter::Failed {
+            event_type: Some(event_type),
+        } => format!("every failed event of type {event_type:?}"),
+    };
+    format!("{what}: {rows} row(s) back to pending")
+}
+
+/// The audit log's `Detail` of a pause or resume.
+pub(crate) fn type_detail(event_type: &str) -> String {
+    format!("event type {event_type:?}")
+}
