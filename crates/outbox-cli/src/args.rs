@@ -113,6 +113,50 @@ pub struct RetryArgs {
     /// With --failed: only rows of this event type.
     #[arg(long, requires = "failed")]
     pub event_type: Option<String>,
+    /// Who acts (the audit log's actor).
+    #[command(flatten)]
+    pub actor: ActorArg,
+}
+
+/// Who acts, for the audit log.
+#[derive(Debug, Args)]
+pub struct ActorArg {
+    /// Who is acting, as the audit log records it (default: `cli:` and the login name).
+    #[arg(long, env = "OUTBOX_ACTOR")]
+    pub actor: Option<String>,
+}
+
+impl ActorArg {
+    /// The actor's name: `--actor`, else `cli:$USER`.
+    pub fn name(&self) -> String {
+        self.actor.clone().unwrap_or_else(|| {
+            let user = std::env::var("USER")
+                .or_else(|_| std::env::var("LOGNAME"))
+                .unwrap_or_else(|_| "unknown".to_string());
+            format!("cli:{user}")
+        })
+    }
+}
+
+/// `outbox pause` and `outbox resume`.
+#[derive(Debug, Args)]
+pub struct PauseArgs {
+    /// The event type.
+    pub event_type: String,
+    /// Who acts (the audit log's actor).
+    #[command(flatten)]
+    pub actor: ActorArg,
+}
+
+/// `outbox audit`.
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    /// How many of the newest entries to print.
+    #[arg(long, default_value_t = 50)]
+    pub limit: u32,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `outbox heads`.

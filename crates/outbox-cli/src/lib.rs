@@ -40,7 +40,9 @@ use anyhow::Result;
 use clap::Subcommand;
 use outbox_events::Consumer;
 
-use args::{BackfillArgs, EventsArgs, HeadsArgs, JsonArg, PruneArgs, RetryArgs};
+use args::{
+    AuditArgs, BackfillArgs, EventsArgs, HeadsArgs, JsonArg, PauseArgs, PruneArgs, RetryArgs,
+};
 
 /// The operator commands. Each one changes only what it was asked to change.
 #[derive(Debug, Subcommand)]
@@ -52,8 +54,15 @@ pub enum OperatorCommand {
     Status(status::StatusArgs),
     /// List outbox rows (never their payloads), oldest first.
     Events(EventsArgs),
-    /// Return failed rows to pending (audited in the log).
+    /// Return failed rows to pending (recorded in the audit log with who and when).
     Retry(RetryArgs),
+    /// Pause an event type: every dispatcher stops claiming its rows within a second, and a
+    /// record whose head is of that type waits behind it in order (audited).
+    Pause(PauseArgs),
+    /// Resume a paused event type (audited).
+    Resume(PauseArgs),
+    /// The newest operator actions (pauses, resumes, retries) with who and when.
+    Audit(AuditArgs),
     /// Print PostgreSQL plans of the eligible-event and claim queries.
     Explain,
     /// Set missing RecordKey values of non-terminal rows, in resumable batches.
@@ -84,6 +93,9 @@ pub async fn run_operator(
         OperatorCommand::Status(args) => status::run(url, args).await,
         OperatorCommand::Events(args) => ops::events(url, args).await,
         OperatorCommand::Retry(args) => ops::retry(url, args).await,
+        OperatorCommand::Pause(args) => ops::pause(url, args, true).await,
+        OperatorCommand::Resume(args) => ops::pause(url, args, false).await,
+        OperatorCommand::Audit(args) => ops::audit(url, args).await,
         OperatorCommand::Explain => ops::explain(url).await,
         OperatorCommand::BackfillRecordKeys(args) => ops::backfill(url, args).await,
         OperatorCommand::Heads(args) => ops::heads(url, args).await,

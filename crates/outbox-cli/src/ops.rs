@@ -13,7 +13,9 @@ use outbox_persistence::{
 };
 use serde::Serialize;
 
-use crate::args::{BackfillArgs, EventsArgs, HeadsArgs, PruneArgs, RetryArgs};
+use crate::args::{
+    AuditArgs, BackfillArgs, EventsArgs, HeadsArgs, PauseArgs, PruneArgs, RetryArgs,
+};
 use crate::db;
 
 /// `outbox migrate`.
@@ -50,13 +52,77 @@ pub async fn retry(url: Option<&str>, args: RetryArgs) -> Result<ExitCode> {
             event_type: args.event_type.clone(),
         },
     };
-    let changed = db.repository().retry_failed(filter.clone()).await?;
-    tracing::warn!(?filter, changed, "operator returned failed rows to pending");
+    let actor = args.actor.name();
+    let changed = db
+        .repository()
+        .retry_failed_by(filter.clone(), &actor)
+        .await?;
+    tracing::warn!(
+        ?filter,
+        changed,
+        actor,
+        "operator returned failed rows to pending"
+    );
     println!("{changed} failed row(s) returned to pending");
     db.close().await;
     if changed == 0 && args.id.is_some() {
         eprintln!("no failed row with that id");
         return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outbox pause` (`pause`) and `outbox resume`.
+pub async fn pause(url: Option<&str>, args: PauseArgs, pause: bool) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let repo = db.repository();
+    let actor = args.actor.name();
+    let changed = if pause {
+        repo.pause_event_type(&args.event_type, &actor).await?
+    } else {
+        repo.resume_event_type(&args.event_type, &actor).await?
+    };
+    db.close().await;
+    let (done, already) = if pause {
+        ("paused: workers stop claiming it", "was paused already")
+    } else {
+        ("resumed: workers claim it again", "was not paused")
+    };
+    if changed {
+        tracing::warn!(
+            event_type = args.event_type,
+            actor,
+            pause,
+            "operator changed a pause"
+        );
+        println!(
+            "{:?} {done} within {:?}",
+            args.event_type,
+            outbox_events::PAUSE_REFRESH
+        );
+    } else {
+        println!("{:?} {already}; nothing changed", args.event_type);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outbox audit`.
+pub async fn audit(url: Option<&str>, args: AuditArgs) -> Result<ExitCode> {
+    let db = db::open(url, ConnectConfig::default()).await?;
+    let entries = db.repository().audit_log(args.limit).await?;
+    db.close().await;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&entries)?);
+    } else {
+        for e in &entries {
+            println!(
+                "{}  {:<8} {:<20} {}",
+                e.at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                e.action,
+                e.actor,
+                e.detail
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

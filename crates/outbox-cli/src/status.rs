@@ -10,7 +10,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use clap::Args;
 use outbox_events::{DEFAULT_MAX_RETRY_ATTEMPTS, DEFAULT_RETRY_DELAY, DEFAULT_STALE_AFTER};
 use outbox_persistence::{
-    BlockedKey, ClaimPolicy, ConnectConfig, EventRow, HeadState, KeyReport, OutboxStats,
+    BlockedKey, ClaimPolicy, ConnectConfig, EventRow, HeadState, KeyReport, OutboxStats, PausedType,
 };
 use serde::Serialize;
 
@@ -56,6 +56,7 @@ struct StatusDoc {
     #[serde(flatten)]
     stats: OutboxStats,
     blocked_keys: Vec<BlockedKey>,
+    paused_event_types: Vec<PausedType>,
 }
 
 /// `outbox status`.
@@ -75,15 +76,18 @@ pub async fn run(url: Option<&str>, args: StatusArgs) -> Result<ExitCode> {
     }
     let stats = repo.stats(policy).await?;
     let blocked = repo.blocked_keys(policy, args.blocked).await?;
+    let paused = repo.paused_event_types().await?;
     db.close().await;
     if args.json {
         let doc = StatusDoc {
             stats,
             blocked_keys: blocked,
+            paused_event_types: paused,
         };
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print_stats(&stats, policy);
+        print_paused(&paused);
         print_blocked(&blocked);
     }
     Ok(ExitCode::SUCCESS)
@@ -115,6 +119,17 @@ fn print_stats(stats: &OutboxStats, policy: ClaimPolicy) {
         "blocked keys    {} behind a running head, {} behind a stale head, {} behind a head waiting for its retry",
         stats.keys_blocked_by_running, stats.keys_blocked_by_stale, stats.keys_blocked_by_retry
     );
+}
+
+fn print_paused(paused: &[PausedType]) {
+    for p in paused {
+        println!(
+            "paused          {} (by {} since {}; no worker claims it until `outbox resume`)",
+            p.event_type,
+            p.paused_by,
+            ts(p.paused_at)
+        );
+    }
 }
 
 fn print_blocked(blocked: &[BlockedKey]) {
@@ -165,6 +180,10 @@ pub fn describe(state: &HeadState) -> String {
             "claimable now: waiting for a free worker (or for a worker whose scope takes its event type)"
                 .to_string()
         }
+        HeadState::Paused { since, by } => format!(
+            "pending, its event type paused by {by} since {} (outbox resume TYPE restarts it)",
+            ts(*since)
+        ),
         _ => format!("{state:?}"),
     }
 }

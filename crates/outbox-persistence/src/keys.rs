@@ -11,7 +11,9 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::{ClaimPolicy, EventFilter, EventRow, EventStatus, OutboxRepository, Result};
+use crate::{
+    ClaimPolicy, EventFilter, EventRow, EventStatus, OutboxRepository, PausedType, Result,
+};
 
 /// Why a key's head (its oldest non-terminal row) is where it is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -49,6 +51,38 @@ pub enum HeadState {
     /// Claimable now: it waits for a free worker (or for a worker whose scope takes its event
     /// type).
     Ready,
+    /// Its event type is paused by an operator: no worker claims it (nor, so, its record's
+    /// later rows) until the type is resumed.
+    Paused {
+        /// When the type was paused.
+        since: DateTime<Utc>,
+        /// Who paused it.
+        by: String,
+    },
+}
+
+/// A pending head of a paused event type is held by the pause, whatever else it waits for.
+fn pause_state(head: &EventRow, state: HeadState, paused: &[PausedType]) -> HeadState {
+    if head.status != EventStatus::Pending {
+        return state;
+    }
+    match paused.iter().find(|p| p.event_type == head.event_type) {
+        Some(p) => HeadState::Paused {
+            since: p.paused_at,
+            by: p.paused_by.clone(),
+        },
+        None => state,
+    }
+}
+
+/// `keys` with the heads of paused event types marked [`HeadState::Paused`].
+pub(crate) fn mark_paused(keys: Vec<BlockedKey>, paused: &[PausedType]) -> Vec<BlockedKey> {
+    keys.into_iter()
+        .map(|mut key| {
+            key.state = pause_state(&key.head, key.state, paused);
+            key
+        })
+        .collect()
 }
 
 /// A key's state: its non-terminal rows oldest first, its head's reason, and the newest
@@ -146,9 +180,11 @@ pub async fn key_report(
         )
         .await?;
     let now = repo.clock_now().await?;
+    // A database without the pause table (not migrated yet) has nothing paused.
+    let paused = repo.paused_event_types().await.unwrap_or_default();
     let head = rows
         .split_first()
-        .map(|(head, others)| explain_head(head, others, now, policy));
+        .map(|(head, others)| pause_state(head, explain_head(head, others, now, policy), &paused));
     Ok(KeyReport {
         record_key: record_key.to_string(),
         now,

@@ -5,6 +5,7 @@
 mod errors;
 mod events;
 mod heads;
+mod pause;
 mod production;
 
 use std::process::{Command, Output};

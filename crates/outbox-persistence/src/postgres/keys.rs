@@ -26,6 +26,8 @@ impl PgOutbox {
         policy: ClaimPolicy,
         limit: u32,
     ) -> Result<Vec<BlockedKey>> {
+        // A database without the pause table (not migrated yet) has nothing paused.
+        let paused = self.paused().await.unwrap_or_default();
         let mut tx = self.begin_read().await?;
         let rows = sqlx::query(sqlx::AssertSqlSafe(blocked_keys_sql(limit)))
             .persistent(self.cached())
@@ -45,6 +47,7 @@ impl PgOutbox {
                     policy,
                 ))
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()
+            .map(|keys| crate::keys::mark_paused(keys, &paused))
     }
 }

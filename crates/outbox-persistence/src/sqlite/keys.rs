@@ -20,6 +20,8 @@ impl SqliteOutbox {
         policy: ClaimPolicy,
         limit: u32,
     ) -> Result<Vec<BlockedKey>> {
+        // A database without the pause table (not migrated yet) has nothing paused.
+        let paused = self.paused().await.unwrap_or_default();
         let rows = sqlx::query(sqlx::AssertSqlSafe(blocked_keys_sql(limit)))
             .fetch_all(self.pool())
             .await?;
@@ -43,6 +45,7 @@ impl SqliteOutbox {
                     policy,
                 ))
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()
+            .map(|keys| crate::keys::mark_paused(keys, &paused))
     }
 }
