@@ -52,6 +52,10 @@ pub(crate) struct Observed {
     stale_reclaims: u64,
     lost_claims: u64,
     detached_bookkeeping: u64,
+    /// Attempt transactions that ran more than one event.
+    batches: u64,
+    /// Claims given back unrun (a batch's budget spent, an older row of the record failed).
+    not_run: u64,
 }
 
 impl From<MetricsSnapshot> for Observed {
@@ -65,6 +69,8 @@ impl From<MetricsSnapshot> for Observed {
             stale_reclaims: m.stale_reclaims,
             lost_claims: m.lost_claims,
             detached_bookkeeping: m.detached_bookkeeping,
+            batches: m.batches,
+            not_run: m.not_run,
         }
     }
 }

@@ -100,6 +100,14 @@ impl Suite<'_> {
     /// never cause, and what a dead one must leave behind.
     fn integrity_checks(&self, chaos: &Chaos, v: &Value, checks: &mut Vec<Invariant>) {
         let reports = || chaos.process_reports.iter();
+        let batches = sum(reports(), "batches");
+        checks.push((
+            "the faults hit batched attempts (the default)".into(),
+            batches > 0,
+            format!(
+                "{batches} attempt transactions ran several events in the processes that exited normally; kills, cuts, lock holds and the poison event landed on batches"
+            ),
+        ));
         let lost = sum(reports(), "lost_claims");
         checks.push((
             "0 lost claims by a live process".into(),
@@ -345,11 +353,13 @@ impl Suite<'_> {
         add(
             "seen by the processes that exited normally",
             format!(
-                "{} claims, {} stale reclaims, {} lost claims, {} detached bookkeeping",
+                "{} claims, {} stale reclaims, {} lost claims, {} detached bookkeeping, {} batched attempts, {} claims given back unrun",
                 sum(reports(), "claimed"),
                 sum(reports(), "stale_reclaims"),
                 sum(reports(), "lost_claims"),
-                sum(reports(), "detached_bookkeeping")
+                sum(reports(), "detached_bookkeeping"),
+                sum(reports(), "batches"),
+                sum(reports(), "not_run")
             ),
         );
         if let Skew::Unavailable(why) = self.skew {
