@@ -100,14 +100,24 @@ const RULES: &[Rule] = &[
         forbidden_transitive: &[],
     },
     Rule {
-        // The operator binary stays lean: the queue's library crates and the shipped relay
-        // consumer (`outbox relay`) only, no demo workload, no benchmark, no create-action.
+        // The operator console: the repository and its `console` reads, the consumers and the
+        // gate; its SQL lives in outbox-persistence.
+        krate: "outbox-console",
+        workspace: WorkspaceDeps::Only(&["outbox-persistence", "outbox-events"]),
+        forbidden_direct: &["sqlx"],
+        forbidden_transitive: &[],
+    },
+    Rule {
+        // The operator binary stays lean: the queue's library crates, the shipped relay
+        // consumer (`outbox relay`) and the console (`outbox console`) only, no demo workload,
+        // no benchmark, no create-action.
         krate: "outbox-cli",
         workspace: WorkspaceDeps::Only(&[
             "record-key",
             "outbox-persistence",
             "outbox-events",
             "outbox-relay",
+            "outbox-console",
         ]),
         forbidden_direct: &[],
         forbidden_transitive: &[],

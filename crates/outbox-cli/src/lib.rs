@@ -29,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod args;
+pub mod console;
 pub mod db;
 pub mod metrics;
 pub mod ops;
@@ -63,6 +64,9 @@ pub enum OperatorCommand {
     Resume(PauseArgs),
     /// The newest operator actions (pauses, resumes, retries) with who and when.
     Audit(AuditArgs),
+    /// Serve the operator console in the browser (read-only unless --allow-actions; an address
+    /// other than loopback needs a token): see docs/console.md.
+    Console(console::ConsoleArgs),
     /// Print PostgreSQL plans of the eligible-event and claim queries.
     Explain,
     /// Set missing RecordKey values of non-terminal rows, in resumable batches.
@@ -96,12 +100,37 @@ pub async fn run_operator(
         OperatorCommand::Pause(args) => ops::pause(url, args, true).await,
         OperatorCommand::Resume(args) => ops::pause(url, args, false).await,
         OperatorCommand::Audit(args) => ops::audit(url, args).await,
+        OperatorCommand::Console(args) => console::run(url, args, consumers).await,
         OperatorCommand::Explain => ops::explain(url).await,
         OperatorCommand::BackfillRecordKeys(args) => ops::backfill(url, args).await,
         OperatorCommand::Heads(args) => ops::heads(url, args).await,
         OperatorCommand::Consumers(a) => ops::consumers(consumers, a.json),
         OperatorCommand::Gate(a) => ops::gate(url, consumers, a.json).await,
         OperatorCommand::Prune(args) => ops::prune(url, args).await,
+    }
+}
+
+/// Waits for SIGINT (Ctrl-C) or SIGTERM: how the long-running commands (`relay`, `console`)
+/// stop.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                tokio::signal::ctrl_c().await.ok();
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c().await.ok();
     }
 }
 

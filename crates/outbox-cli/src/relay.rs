@@ -377,7 +377,7 @@ async fn wait(
     until_drained: bool,
     stop: &outbox_events::CancellationToken,
 ) -> Result<()> {
-    let signal = shutdown_signal();
+    let signal = outbox_cli::shutdown_signal();
     tokio::pin!(signal);
     loop {
         tokio::select! {
@@ -392,27 +392,5 @@ async fn wait(
                 }
             }
         }
-    }
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                tokio::signal::ctrl_c().await.ok();
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        tokio::signal::ctrl_c().await.ok();
     }
 }

@@ -8,9 +8,6 @@ use serde::Serialize;
 
 use crate::consumer::{Consumer, Verdict};
 
-/// Rows scanned per page when looking for missing record keys.
-const SCAN_BATCH: u32 = 5_000;
-
 /// The gate's decision and everything behind it.
 #[derive(Debug, Clone, Serialize)]
 pub struct GateReport {
@@ -151,16 +148,7 @@ pub async fn evaluate_gate(
             ));
         }
     }
-    let mut missing = 0;
-    let mut after = None;
-    loop {
-        let page = repo.backfill_record_keys(after, SCAN_BATCH, true).await?;
-        missing += page.updated;
-        after = page.next_after;
-        if after.is_none() {
-            break;
-        }
-    }
+    let missing = repo.count_missing_record_keys().await?;
     if missing > 0 {
         reasons.push(format!(
             "{missing} non-terminal row(s) lack the RecordKey their payload derives: run `outbox backfill-record-keys` or drain them first"

@@ -763,18 +763,18 @@ async fn the_metrics_facade_counts_by_event_type_and_outcome_never_by_key() {
 async fn decide_rides_out_a_database_that_is_briefly_away() {
     let mut repo = MockOutboxRepository::new();
     let mut seq = mockall::Sequence::new();
-    repo.expect_backfill_record_keys()
+    repo.expect_count_missing_record_keys()
         .times(1)
         .in_sequence(&mut seq)
-        .returning(|_, _, _| Err(Error::Unavailable(sqlx::Error::PoolTimedOut)));
-    repo.expect_backfill_record_keys()
+        .returning(|| Err(Error::Unavailable(sqlx::Error::PoolTimedOut)));
+    repo.expect_count_missing_record_keys()
         .times(1)
         .in_sequence(&mut seq)
-        .returning(|_, _, _| Err(lock_timeout()));
-    repo.expect_backfill_record_keys()
+        .returning(|| Err(lock_timeout()));
+    repo.expect_count_missing_record_keys()
         .times(1)
         .in_sequence(&mut seq)
-        .returning(|_, _, _| Ok(outbox_persistence::BackfillPage::default()));
+        .returning(|| Ok(0));
     let repo: Arc<dyn outbox_persistence::OutboxRepository> = Arc::new(repo);
     let pull = config().with_mode(crate::DispatchMode::Pull);
     let dispatcher = crate::Dispatcher::new(repo, Handlers::new(), pull.clone());
@@ -785,17 +785,17 @@ async fn decide_rides_out_a_database_that_is_briefly_away() {
     assert_eq!(decision.mode, crate::DispatchMode::Pull);
 
     let mut repo = MockOutboxRepository::new();
-    repo.expect_backfill_record_keys()
+    repo.expect_count_missing_record_keys()
         .times(1)
-        .returning(|_, _, _| Err(Error::Database(sqlx::Error::RowNotFound)));
+        .returning(|| Err(Error::Database(sqlx::Error::RowNotFound)));
     let repo: Arc<dyn outbox_persistence::OutboxRepository> = Arc::new(repo);
     let dispatcher = crate::Dispatcher::new(repo, Handlers::new(), pull.clone());
     assert!(matches!(dispatcher.decide().await, Err(Error::Database(_))));
 
     // Still away after `DECIDE_RETRY_FOR`: the error is returned.
     let mut repo = MockOutboxRepository::new();
-    repo.expect_backfill_record_keys()
-        .returning(|_, _, _| Err(Error::Unavailable(sqlx::Error::PoolTimedOut)));
+    repo.expect_count_missing_record_keys()
+        .returning(|| Err(Error::Unavailable(sqlx::Error::PoolTimedOut)));
     let repo: Arc<dyn outbox_persistence::OutboxRepository> = Arc::new(repo);
     let dispatcher = crate::Dispatcher::new(repo, Handlers::new(), pull);
     let started = tokio::time::Instant::now();

@@ -1,3 +1,412 @@
 //! Read-only queries of the operator console (`outbox-console`), on both backends: what the
 //! console's pages show beyond the repository's operator reads. Every query uses an index and
 //! takes no row lock a worker needs.
+//!
+//! - [`throughput`]: rows that became `processed` per minute over the last hour, for the
+//!   overview's chart. `LastModifiedDate` (the time a row became terminal) is deliberately not
+//!   indexed (heartbeats write it), so the query walks the terminal index over the rows
+//!   created in the last [`THROUGHPUT_LOOKBACK`] and counts those processed in the last hour:
+//!   a row that waited longer than that before it was processed is not in the chart.
+//! - [`queue_counts`]: rows by status, the oldest pending age, stale claims and retrying rows.
+//!   On PostgreSQL every count but `processed` reads the partial indexes; counting hundreds of
+//!   thousands of `processed` rows would take a scan (about 100 ms per million rows), so above
+//!   [`ESTIMATE_PROCESSED_ABOVE`] rows in the table `processed` is the planner's row estimate
+//!   less the exact other counts, flagged as an estimate. SQLite reads the repository's
+//!   `stats` (its staleness is observed by the workers' process, see `docs/state-machine.md`).
+//! - [`failed_rows`]: `failed` rows filtered by event type and error text, newest first, over
+//!   the terminal index; [`failed_types`]: the failed rows per event type.
+
+use std::time::Duration;
+
+use chrono::{DateTime, DurationRound, Utc};
+use record_key::RecordKey;
+
+use crate::postgres::{Begin, begin_sql, pool_caches_statements};
+use crate::sqlite::{format_ts, parse_ts};
+use crate::{ClaimPolicy, Database, EventId, EventRow, OutboxStats, Result};
+
+/// Above this many rows in the table (the planner's estimate), [`queue_counts`] estimates the
+/// `processed` count on PostgreSQL instead of counting it.
+pub const ESTIMATE_PROCESSED_ABOVE: f64 = 200_000.0;
+
+/// The queue's counts for the console, from [`queue_counts`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueCounts {
+    /// The counts; the blocked-key counts are left at zero (the console lists blocked keys).
+    pub stats: OutboxStats,
+    /// Whether `stats.processed` is an estimate (a large table on PostgreSQL).
+    pub processed_estimated: bool,
+}
+
+const PG_COUNTS: &str = "
+    WITH clock AS (SELECT clock_timestamp() AS now)
+    SELECT
+      (SELECT count(*) FROM _System_OutboxEvent
+        WHERE Status NOT IN ('processed', 'failed') AND Status = 'pending'),
+      (SELECT count(*) FROM _System_OutboxEvent
+        WHERE Status NOT IN ('processed', 'failed') AND Status = 'processing'),
+      (SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'failed'),
+      (SELECT reltuples::float8 FROM pg_class WHERE oid = '_system_outboxevent'::regclass),
+      (SELECT EXTRACT(EPOCH FROM ((SELECT now FROM clock) - min(CreatedDate)))::float8
+         FROM _System_OutboxEvent
+        WHERE Status NOT IN ('processed', 'failed') AND Status = 'pending'),
+      (SELECT count(*) FROM _System_OutboxEvent
+        WHERE Status NOT IN ('processed', 'failed') AND Status = 'processing'
+          AND LastModifiedDate < (SELECT now FROM clock) - $1::interval),
+      (SELECT count(*) FROM _System_OutboxEvent
+        WHERE Status NOT IN ('processed', 'failed') AND Status = 'pending' AND RetryCount > 0)";
+
+const PG_PROCESSED: &str = "SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'processed'";
+
+/// The counts of [`PG_COUNTS`].
+type PgCounts = (i64, i64, i64, Option<f64>, Option<f64>, i64, i64);
+
+/// Rows by status, the oldest pending age, stale claims (judged by `policy`) and retrying
+/// rows, with index reads only (see the module's note on the `processed` count).
+pub async fn queue_counts(db: &Database, policy: ClaimPolicy) -> Result<QueueCounts> {
+    let pool = match db {
+        Database::Postgres(pool) => pool,
+        Database::Sqlite(_) => {
+            let mut stats = db.repository().stats(policy).await?;
+            stats.keys_blocked_by_running = 0;
+            stats.keys_blocked_by_stale = 0;
+            stats.keys_blocked_by_retry = 0;
+            let processed_estimated = false;
+            return Ok(QueueCounts {
+                stats,
+                processed_estimated,
+            });
+        }
+    };
+    let cached = pool_caches_statements(pool);
+    let mut tx = begin_read(pool).await?;
+    let (pending, processing, failed, rows, oldest, stale, retrying): PgCounts =
+        sqlx::query_as(PG_COUNTS)
+            .persistent(cached)
+            .bind(interval(policy.stale_after))
+            .fetch_one(&mut *tx)
+            .await?;
+    let known = pending + processing + failed;
+    let estimate = rows.filter(|r| *r >= ESTIMATE_PROCESSED_ABOVE);
+    let processed = match estimate {
+        Some(rows) => (rows as i64 - known).max(0),
+        None => {
+            sqlx::query_scalar(PG_PROCESSED)
+                .persistent(cached)
+                .fetch_one(&mut *tx)
+                .await?
+        }
+    };
+    tx.commit().await?;
+    let n = |v: i64| u64::try_from(v).unwrap_or(0);
+    let stats = OutboxStats {
+        pending: n(pending),
+        processing: n(processing),
+        processed: n(processed),
+        failed: n(failed),
+        oldest_pending_age_seconds: oldest,
+        stale_claims: n(stale),
+        retrying: n(retrying),
+        ..OutboxStats::default()
+    };
+    Ok(QueueCounts {
+        stats,
+        processed_estimated: estimate.is_some(),
+    })
+}
+
+/// How far back (by `CreatedDate`) [`throughput`] looks for rows processed in the last hour.
+pub const THROUGHPUT_LOOKBACK: Duration = Duration::from_secs(6 * 3600);
+
+/// The window [`throughput`] counts: the last hour.
+pub const THROUGHPUT_WINDOW: Duration = Duration::from_secs(3600);
+
+/// The most rows [`failed_rows`] returns.
+pub const MAX_FAILED_ROWS: u32 = 500;
+
+/// The statement timeout of the console's reads on PostgreSQL: a page that cannot be answered
+/// in this time shows an error instead of holding a connection.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Rows processed per minute over the last hour, from [`throughput`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Throughput {
+    /// The queue's clock when it was read.
+    pub now: DateTime<Utc>,
+    /// Sixty counts, the oldest minute first: `per_minute[59]` is the current minute.
+    pub per_minute: Vec<u64>,
+}
+
+impl Throughput {
+    /// Rows processed over the whole window.
+    pub fn total(&self) -> u64 {
+        self.per_minute.iter().sum()
+    }
+
+    /// Puts `(minute, count)` rows into sixty buckets ending at `now`'s minute.
+    fn from_minutes(now: DateTime<Utc>, minutes: Vec<(DateTime<Utc>, i64)>) -> Self {
+        let mut per_minute = vec![0u64; 60];
+        let current = now
+            .duration_trunc(chrono::Duration::minutes(1))
+            .unwrap_or(now);
+        for (minute, n) in minutes {
+            let ago = (current - minute).num_minutes();
+            if (0..60).contains(&ago) {
+                per_minute[59 - ago as usize] += u64::try_from(n).unwrap_or(0);
+            }
+        }
+        Self { now, per_minute }
+    }
+}
+
+/// Which failed rows [`failed_rows`] returns.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FailedFilter {
+    /// Only rows of this `EventType`.
+    pub event_type: Option<String>,
+    /// Only rows whose `LastError` contains this text (case-insensitively; no wildcards).
+    pub error_contains: Option<String>,
+    /// At most this many rows, the newest (capped at [`MAX_FAILED_ROWS`]).
+    pub limit: u32,
+}
+
+/// A reading transaction of the console's own on PostgreSQL: READ COMMITTED, READ ONLY, with
+/// the outbox's timeouts.
+async fn begin_read(pool: &sqlx::PgPool) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    let sql = begin_sql(Begin {
+        read_only: true,
+        lock_timeout: crate::DEFAULT_LOCK_TIMEOUT,
+        statement_timeout: READ_TIMEOUT,
+        may_idle: false,
+        async_commit: false,
+    });
+    Ok(pool.begin_with(sqlx::AssertSqlSafe(sql)).await?)
+}
+
+const PG_THROUGHPUT: &str = "
+    WITH clock AS (SELECT clock_timestamp() AS now)
+    SELECT (SELECT now FROM clock), date_trunc('minute', LastModifiedDate) AS minute, count(*)
+    FROM _System_OutboxEvent
+    WHERE Status = 'processed'
+      AND CreatedDate >= (SELECT now FROM clock) - $1::interval
+      AND LastModifiedDate >= date_trunc('minute', (SELECT now FROM clock)) - interval '59 minutes'
+    GROUP BY 2";
+
+const SQLITE_THROUGHPUT: &str = "
+    SELECT substr(LastModifiedDate, 1, 16), count(*)
+    FROM _System_OutboxEvent
+    WHERE Status = 'processed' AND CreatedDate >= ?1 AND LastModifiedDate >= ?2
+    GROUP BY 1";
+
+/// Rows that became `processed` in each minute of the last hour (see the module's note on
+/// [`THROUGHPUT_LOOKBACK`]).
+pub async fn throughput(db: &Database) -> Result<Throughput> {
+    match db {
+        Database::Postgres(pool) => {
+            let mut tx = begin_read(pool).await?;
+            let rows: Vec<(DateTime<Utc>, DateTime<Utc>, i64)> = sqlx::query_as(PG_THROUGHPUT)
+                .persistent(pool_caches_statements(pool))
+                .bind(interval(THROUGHPUT_LOOKBACK))
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            let now = match rows.first() {
+                Some((now, _, _)) => *now,
+                None => postgres_now(pool).await?,
+            };
+            let minutes = rows.into_iter().map(|(_, m, n)| (m, n)).collect();
+            Ok(Throughput::from_minutes(now, minutes))
+        }
+        Database::Sqlite(pool) => {
+            let now = crate::truncate_micros(Utc::now());
+            let minute = now
+                .duration_trunc(chrono::Duration::minutes(1))
+                .unwrap_or(now);
+            let since = minute - chrono::Duration::minutes(59);
+            let created = now - chrono::Duration::from_std(THROUGHPUT_LOOKBACK).unwrap_or_default();
+            let rows: Vec<(String, i64)> = sqlx::query_as(SQLITE_THROUGHPUT)
+                .bind(format_ts(created))
+                .bind(format_ts(since))
+                .fetch_all(pool)
+                .await?;
+            let mut minutes = Vec::with_capacity(rows.len());
+            for (text, n) in rows {
+                minutes.push((parse_ts(&format!("{text}:00Z"))?, n));
+            }
+            Ok(Throughput::from_minutes(now, minutes))
+        }
+    }
+}
+
+/// The database's clock on PostgreSQL.
+async fn postgres_now(pool: &sqlx::PgPool) -> Result<DateTime<Utc>> {
+    let mut tx = begin_read(pool).await?;
+    let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .persistent(pool_caches_statements(pool))
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(now)
+}
+
+/// A duration as a PostgreSQL interval.
+fn interval(d: Duration) -> sqlx::postgres::types::PgInterval {
+    sqlx::postgres::types::PgInterval {
+        months: 0,
+        days: 0,
+        microseconds: i64::try_from(d.as_micros()).unwrap_or(i64::MAX),
+    }
+}
+
+const PG_FAILED: &str = "
+    SELECT Id, EventType, Status, RecordKey, CreatedDate, LastModifiedDate, RetryCount, LastError
+    FROM _System_OutboxEvent
+    WHERE Status = 'failed'
+      AND ($1::text IS NULL OR EventType = $1)
+      AND ($2::text IS NULL OR strpos(lower(coalesce(LastError, '')), lower($2)) > 0)
+    ORDER BY Status DESC, CreatedDate DESC
+    LIMIT $3";
+
+const SQLITE_FAILED: &str = "
+    SELECT Id, EventType, Status, RecordKey, CreatedDate, LastModifiedDate, RetryCount, LastError
+    FROM _System_OutboxEvent
+    WHERE Status = 'failed'
+      AND (?1 IS NULL OR EventType = ?1)
+      AND (?2 IS NULL OR instr(lower(coalesce(LastError, '')), lower(?2)) > 0)
+    ORDER BY Status DESC, CreatedDate DESC, Id DESC
+    LIMIT ?3";
+
+/// A row of a failed-row read: the columns of [`EventRow`] as the backend returns them.
+type PgRow = (
+    EventId,
+    String,
+    String,
+    Option<String>,
+    DateTime<Utc>,
+    DateTime<Utc>,
+    i32,
+    Option<String>,
+);
+type SqliteRow = (
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+    String,
+    i32,
+    Option<String>,
+);
+
+/// `failed` rows that `filter` selects, newest (`CreatedDate`) first, without payloads.
+pub async fn failed_rows(db: &Database, filter: &FailedFilter) -> Result<Vec<EventRow>> {
+    let limit = i64::from(filter.limit.clamp(1, MAX_FAILED_ROWS));
+    let error = filter.error_contains.as_deref().filter(|e| !e.is_empty());
+    let event_type = filter.event_type.as_deref().filter(|t| !t.is_empty());
+    match db {
+        Database::Postgres(pool) => {
+            let mut tx = begin_read(pool).await?;
+            let rows: Vec<PgRow> = sqlx::query_as(PG_FAILED)
+                .persistent(pool_caches_statements(pool))
+                .bind(event_type)
+                .bind(error)
+                .bind(limit)
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(rows
+                .into_iter()
+                .map(|(id, t, s, k, c, m, r, e)| row(id, t, &s, k, c, m, r, e))
+                .collect())
+        }
+        Database::Sqlite(pool) => {
+            let rows: Vec<SqliteRow> = sqlx::query_as(SQLITE_FAILED)
+                .bind(event_type)
+                .bind(error)
+                .bind(limit)
+                .fetch_all(pool)
+                .await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for (id, t, s, k, c, m, r, e) in rows {
+                let id = uuid::Uuid::parse_str(&id).map_err(|e| {
+                    crate::Error::Database(sqlx::Error::Decode(format!("bad id: {e}").into()))
+                })?;
+                out.push(row(id, t, &s, k, parse_ts(&c)?, parse_ts(&m)?, r, e));
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// An [`EventRow`] from its columns.
+#[allow(clippy::too_many_arguments)]
+fn row(
+    id: EventId,
+    event_type: String,
+    status: &str,
+    key: Option<String>,
+    created: DateTime<Utc>,
+    modified: DateTime<Utc>,
+    retry_count: i32,
+    last_error: Option<String>,
+) -> EventRow {
+    EventRow {
+        id,
+        event_type,
+        status: status.parse().unwrap_or(crate::EventStatus::Failed),
+        record_key: key.map(RecordKey::from_stored),
+        created_date: created,
+        last_modified_date: modified,
+        retry_count,
+        last_error,
+    }
+}
+
+const FAILED_TYPES: &str = "
+    SELECT EventType, count(*) FROM _System_OutboxEvent
+    WHERE Status = 'failed'
+    GROUP BY EventType ORDER BY EventType";
+
+/// The event types of `failed` rows, each with its count, by name.
+pub async fn failed_types(db: &Database) -> Result<Vec<(String, u64)>> {
+    let rows: Vec<(String, i64)> = match db {
+        Database::Postgres(pool) => {
+            let mut tx = begin_read(pool).await?;
+            let rows = sqlx::query_as(FAILED_TYPES)
+                .persistent(pool_caches_statements(pool))
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            rows
+        }
+        Database::Sqlite(pool) => sqlx::query_as(FAILED_TYPES).fetch_all(pool).await?,
+    };
+    Ok(rows
+        .into_iter()
+        .map(|(t, n)| (t, u64::try_from(n).unwrap_or(0)))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minutes_fall_into_sixty_buckets_ending_now() {
+        let now = DateTime::parse_from_rfc3339("2026-01-05T10:30:42Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let at = |s: &str| DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc);
+        let t = Throughput::from_minutes(
+            now,
+            vec![
+                (at("2026-01-05T10:30:00Z"), 3),
+                (at("2026-01-05T09:31:00Z"), 2),
+                (at("2026-01-05T09:30:00Z"), 7),
+            ],
+        );
+        assert_eq!(t.per_minute.len(), 60);
+        assert_eq!((t.per_minute[59], t.per_minute[0]), (3, 2));
+        assert_eq!(t.total(), 5);
+    }
+}

@@ -335,6 +335,21 @@ pub trait OutboxRepository: Send + Sync + 'static {
         error: Option<String>,
     ) -> Result<FenceOutcome>;
 
+    /// How many non-terminal rows lack the `RecordKey` their payload derives (what a backfill
+    /// would set): the rollout gate's check. Reads only rows without a key, through the
+    /// unkeyed index, a page at a time. The default pages through the dry-run backfill.
+    async fn count_missing_record_keys(&self) -> Result<u64> {
+        let (mut missing, mut after) = (0, None);
+        loop {
+            let page = self.backfill_record_keys(after, 1000, true).await?;
+            missing += page.updated;
+            after = page.next_after;
+            if after.is_none() {
+                return Ok(missing);
+            }
+        }
+    }
+
     /// One page of the `RecordKey` backfill over non-terminal rows, in `Id` order after
     /// `after`. Sets missing keys with the enqueue derivation unless `dry_run`; never changes a
     /// key that is set, and reports what it could not derive.
@@ -484,6 +499,16 @@ pub fn clip_error(error: &str) -> String {
 
 /// Classifies one scanned page of a backfill: `(Id, Payload, RecordKey)` rows in `Id` order.
 /// Returns the page (with `updated` counting the keys to set) and the keys to set.
+/// Rows per page of [`OutboxRepository::count_missing_record_keys`].
+pub(crate) const UNKEYED_PAGE_ROWS: u32 = 1000;
+
+/// How many of `payloads` (of rows without a key) derive a `RecordKey`.
+pub(crate) fn derivable_keys<'a>(payloads: impl Iterator<Item = &'a str>) -> u64 {
+    payloads
+        .filter(|p| matches!(record_key::record_key_from_payload(p), Ok(Some(_))))
+        .count() as u64
+}
+
 pub(crate) fn classify_backfill(
     scanned: &[(EventId, String, Option<String>)],
     batch: u32,

@@ -79,6 +79,13 @@ WHERE ($1::text[] IS NULL OR Status = ANY($1))
 ORDER BY CreatedDate, Id
 LIMIT $5";
 
+/// A page of unkeyed non-terminal rows' payloads in `outbox_unkeyed_idx` order, after
+/// (`$1`, `$2`).
+const UNKEYED_PAGE: &str = "SELECT CreatedDate, Id, Payload FROM _System_OutboxEvent
+     WHERE RecordKey IS NULL AND Status NOT IN ('processed', 'failed')
+       AND ($1::timestamptz IS NULL OR (CreatedDate, Id) > ($1, $2))
+     ORDER BY CreatedDate, Id LIMIT $3";
+
 const BACKFILL_SCAN: &str = "SELECT Id, Payload, RecordKey FROM _System_OutboxEvent
      WHERE Status NOT IN ('processed', 'failed') AND ($1::uuid IS NULL OR Id > $1)
      ORDER BY Id LIMIT $2";
@@ -144,6 +151,29 @@ impl PgOutbox {
         }
         self.commit_excluding_claims(tx).await?;
         Ok(rows)
+    }
+
+    pub(super) async fn missing_record_keys(&self) -> Result<u64> {
+        let mut missing = 0;
+        let mut after: Option<(DateTime<Utc>, EventId)> = None;
+        loop {
+            let mut read = self.begin_read().await?;
+            let page: Vec<(DateTime<Utc>, EventId, String)> = sqlx::query_as(UNKEYED_PAGE)
+                .persistent(self.cached())
+                .bind(after.map(|a| a.0))
+                .bind(after.map(|a| a.1))
+                .bind(i64::from(crate::UNKEYED_PAGE_ROWS))
+                .fetch_all(&mut *read)
+                .await?;
+            read.commit().await?;
+            missing += crate::derivable_keys(page.iter().map(|(_, _, p)| p.as_str()));
+            match page.last() {
+                Some((at, id, _)) if page.len() >= crate::UNKEYED_PAGE_ROWS as usize => {
+                    after = Some((*at, *id));
+                }
+                _ => return Ok(missing),
+            }
+        }
     }
 
     pub(super) async fn backfill(

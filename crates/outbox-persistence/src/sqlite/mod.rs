@@ -304,6 +304,10 @@ impl OutboxRepository for SqliteOutbox {
         self.read_stats(policy).await
     }
 
+    async fn count_missing_record_keys(&self) -> Result<u64> {
+        self.missing_record_keys().await
+    }
+
     async fn retry_failed(&self, filter: RetryFilter) -> Result<u64> {
         self.retry(filter, None).await
     }

@@ -125,6 +125,31 @@ impl SqliteOutbox {
         Ok(rows)
     }
 
+    pub(super) async fn missing_record_keys(&self) -> Result<u64> {
+        let mut missing = 0;
+        let mut after: Option<(String, String)> = None;
+        loop {
+            let page: Vec<(String, String, String)> = sqlx::query_as(
+                "SELECT CreatedDate, Id, Payload FROM _System_OutboxEvent
+                 WHERE RecordKey IS NULL AND Status NOT IN ('processed', 'failed')
+                   AND (?1 IS NULL OR CreatedDate > ?1 OR (CreatedDate = ?1 AND Id > ?2))
+                 ORDER BY CreatedDate, Id LIMIT ?3",
+            )
+            .bind(after.as_ref().map(|a| a.0.clone()))
+            .bind(after.as_ref().map(|a| a.1.clone()))
+            .bind(i64::from(crate::UNKEYED_PAGE_ROWS))
+            .fetch_all(&self.pool)
+            .await?;
+            missing += crate::derivable_keys(page.iter().map(|(_, _, p)| p.as_str()));
+            match page.last() {
+                Some((at, id, _)) if page.len() >= crate::UNKEYED_PAGE_ROWS as usize => {
+                    after = Some((at.clone(), id.clone()));
+                }
+                _ => return Ok(missing),
+            }
+        }
+    }
+
     pub(super) async fn backfill(
         &self,
         after: Option<EventId>,

@@ -1,0 +1,248 @@
+//! The overview (`/`): rows by status, the oldest pending age, stale claims, retrying rows,
+//! rows processed per minute over the last hour (an SVG chart drawn here), the longest-blocked
+//! records with their reason, the paused event types, and the audit log. Its live part is also
+//! served alone (`/fragments/overview`), which `console.js` polls to refresh the page.
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use maud::{Markup, html};
+use outbox_persistence::console::{QueueCounts, Throughput, queue_counts, throughput};
+use outbox_persistence::{AuditEntry, BlockedKey, PausedType};
+
+use crate::layout::{Base, PageError, age, csrf_field, shell, ts};
+use crate::records::describe;
+use crate::{AUDIT_ENTRIES_SHOWN, BLOCKED_KEYS_SHOWN, Console};
+
+/// What the live part of the overview shows.
+struct Live {
+    counts: QueueCounts,
+    throughput: Throughput,
+    blocked: Vec<BlockedKey>,
+    paused: Vec<PausedType>,
+}
+
+async fn read_live(console: &Console) -> Result<Live, PageError> {
+    let policy = console.config().claim_policy;
+    let repo = console.repo();
+    // The blocked keys read every non-terminal row: read them beside the counts.
+    let (counts, throughput, blocked, paused) = tokio::join!(
+        queue_counts(console.db(), policy),
+        throughput(console.db()),
+        repo.blocked_keys(policy, BLOCKED_KEYS_SHOWN),
+        repo.paused_event_types(),
+    );
+    Ok(Live {
+        counts: counts?,
+        throughput: throughput?,
+        blocked: blocked?,
+        paused: paused?,
+    })
+}
+
+/// `GET /`.
+pub(crate) async fn page(
+    State(console): State<Console>,
+    base: Base,
+) -> Result<Response, PageError> {
+    let live = read_live(&console).await?;
+    let audit = console.repo().audit_log(AUDIT_ENTRIES_SHOWN).await?;
+    let body = html! {
+        section #live data-fragment=(base.link("/fragments/overview")) {
+            (live_section(&console, &base, &live))
+        }
+        (pause_form(&console, &base))
+        h2 { "Recent actions" }
+        (audit_table(&audit))
+    };
+    Ok(shell(&console, &base, "Overview", body).into_response())
+}
+
+/// `GET /fragments/overview`: the live section alone.
+pub(crate) async fn fragment(
+    State(console): State<Console>,
+    base: Base,
+) -> Result<Response, PageError> {
+    let live = read_live(&console).await?;
+    Ok(live_section(&console, &base, &live).into_response())
+}
+
+/// `GET /audit`: the audit log.
+pub(crate) async fn audit_page(
+    State(console): State<Console>,
+    base: Base,
+) -> Result<Response, PageError> {
+    let audit = console.repo().audit_log(200).await?;
+    let body = html! { (audit_table(&audit)) };
+    Ok(shell(&console, &base, "Audit log", body).into_response())
+}
+
+fn count(label: &str, testid: &str, value: impl std::fmt::Display) -> Markup {
+    html! { div.count { span.label { (label) } span.value data-testid=(testid) { (value) } } }
+}
+
+fn live_section(console: &Console, base: &Base, live: &Live) -> Markup {
+    let s = &live.counts.stats;
+    let processed = if live.counts.processed_estimated {
+        format!("≈{}", s.processed)
+    } else {
+        s.processed.to_string()
+    };
+    let oldest = s.oldest_pending_age_seconds.map_or("none".to_string(), age);
+    html! {
+        div.counts {
+            (count("pending", "count-pending", s.pending))
+            (count("processing", "count-processing", s.processing))
+            (count("processed", "count-processed", processed))
+            (count("failed", "count-failed", s.failed))
+            (count("retrying", "count-retrying", s.retrying))
+            (count("stale claims", "count-stale", s.stale_claims))
+            (count("oldest pending", "oldest-pending", oldest))
+        }
+        @if live.counts.processed_estimated {
+            p.note { "≈: the processed count is estimated on a table this large (counting it would scan it)." }
+        }
+        h2 { "Processed per minute, last hour" }
+        (chart(&live.throughput))
+        h2 { "Paused event types" }
+        (paused_table(console, base, &live.paused))
+        h2 { "Longest-blocked records" }
+        (blocked_table(base, &live.blocked))
+    }
+}
+
+/// The chart: one bar per minute, the current minute on the right.
+fn chart(t: &Throughput) -> Markup {
+    let max = t.per_minute.iter().copied().max().unwrap_or(0).max(1);
+    html! {
+        svg.chart viewBox="0 0 600 110" role="img" aria-label="rows processed per minute" {
+            line x1="0" y1="100" x2="600" y2="100" class="axis" {}
+            @for (i, n) in t.per_minute.iter().enumerate() {
+                @let h = (*n as f64 / max as f64 * 100.0).round();
+                rect x=(i * 10) y=(100.0 - h) width="8" height=(h) class="bar" {
+                    title { (59 - i) " min ago: " (n) }
+                }
+            }
+        }
+        p.note {
+            span data-testid="processed-last-hour" { (t.total()) }
+            " processed in the last hour (peak " (max) " per minute), at " (ts(t.now))
+        }
+    }
+}
+
+fn blocked_table(base: &Base, blocked: &[BlockedKey]) -> Markup {
+    if blocked.is_empty() {
+        return html! { p.note data-testid="no-blocked" { "No record is blocked." } };
+    }
+    html! {
+        table data-testid="blocked" {
+            thead { tr { th { "Record" } th { "Waiting" } th { "Since" } th { "Head" } th { "Why" } } }
+            tbody {
+                @for b in blocked {
+                    @let key = b.head.record_key.as_ref().map_or("", |k| k.as_str());
+                    tr {
+                        td { a href=(format!("{}?key={}", base.link("/records"), encode(key))) { (key) } }
+                        td { (b.waiting) }
+                        td { (ts(b.waiting_since)) }
+                        td { a href=(base.link(&format!("/events/{}", b.head.id))) { (b.head.event_type) } }
+                        td { (describe(&b.state)) }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn paused_table(console: &Console, base: &Base, paused: &[PausedType]) -> Markup {
+    if paused.is_empty() {
+        return html! { p.note data-testid="no-paused" { "No event type is paused." } };
+    }
+    html! {
+        table data-testid="paused" {
+            thead { tr { th { "Event type" } th { "Paused at" } th { "By" } th {} } }
+            tbody {
+                @for p in paused {
+                    tr {
+                        td.type { (p.event_type) }
+                        td { (ts(p.paused_at)) }
+                        td { (p.paused_by) }
+                        td {
+                            @if console.config().allow_actions {
+                                form method="post" action=(base.link("/actions/resume")) {
+                                    (csrf_field(console))
+                                    input type="hidden" name="event_type" value=(p.event_type);
+                                    button type="submit" { "Resume" }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn pause_form(console: &Console, base: &Base) -> Markup {
+    if !console.config().allow_actions {
+        return html! {};
+    }
+    html! {
+        form.inline #pause-form method="post" action=(base.link("/actions/pause")) {
+            (csrf_field(console))
+            label { "Pause event type " input type="text" name="event_type" required; }
+            button type="submit" { "Pause" }
+        }
+    }
+}
+
+fn audit_table(audit: &[AuditEntry]) -> Markup {
+    if audit.is_empty() {
+        return html! { p.note { "No action was taken yet." } };
+    }
+    html! {
+        table data-testid="audit" {
+            thead { tr { th { "At" } th { "Who" } th { "Action" } th { "Detail" } } }
+            tbody {
+                @for a in audit {
+                    tr { td { (ts(a.at)) } td { (a.actor) } td { (a.action) } td { (a.detail) } }
+                }
+            }
+        }
+    }
+}
+
+/// Percent-encodes a query value.
+pub(crate) fn encode(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for b in value.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b':' => {
+                out.push(b as char)
+            }
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_values_are_encoded() {
+        assert_eq!(encode("lead:1"), "lead:1");
+        assert_eq!(encode("a b&c=<"), "a%20b%26c%3D%3C");
+    }
+
+    #[test]
+    fn the_chart_has_a_bar_per_minute() {
+        let t = Throughput {
+            now: chrono::Utc::now(),
+            per_minute: (0..60).collect(),
+        };
+        let svg = chart(&t).into_string();
+        assert_eq!(svg.matches("<rect").count(), 60);
+        assert!(!svg.contains("style="));
+    }
+}

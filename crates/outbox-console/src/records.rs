@@ -1,0 +1,141 @@
+//! A record's page (`/records?key=…`, `outbox status --key` as a page: its non-terminal rows
+//! in order, what its head waits for, its newest failure) and an event's page
+//! (`/events/{id}`: every column; the payload only when the console shows payloads).
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use maud::html;
+use outbox_persistence::{EventStatus, HeadState, key_report};
+use serde::Deserialize;
+
+use crate::Console;
+use crate::layout::{Base, PageError, csrf_field, rows_table, shell, ts};
+use crate::overview::encode;
+
+/// One sentence for a head's state (as `outbox status` prints it).
+pub(crate) fn describe(state: &HeadState) -> String {
+    match state {
+        HeadState::Running {
+            last_beat,
+            stale_at,
+        } => format!(
+            "running, heartbeat live (last beat {}; stale at {} if it stops)",
+            ts(*last_beat),
+            ts(*stale_at)
+        ),
+        HeadState::Stale {
+            last_beat,
+            stale_since,
+        } => format!(
+            "stale since {} (last beat {}): its worker stopped; the next claim reclaims it and counts the dead attempt",
+            ts(*stale_since),
+            ts(*last_beat)
+        ),
+        HeadState::WaitingForRetry { until, failures } => format!(
+            "waiting for its retry until {} after {failures} failed attempt(s)",
+            ts(*until)
+        ),
+        HeadState::WaitingForInFlight { running } => {
+            format!("pending, waits for row {running} of its key, which is running")
+        }
+        HeadState::Ready => "claimable now: waiting for a free worker (or for a worker whose \
+                             scope takes its event type, or for its type to be resumed)"
+            .to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The record page's query.
+#[derive(Deserialize)]
+pub(crate) struct KeyQuery {
+    #[serde(default)]
+    key: String,
+}
+
+/// `GET /records?key=…`.
+pub(crate) async fn record_page(
+    State(console): State<Console>,
+    base: Base,
+    Query(q): Query<KeyQuery>,
+) -> Result<Response, PageError> {
+    let key = q.key.trim();
+    let form = html! {
+        form.inline method="get" action=(base.link("/records")) {
+            label { "Record key " input type="text" name="key" value=(key) placeholder="lead:00Q5e00000AbCdE"; }
+            button type="submit" { "Show" }
+        }
+    };
+    if key.is_empty() {
+        return Ok(shell(&console, &base, "Record", form).into_response());
+    }
+    let policy = console.config().claim_policy;
+    let report = key_report(console.repo().as_ref(), key, policy).await?;
+    let body = html! {
+        (form)
+        h2 { "Key " code { (report.record_key) } }
+        p.note { "at " (ts(report.now)) }
+        @match &report.head {
+            None => p data-testid="head-state" { "No pending or processing row: nothing is blocked." },
+            Some(state) => {
+                p { "Head: " span data-testid="head-state" { (describe(state)) } }
+                p { (report.rows.len()) " non-terminal row(s), oldest first:" }
+                (rows_table(&base, &report.rows))
+            }
+        }
+        @if let Some(f) = &report.last_failed {
+            h2 { "Newest failed row (it released the rows behind it)" }
+            (rows_table(&base, std::slice::from_ref(f)))
+        }
+    };
+    Ok(shell(&console, &base, "Record", body).into_response())
+}
+
+/// `GET /events/{id}`.
+pub(crate) async fn event_page(
+    State(console): State<Console>,
+    base: Base,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    let Ok(id) = uuid::Uuid::parse_str(&id) else {
+        return Ok((StatusCode::BAD_REQUEST, "not an event id").into_response());
+    };
+    let Some(event) = console.repo().get_event(id).await? else {
+        let body = html! { p data-testid="missing" { "No event " (id) "." } };
+        let page = shell(&console, &base, "Event", body);
+        return Ok((StatusCode::NOT_FOUND, page).into_response());
+    };
+    let key = event.record_key.as_ref().map(|k| k.as_str().to_string());
+    let allow = console.config().allow_actions && event.status == EventStatus::Failed;
+    let body = html! {
+        table.detail {
+            tr { th { "Id" } td data-testid="event-id" { (event.id) } }
+            tr { th { "EventType" } td.type data-testid="event-type" { (event.event_type) } }
+            tr { th { "Status" } td data-testid="event-status" { (event.status) } }
+            tr { th { "RetryCount" } td { (event.retry_count) } }
+            tr { th { "RecordKey" } td {
+                @if let Some(k) = &key {
+                    a href=(format!("{}?key={}", base.link("/records"), encode(k))) { (k) }
+                } @else { "none (unordered)" }
+            } }
+            tr { th { "CreatedDate" } td { (ts(event.created_date)) } }
+            tr { th { "LastModifiedDate" } td { (ts(event.last_modified_date)) } }
+            tr { th { "LastError" } td.error data-testid="event-error" { (event.last_error.as_deref().unwrap_or("")) } }
+            tr { th { "Payload" } td {
+                @if console.config().show_payloads {
+                    pre data-testid="payload" { (event.payload) }
+                } @else {
+                    span.note data-testid="payload-hidden" { (event.payload.len()) " bytes, hidden (start the console with --show-payloads to see payloads)" }
+                }
+            } }
+        }
+        @if allow {
+            form method="post" action=(base.link("/actions/retry")) {
+                (csrf_field(&console))
+                input type="hidden" name="id" value=(event.id);
+                button type="submit" data-testid="retry-one" { "Retry this row" }
+            }
+        }
+    };
+    Ok(shell(&console, &base, "Event", body).into_response())
+}

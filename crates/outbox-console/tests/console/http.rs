@@ -1,0 +1,302 @@
+//! The console over HTTP (`oneshot`), on both backends: the security headers on every page,
+//! hostile rows escaped, actions refused without a token, without the CSRF token and when
+//! read-only, the login cookie, a retry that flips a failed row to pending and is audited, a
+//! pause and resume, and the console mounted under a prefix.
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use outbox_console::security::HEADERS;
+use outbox_console::{Console, ConsoleConfig};
+use outbox_persistence::EventStatus;
+use outbox_tests::TestDb;
+
+use crate::support::*;
+
+const PAGES: &[&str] = &[
+    "/",
+    "/fragments/overview",
+    "/records",
+    "/records?key=lead:1",
+    "/failed",
+    "/failed?type=x&error=boom",
+    "/consumers",
+    "/retention",
+    "/audit",
+    "/login",
+    "/assets/console.css",
+    "/assets/console.js",
+    "/no/such/page",
+];
+
+async fn every_page_carries_the_security_headers(db: TestDb) {
+    let id = failed_row(&db, "t", "boom", Some("lead:1")).await;
+    for config in [ConsoleConfig::default(), guarded()] {
+        let console = console(&db, config);
+        let event = format!("/events/{id}");
+        for path in PAGES.iter().copied().chain([event.as_str()]) {
+            let answer = get(&console, path, Some("s3cret")).await;
+            let expected = if path == "/no/such/page" {
+                StatusCode::NOT_FOUND
+            } else {
+                StatusCode::OK
+            };
+            assert_eq!(answer.status, expected, "{path}: {}", answer.body);
+            for (name, value) in HEADERS {
+                assert_eq!(
+                    answer.headers.get(*name).and_then(|v| v.to_str().ok()),
+                    Some(*value),
+                    "{name} on {path}"
+                );
+            }
+            assert!(
+                !answer.body.contains("style=\""),
+                "an inline style on {path}"
+            );
+            assert!(
+                !answer.body.contains("<script>"),
+                "an inline script on {path}"
+            );
+        }
+        // A refusal carries them too.
+        let refused = get(&console, "/", Some("wrong")).await;
+        assert!(refused.headers.contains_key("content-security-policy"));
+    }
+}
+
+async fn hostile_rows_render_as_text(db: TestDb) {
+    let id = failed_row(&db, HOSTILE_TYPE, HOSTILE_ERROR, Some("lead:<b>x</b>")).await;
+    let console = console(
+        &db,
+        ConsoleConfig {
+            allow_actions: true,
+            ..ConsoleConfig::default()
+        },
+    );
+    for path in [
+        "/failed".to_string(),
+        format!("/events/{id}"),
+        "/records?key=lead:%3Cb%3Ex%3C/b%3E".to_string(),
+    ] {
+        let answer = get(&console, &path, None).await;
+        assert_eq!(answer.status, StatusCode::OK, "{path}");
+        for raw in ["<script>window.__pwned", "<img src=x", "<b>x</b>"] {
+            assert!(
+                !answer.body.contains(raw),
+                "{raw} unescaped on {path}:\n{}",
+                answer.body
+            );
+        }
+        assert!(
+            answer
+                .body
+                .contains("&lt;script&gt;window.__pwned=1&lt;/script&gt;")
+                || path.starts_with("/records"),
+            "{path}"
+        );
+    }
+    let failed = get(&console, "/failed", None).await;
+    assert!(
+        failed
+            .body
+            .contains("&quot;&gt;&lt;img src=x onerror=&quot;window.__pwned=2&quot;&gt;"),
+        "{}",
+        failed.body
+    );
+}
+
+async fn actions_are_refused_without_token_csrf_or_permission(db: TestDb) {
+    let id = failed_row(&db, "t", "boom", None).await;
+    let guarded_console = console(&db, guarded());
+    let page = get(&guarded_console, "/failed", Some("s3cret")).await;
+    let csrf = csrf_of(&page.body);
+    let form = format!("csrf={csrf}&one={id}");
+    // No token: 401, and the row stays failed.
+    let answer = post(&guarded_console, "/actions/retry", None, &form).await;
+    assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
+    let answer = post(&guarded_console, "/actions/retry", Some("not-it"), &form).await;
+    assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
+    // A token but no CSRF token, or a wrong one: 403 with a reason.
+    let answer = post(
+        &guarded_console,
+        "/actions/retry",
+        Some("s3cret"),
+        &format!("one={id}"),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::FORBIDDEN);
+    assert!(answer.body.contains("CSRF"), "{}", answer.body);
+    let wrong = format!("csrf={}&one={id}", "0".repeat(csrf.len()));
+    let answer = post(&guarded_console, "/actions/retry", Some("s3cret"), &wrong).await;
+    assert_eq!(answer.status, StatusCode::FORBIDDEN);
+    // Another console's CSRF token is not this one's.
+    let other = console(&db, guarded());
+    let answer = post(&other, "/actions/retry", Some("s3cret"), &form).await;
+    assert_eq!(answer.status, StatusCode::FORBIDDEN);
+    // A read-only console refuses whatever the form holds.
+    let read_only = console(&db, ConsoleConfig::default());
+    let answer = post(
+        &read_only,
+        "/actions/retry",
+        None,
+        &format!("csrf={}&one={id}", read_only_csrf()),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::FORBIDDEN);
+    assert!(answer.body.contains("read-only"), "{}", answer.body);
+    let answer = post(&read_only, "/actions/pause", None, "event_type=t").await;
+    assert_eq!(answer.status, StatusCode::FORBIDDEN);
+    // Actions are POST only.
+    let answer = get(&guarded_console, "/actions/retry", Some("s3cret")).await;
+    assert_eq!(answer.status, StatusCode::METHOD_NOT_ALLOWED);
+    let row = db.repository().get_event(id).await.unwrap().unwrap();
+    assert_eq!(row.status, EventStatus::Failed);
+    assert!(db.repository().audit_log(10).await.unwrap().is_empty());
+}
+
+fn read_only_csrf() -> String {
+    "x".repeat(64)
+}
+
+async fn a_retry_flips_the_row_to_pending_and_is_audited(db: TestDb) {
+    let id = failed_row(&db, "t", "boom", None).await;
+    let other = failed_row(&db, "t", "boom", None).await;
+    let console = console(&db, guarded());
+    let page = get(&console, "/failed?error=BOO", Some("s3cret")).await;
+    assert!(
+        page.body.contains(&id.to_string()),
+        "the error filter is case-insensitive"
+    );
+    let form = format!("csrf={}&id={id}", csrf_of(&page.body));
+    let answer = post(&console, "/actions/retry", Some("s3cret"), &form).await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
+    assert!(
+        answer.body.contains("Retried 1 failed row"),
+        "{}",
+        answer.body
+    );
+    let repo = db.repository();
+    assert_eq!(
+        repo.get_event(id).await.unwrap().unwrap().status,
+        EventStatus::Pending
+    );
+    assert_eq!(
+        repo.get_event(other).await.unwrap().unwrap().status,
+        EventStatus::Failed
+    );
+    let audit = repo.audit_log(10).await.unwrap();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(
+        (audit[0].actor.as_str(), audit[0].action.as_str()),
+        ("ops", "retry")
+    );
+    let shown = get(&console, "/audit", Some("s3cret")).await;
+    assert!(shown.body.contains("ops") && shown.body.contains("retry"));
+}
+
+async fn pause_and_resume_are_audited_and_shown(db: TestDb) {
+    let console = console(
+        &db,
+        ConsoleConfig {
+            allow_actions: true,
+            ..ConsoleConfig::default()
+        },
+    );
+    let csrf = csrf_of(&get(&console, "/", None).await.body);
+    let answer = post(
+        &console,
+        "/actions/pause",
+        None,
+        &format!("csrf={csrf}&event_type=lead.updated"),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
+    let overview = get(&console, "/", None).await;
+    assert!(
+        overview.body.contains("data-testid=\"paused\""),
+        "{}",
+        overview.body
+    );
+    let repo = db.repository();
+    assert_eq!(
+        repo.paused_event_types().await.unwrap()[0].paused_by,
+        "local"
+    );
+    let answer = post(
+        &console,
+        "/actions/resume",
+        None,
+        &format!("csrf={csrf}&event_type=lead.updated"),
+    )
+    .await;
+    assert!(answer.body.contains("Resumed"), "{}", answer.body);
+    assert!(repo.paused_event_types().await.unwrap().is_empty());
+    let actions: Vec<String> = repo
+        .audit_log(10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| a.action)
+        .collect();
+    assert_eq!(actions.len(), 2, "{actions:?}");
+}
+
+async fn the_login_form_sets_a_strict_http_only_cookie(db: TestDb) {
+    let console = console(&db, guarded());
+    assert_eq!(
+        get(&console, "/", None).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let bad = post(&console, "/login", None, "token=nope").await;
+    assert_eq!(bad.status, StatusCode::UNAUTHORIZED);
+    let ok = post(&console, "/login", None, "token=s3cret").await;
+    assert_eq!(ok.status, StatusCode::SEE_OTHER);
+    let cookie = ok
+        .headers
+        .get("set-cookie")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
+        "{cookie}"
+    );
+    let session = cookie.split(';').next().unwrap().to_string();
+    let request = Request::get("/")
+        .header("cookie", session)
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&console, request).await.status, StatusCode::OK);
+}
+
+async fn a_prefix_mount_links_under_the_prefix(db: TestDb) {
+    let console: Console = console(&db, ConsoleConfig::default());
+    let app = axum::Router::new().nest("/ops/console", outbox_console::router(console));
+    use tower::ServiceExt;
+    let response = app
+        .oneshot(Request::get("/ops/console").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    use http_body_util::BodyExt;
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8_lossy(&body);
+    assert!(
+        body.contains("href=\"/ops/console/assets/console.css\""),
+        "{body}"
+    );
+    assert!(
+        body.contains("data-fragment=\"/ops/console/fragments/overview\""),
+        "{body}"
+    );
+}
+
+outbox_tests::backend_tests!(
+    every_page_carries_the_security_headers,
+    hostile_rows_render_as_text,
+    actions_are_refused_without_token_csrf_or_permission,
+    a_retry_flips_the_row_to_pending_and_is_audited,
+    pause_and_resume_are_audited_and_shown,
+    the_login_form_sets_a_strict_http_only_cookie,
+    a_prefix_mount_links_under_the_prefix,
+);
