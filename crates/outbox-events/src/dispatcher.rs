@@ -169,25 +169,7 @@ impl Dispatcher {
             "outbox dispatcher starting"
         );
         crate::metrics::describe_metrics();
-        tracker.spawn(crate::pause::run(
-            env.repo.clone(),
-            env.paused.clone(),
-            stop.clone(),
-        ));
-        if let Some(every) = self.config.queue_gauges {
-            tracker.spawn(crate::gauges::run(
-                env.repo.clone(),
-                self.config.claim_policy(),
-                every,
-                stop.clone(),
-            ));
-        }
-        if let Some(every) = self.config.heads_repair {
-            tracker.spawn(crate::heads::run(env.repo.clone(), every, stop.clone()));
-        }
-        if let Some(retention) = self.config.retention {
-            tracker.spawn(crate::prune::run(env.repo.clone(), retention, stop.clone()));
-        }
+        spawn_background(&tracker, &env, &stop);
         match self.config.mode {
             DispatchMode::Pull => {
                 let excluded = self.config.excluded_event_types.clone();
@@ -234,6 +216,30 @@ impl Dispatcher {
             policy: self.config.claim_policy(),
             decision: ModeDecision::placeholder(),
         }
+    }
+}
+
+/// The dispatcher's background tasks: the paused-types refresh, and the queue gauges, the
+/// heads repair and the pruner where configured.
+fn spawn_background(tracker: &TaskTracker, env: &Arc<AttemptEnv>, stop: &CancellationToken) {
+    tracker.spawn(crate::pause::run(
+        env.repo.clone(),
+        env.paused.clone(),
+        stop.clone(),
+    ));
+    if let Some(every) = env.config.queue_gauges {
+        tracker.spawn(crate::gauges::run(
+            env.repo.clone(),
+            env.config.claim_policy(),
+            every,
+            stop.clone(),
+        ));
+    }
+    if let Some(every) = env.config.heads_repair {
+        tracker.spawn(crate::heads::run(env.repo.clone(), every, stop.clone()));
+    }
+    if let Some(retention) = env.config.retention {
+        tracker.spawn(crate::prune::run(env.repo.clone(), retention, stop.clone()));
     }
 }
 

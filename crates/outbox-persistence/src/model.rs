@@ -398,30 +398,6 @@ pub enum RetryFilter {
     },
 }
 
-/// An event type an operator paused: dispatchers claim none of its rows until it is resumed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct PausedType {
-    /// The paused `EventType`.
-    pub event_type: String,
-    /// When it was paused (the database's clock).
-    pub paused_at: DateTime<Utc>,
-    /// Who paused it (a console token's name, or the CLI's actor).
-    pub paused_by: String,
-}
-
-/// One operator action (a pause, a resume, a retry), as the audit log keeps it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct AuditEntry {
-    /// When (the database's clock).
-    pub at: DateTime<Utc>,
-    /// Who: a console token's name, or the CLI's actor.
-    pub actor: String,
-    /// `pause`, `resume` or `retry`.
-    pub action: String,
-    /// What it acted on and how many rows it changed.
-    pub detail: String,
-}
-
 /// A read of the queue's health for operators and the rollout gate.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct OutboxStats {

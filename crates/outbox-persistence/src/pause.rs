@@ -2,6 +2,9 @@
 //! backends (`_System_OutboxPausedType`, `_System_OutboxAudit`: migrations 0010 on PostgreSQL,
 //! 0006 on SQLite).
 
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
 use crate::RetryFilter;
 
 /// The audit log's `Action` of a retry.
@@ -42,4 +45,28 @@ pub(crate) fn retry_detail(filter: &RetryFilter, rows: u64) -> String {
 /// The audit log's `Detail` of a pause or resume.
 pub(crate) fn type_detail(event_type: &str) -> String {
     format!("event type {event_type:?}")
+}
+
+/// An event type an operator paused: dispatchers claim none of its rows until it is resumed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PausedType {
+    /// The paused `EventType`.
+    pub event_type: String,
+    /// When it was paused (the database's clock).
+    pub paused_at: DateTime<Utc>,
+    /// Who paused it (a console token's name, or the CLI's actor).
+    pub paused_by: String,
+}
+
+/// One operator action (a pause, a resume, a retry), as the audit log keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AuditEntry {
+    /// When (the database's clock).
+    pub at: DateTime<Utc>,
+    /// Who: a console token's name, or the CLI's actor.
+    pub actor: String,
+    /// `pause`, `resume` or `retry`.
+    pub action: String,
+    /// What it acted on and how many rows it changed.
+    pub detail: String,
 }
