@@ -815,7 +815,7 @@ async fn a_batch_beats_its_claims_with_one_statement_per_interval() {
     let claims: Vec<Claim> = (0..4)
         .map(|i| {
             let mut c = claim("t", 0);
-            c.event.record_key = Some(outbox_persistence::RecordKey::from_stored(&format!(
+            c.event.record_key = Some(outbox_persistence::RecordKey::from_stored(format!(
                 "Lead:{i}"
             )));
             c
