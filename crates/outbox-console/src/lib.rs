@@ -43,6 +43,9 @@ pub const BLOCKED_KEYS_SHOWN: u32 = 10;
 /// How many audit entries the overview shows.
 pub const AUDIT_ENTRIES_SHOWN: u32 = 20;
 
+/// The shortest secret [`NamedToken::parse`] accepts.
+pub const MIN_SECRET_LEN: usize = 16;
+
 /// A token a request may authenticate with: its `name` is the actor the audit log records.
 #[derive(Clone, PartialEq, Eq)]
 pub struct NamedToken {
@@ -61,10 +64,11 @@ impl NamedToken {
         }
     }
 
-    /// Parses `NAME:SECRET` (the `--token` flag and `OUTBOX_CONSOLE_TOKENS`, comma-separated).
+    /// Parses `NAME:SECRET` (the `--token` flag and `OUTBOX_CONSOLE_TOKENS`, comma-separated);
+    /// the secret has at least [`MIN_SECRET_LEN`] characters.
     pub fn parse(text: &str) -> Result<Self, ConsoleError> {
         match text.split_once(':') {
-            Some((name, secret)) if !name.is_empty() && !secret.is_empty() => {
+            Some((name, secret)) if !name.is_empty() && secret.len() >= MIN_SECRET_LEN => {
                 Ok(Self::new(name, secret))
             }
             _ => Err(ConsoleError::BadToken),
@@ -128,7 +132,7 @@ pub enum ConsoleError {
         addr: SocketAddr,
     },
     /// A token that is not `NAME:SECRET`.
-    #[error("a console token must be NAME:SECRET, both non-empty")]
+    #[error("a console token must be NAME:SECRET, with a secret of at least 16 characters")]
     BadToken,
     /// The listener failed.
     #[error("serving the console failed")]
@@ -161,8 +165,9 @@ struct Inner {
     config: ConsoleConfig,
     /// The CSRF token of this console's run: random, from a UUID v4's bytes.
     csrf: String,
-    /// Login sessions: the cookie's value and the token name it stands for.
-    sessions: Mutex<Vec<(String, String)>>,
+    /// Login sessions: the cookie's value, the token name it stands for, and when it began
+    /// (at most [`security::MAX_SESSIONS`], each for [`security::SESSION_TTL`]).
+    sessions: Mutex<Vec<(String, String, std::time::Instant)>>,
 }
 
 impl Console {
@@ -269,10 +274,17 @@ mod tests {
 
     #[test]
     fn tokens_parse_and_never_print_their_secret() {
-        let t = NamedToken::parse("alice:pa:ss").unwrap();
-        assert_eq!((t.name.as_str(), t.secret.as_str()), ("alice", "pa:ss"));
+        let t = NamedToken::parse("alice:pa:ss-0123456789abcdef").unwrap();
+        assert_eq!(
+            (t.name.as_str(), t.secret.as_str()),
+            ("alice", "pa:ss-0123456789abcdef")
+        );
         assert!(!format!("{t:?}").contains("pa:ss"));
         assert!(NamedToken::parse("nosecret").is_err());
-        assert!(NamedToken::parse(":x").is_err());
+        assert!(NamedToken::parse(":x0123456789abcdef").is_err());
+        assert!(
+            NamedToken::parse("bob:short").is_err(),
+            "a secret shorter than 16 characters is refused"
+        );
     }
 }

@@ -26,7 +26,7 @@ async fn read_live(console: &Console) -> Result<Live, PageError> {
     let repo = console.repo();
     // The blocked keys read every non-terminal row: read them beside the counts.
     let (counts, throughput, blocked, paused) = tokio::join!(
-        queue_counts(console.db(), policy),
+        queue_counts(console.db(), console.repo().as_ref(), policy),
         throughput(console.db()),
         repo.blocked_keys(policy, BLOCKED_KEYS_SHOWN),
         repo.paused_event_types(),

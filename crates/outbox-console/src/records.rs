@@ -40,8 +40,13 @@ pub(crate) fn describe(state: &HeadState) -> String {
             format!("pending, waits for row {running} of its key, which is running")
         }
         HeadState::Ready => "claimable now: waiting for a free worker (or for a worker whose \
-                             scope takes its event type, or for its type to be resumed)"
+                             scope takes its event type)"
             .to_string(),
+        HeadState::Paused { since, by } => format!(
+            "pending, its event type is paused (by {by} since {}): no worker claims it, and its \
+             record's later rows wait behind it, until the type is resumed",
+            since.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+        ),
         other => format!("{other:?}"),
     }
 }

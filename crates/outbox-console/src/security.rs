@@ -26,6 +26,12 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("referrer-policy", "no-referrer"),
 ];
 
+/// The most login sessions a console keeps (the oldest is dropped first).
+pub const MAX_SESSIONS: usize = 256;
+
+/// How long a login session lasts.
+pub const SESSION_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
+
 /// The session cookie the login form sets.
 pub const SESSION_COOKIE: &str = "outbox_console_session";
 
@@ -82,12 +88,45 @@ fn session_name(console: &Console, session: &str) -> Option<String> {
         .lock()
         .unwrap_or_else(|e| e.into_inner());
     let mut found = None;
-    for (id, name) in sessions.iter() {
-        if constant_time_eq(id, session) && found.is_none() {
+    for (id, name, began) in sessions.iter() {
+        if constant_time_eq(id, session) && found.is_none() && began.elapsed() < SESSION_TTL {
             found = Some(name.clone());
         }
     }
     found
+}
+
+/// The host name of a `Host` header value (without its port).
+fn host_name(host: &str) -> &str {
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    host.rsplit_once(':').map_or(host, |(name, _)| name)
+}
+
+/// Whether a console without tokens may answer `headers`: their `Host` names loopback (a
+/// browser always sends it), so that a page of another site whose name was rebound to
+/// 127.0.0.1 (DNS rebinding) cannot read or act through the user's browser.
+fn loopback_host(headers: &HeaderMap) -> bool {
+    let Some(host) = headers.get(header::HOST).and_then(|v| v.to_str().ok()) else {
+        return true;
+    };
+    let name = host_name(host.trim());
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Whether a `POST` comes from the console's own pages: an `Origin` header, when the browser
+/// sends one, names the request's own host.
+fn same_origin(headers: &HeaderMap) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
+        return true;
+    };
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+    let origin_host = origin.split_once("://").map(|(_, rest)| rest);
+    matches!((origin_host, host), (Some(o), Some(h)) if o.eq_ignore_ascii_case(h))
 }
 
 fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
@@ -123,6 +162,15 @@ pub(crate) async fn authenticate(
     mut request: Request,
     next: Next,
 ) -> Response {
+    if console.config().tokens.is_empty() && !loopback_host(request.headers()) {
+        let msg = "refused: a console without a token answers requests for a loopback host name \
+                   only (localhost, 127.0.0.1, [::1]); configure a token to serve other names";
+        return (StatusCode::FORBIDDEN, msg).into_response();
+    }
+    if request.method() == axum::http::Method::POST && !same_origin(request.headers()) {
+        let msg = "refused: the request's Origin is not this console";
+        return (StatusCode::FORBIDDEN, msg).into_response();
+    }
     let path = request.uri().path();
     let open = path == "/login" || path.starts_with("/assets/");
     match actor_of(&console, request.headers()) {
@@ -175,14 +223,23 @@ pub(crate) async fn login(
         return (StatusCode::UNAUTHORIZED, page).into_response();
     };
     let session = random_secret();
-    console
-        .inner
-        .sessions
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push((session.clone(), name));
+    {
+        let mut sessions = console
+            .inner
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        sessions.retain(|(_, _, began)| began.elapsed() < SESSION_TTL);
+        if sessions.len() >= MAX_SESSIONS {
+            sessions.remove(0);
+        }
+        sessions.push((session.clone(), name, std::time::Instant::now()));
+    }
     let path = if base.0.is_empty() { "/" } else { &base.0 };
-    let cookie = format!("{SESSION_COOKIE}={session}; HttpOnly; SameSite=Strict; Path={path}");
+    let max_age = SESSION_TTL.as_secs();
+    let cookie = format!(
+        "{SESSION_COOKIE}={session}; HttpOnly; SameSite=Strict; Path={path}; Max-Age={max_age}"
+    );
     let mut response = Redirect::to(&base.link("/")).into_response();
     if let Ok(value) = HeaderValue::from_str(&cookie) {
         response.headers_mut().insert(header::SET_COOKIE, value);

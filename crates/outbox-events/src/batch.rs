@@ -215,7 +215,10 @@ impl<'a> Batch<'a> {
         let members = self.members.clone();
         let mut backoff = DETACHED_FIRST_BACKOFF;
         for try_number in 1..=DETACHED_MAX_TRIES {
-            let begun = {
+            // The fences stay held until the beats of a backend whose batch excludes other
+            // writers are stopped: a beat taken meanwhile would wait for the batch's write lock
+            // while holding a fence the batch needs.
+            let (held, begun) = {
                 let mut held = Vec::new();
                 for (i, (_, beat)) in members.iter().enumerate() {
                     if !matches!(self.steps[i], Step::Waiting) {
@@ -233,9 +236,11 @@ impl<'a> Batch<'a> {
                     return Err(AttemptOutcome::LostClaim);
                 }
                 let fences = held.iter().map(|state| state.fence).collect();
-                env.repo
+                let begun = env
+                    .repo
                     .begin_batch_attempt(env.config.lock_timeout, fences)
-                    .await
+                    .await;
+                (held, begun)
             };
             match begun {
                 Ok((mut tx, lost)) => {
@@ -252,6 +257,7 @@ impl<'a> Batch<'a> {
                             beat.stop();
                         }
                     }
+                    drop(held);
                     if !self.steps.iter().any(|s| matches!(s, Step::Waiting)) {
                         rollback_quietly(tx.as_mut()).await;
                         return Err(AttemptOutcome::LostClaim);
@@ -259,6 +265,7 @@ impl<'a> Batch<'a> {
                     return Ok(tx);
                 }
                 Err(e) => {
+                    drop(held);
                     if e.is_lock_timeout() {
                         env.metrics.lock_timeout(&members[0].0.event.event_type);
                     }

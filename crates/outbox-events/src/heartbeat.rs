@@ -325,7 +325,11 @@ impl GroupInner {
             .iter()
             .filter(|m| m.running.load(Ordering::Acquire) && !m.lost.is_cancelled())
             .map(|m| Held {
-                state: m.fence.try_lock_owned().filter(|state| !state.lost),
+                // Checked again once locked: a member stopped meanwhile is not beaten.
+                state: m
+                    .fence
+                    .try_lock_owned()
+                    .filter(|state| !state.lost && m.running.load(Ordering::Acquire)),
                 cell: m.fence.clone(),
                 lost: m.lost.clone(),
             })

@@ -67,6 +67,11 @@ pub(crate) async fn run(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Sc
                     let Ok(_permit) = env.attempts.acquire().await else {
                         return;
                     };
+                    // A type paused since the fetch is not claimed (its record's later rows
+                    // then wait: the claim by id keeps the record's order).
+                    if env.paused.is_paused(&event.event_type) {
+                        continue;
+                    }
                     // The legacy path claims each fetched row by id before running it.
                     match env.repo.claim_event(event.id, policy(&env)).await {
                         Ok(Some(claim)) => {

@@ -62,6 +62,14 @@ impl Paused {
         }
     }
 
+    /// Whether `event_type` is paused as last read (without waiting for a first read).
+    pub(crate) fn is_paused(&self, event_type: &str) -> bool {
+        self.rx
+            .borrow()
+            .as_ref()
+            .is_some_and(|types| types.iter().any(|t| t == event_type))
+    }
+
     fn set(&self, types: Vec<String>) {
         self.tx.send_if_modified(|current| {
             if current.as_deref() == Some(&types) {

@@ -62,12 +62,18 @@ const PG_PROCESSED: &str = "SELECT count(*) FROM _System_OutboxEvent WHERE Statu
 type PgCounts = (i64, i64, i64, Option<f64>, Option<f64>, i64, i64);
 
 /// Rows by status, the oldest pending age, stale claims (judged by `policy`) and retrying
-/// rows, with index reads only (see the module's note on the `processed` count).
-pub async fn queue_counts(db: &Database, policy: ClaimPolicy) -> Result<QueueCounts> {
+/// rows, with index reads only (see the module's note on the `processed` count). `repo` is the
+/// long-lived repository over `db`: on SQLite stale claims are judged by the silence it has
+/// observed over time, which a repository made for the call has not.
+pub async fn queue_counts(
+    db: &Database,
+    repo: &dyn crate::OutboxRepository,
+    policy: ClaimPolicy,
+) -> Result<QueueCounts> {
     let pool = match db {
         Database::Postgres(pool) => pool,
         Database::Sqlite(_) => {
-            let mut stats = db.repository().stats(policy).await?;
+            let mut stats = repo.stats(policy).await?;
             stats.keys_blocked_by_running = 0;
             stats.keys_blocked_by_stale = 0;
             stats.keys_blocked_by_retry = 0;

@@ -264,16 +264,26 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// Beats several claims of this worker at once, in one statement where the backend can:
     /// one outcome per fence, in order. A row another transaction holds locked is skipped
     /// ([`BeatOutcome::Busy`]) rather than waited for, so one locked row never delays the
-    /// others' beats. The default beats them one by one.
+    /// others' beats. The default beats them one by one; a beat that fails after others
+    /// were written reports its claim [`BeatOutcome::Busy`] (beaten at the next interval), so
+    /// the fences already moved are never forgotten; it fails only when every beat failed.
     async fn heartbeat_many(&self, fences: Vec<Fence>) -> Result<Vec<BeatOutcome>> {
         let mut outcomes = Vec::with_capacity(fences.len());
+        let mut first_error = None;
         for fence in fences {
-            outcomes.push(match self.heartbeat(fence).await? {
-                Some(next) => BeatOutcome::Beaten(next),
-                None => BeatOutcome::Lost,
+            outcomes.push(match self.heartbeat(fence).await {
+                Ok(Some(next)) => BeatOutcome::Beaten(next),
+                Ok(None) => BeatOutcome::Lost,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    BeatOutcome::Busy
+                }
             });
         }
-        Ok(outcomes)
+        match first_error {
+            Some(e) if outcomes.iter().all(|o| *o == BeatOutcome::Busy) => Err(e),
+            _ => Ok(outcomes),
+        }
     }
 
     /// Tells the backend that this process still holds the claim `fence`, at no cost and

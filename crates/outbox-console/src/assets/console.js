@@ -1,5 +1,6 @@
 // The operator console's one script (served from /assets/console.js; no inline script):
-// the overview's live section refreshes itself every 2 s from /fragments/overview, and the
+// the overview's live section refreshes itself every 2 s from /fragments/overview (not while
+// the tab is hidden), and the
 // failed page's "select all" box checks every row.
 (function () {
   "use strict";
@@ -10,6 +11,17 @@
     if (!live) { return; }
     var url = live.getAttribute("data-fragment");
     function poll() {
+      // A hidden tab does not poll (no load on the database for a page nobody sees); it
+      // refreshes as soon as it is shown again.
+      if (document.hidden) {
+        document.addEventListener("visibilitychange", function shown() {
+          if (!document.hidden) {
+            document.removeEventListener("visibilitychange", shown);
+            poll();
+          }
+        });
+        return;
+      }
       fetch(url, { credentials: "same-origin", cache: "no-store" })
         .then(function (r) {
           if (!r.ok) { throw new Error("HTTP " + r.status); }

@@ -291,7 +291,72 @@ async fn a_prefix_mount_links_under_the_prefix(db: TestDb) {
     );
 }
 
+/// A console without a token answers loopback host names only (a rebound DNS name of another
+/// site is refused: DNS rebinding), and no console takes a `POST` from another origin.
+async fn foreign_hosts_and_origins_are_refused(db: TestDb) {
+    let open = console(
+        &db,
+        ConsoleConfig {
+            allow_actions: true,
+            ..ConsoleConfig::default()
+        },
+    );
+    let with_host = |host: &str| {
+        Request::get("/failed")
+            .header("host", host)
+            .body(Body::empty())
+            .unwrap()
+    };
+    for host in [
+        "127.0.0.1:8080",
+        "localhost:8080",
+        "[::1]:8080",
+        "LOCALHOST",
+    ] {
+        let answer = send(&open, with_host(host)).await;
+        assert_eq!(answer.status, StatusCode::OK, "{host}: {}", answer.body);
+    }
+    for host in [
+        "evil.example:8080",
+        "evil.example",
+        "10.1.2.3:8080",
+        "127.0.0.1.evil.example",
+    ] {
+        let answer = send(&open, with_host(host)).await;
+        assert_eq!(answer.status, StatusCode::FORBIDDEN, "{host}");
+        assert!(
+            answer.body.contains("loopback host name"),
+            "{}",
+            answer.body
+        );
+        assert!(
+            !answer.body.contains("csrf"),
+            "no form, no CSRF token leaks"
+        );
+    }
+    let csrf = csrf_of(&get(&open, "/", None).await.body);
+    let foreign_post = Request::post("/actions/pause")
+        .header("host", "127.0.0.1:8080")
+        .header("origin", "http://evil.example")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(Body::from(format!("csrf={csrf}&event_type=t")))
+        .unwrap();
+    let answer = send(&open, foreign_post).await;
+    assert_eq!(answer.status, StatusCode::FORBIDDEN);
+    assert!(answer.body.contains("Origin"), "{}", answer.body);
+    let own_post = Request::post("/actions/pause")
+        .header("host", "127.0.0.1:8080")
+        .header("origin", "http://127.0.0.1:8080")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(Body::from(format!("csrf={csrf}&event_type=t")))
+        .unwrap();
+    assert_eq!(send(&open, own_post).await.status, StatusCode::OK);
+    let paused = db.repository().paused_event_types().await.unwrap();
+    assert_eq!(paused.len(), 1, "only the same-origin pause landed");
+}
+
 outbox_tests::backend_tests!(
+    foreign_hosts_and_origins_are_refused,
     every_page_carries_the_security_headers,
     hostile_rows_render_as_text,
     actions_are_refused_without_token_csrf_or_permission,

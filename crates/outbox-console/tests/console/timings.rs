@@ -97,7 +97,7 @@ async fn overview_parts(db: &TestDb) {
     let repo = db.db.repository();
     let policy = ConsoleConfig::default().claim_policy;
     let t = Instant::now();
-    outbox_persistence::console::queue_counts(&db.db, policy)
+    outbox_persistence::console::queue_counts(&db.db, repo.as_ref(), policy)
         .await
         .unwrap();
     eprintln!("  queue_counts     {:>5} ms", t.elapsed().as_millis());
