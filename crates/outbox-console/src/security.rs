@@ -23,7 +23,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("x-frame-options", "DENY"),
     ("cache-control", "no-store"),
     ("x-content-type-options", "nosniff"),
-    ("referrer-policy", "no-referrer"),
+    // Not `no-referrer`: under it a browser sends `Origin: null` with a form's POST, which the
+    // same-origin check below cannot tell from a foreign page's. No referrer leaves the console
+    // either way.
+    ("referrer-policy", "same-origin"),
 ];
 
 /// The most login sessions a console keeps (the oldest is dropped first).
@@ -119,11 +122,16 @@ fn loopback_host(headers: &HeaderMap) -> bool {
 }
 
 /// Whether a `POST` comes from the console's own pages: an `Origin` header, when the browser
-/// sends one, names the request's own host.
+/// sends one, names the request's own host (an opaque `null` origin passes only when the
+/// browser says the request is same-origin: `Sec-Fetch-Site`).
 fn same_origin(headers: &HeaderMap) -> bool {
     let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
         return true;
     };
+    if origin == "null" {
+        let site = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok());
+        return site == Some("same-origin");
+    }
     let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
     let origin_host = origin.split_once("://").map(|(_, rest)| rest);
     matches!((origin_host, host), (Some(o), Some(h)) if o.eq_ignore_ascii_case(h))

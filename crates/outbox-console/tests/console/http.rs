@@ -344,6 +344,21 @@ async fn foreign_hosts_and_origins_are_refused(db: TestDb) {
     let answer = send(&open, foreign_post).await;
     assert_eq!(answer.status, StatusCode::FORBIDDEN);
     assert!(answer.body.contains("Origin"), "{}", answer.body);
+    // An opaque origin (a sandboxed frame, a data: page) passes only when the browser says
+    // the request is same-origin.
+    for (site, status) in [
+        ("cross-site", StatusCode::FORBIDDEN),
+        ("same-origin", StatusCode::OK),
+    ] {
+        let null_origin = Request::post("/actions/pause")
+            .header("host", "127.0.0.1:8080")
+            .header("origin", "null")
+            .header("sec-fetch-site", site)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(Body::from(format!("csrf={csrf}&event_type=t")))
+            .unwrap();
+        assert_eq!(send(&open, null_origin).await.status, status, "{site}");
+    }
     let own_post = Request::post("/actions/pause")
         .header("host", "127.0.0.1:8080")
         .header("origin", "http://127.0.0.1:8080")
@@ -352,7 +367,7 @@ async fn foreign_hosts_and_origins_are_refused(db: TestDb) {
         .unwrap();
     assert_eq!(send(&open, own_post).await.status, StatusCode::OK);
     let paused = db.repository().paused_event_types().await.unwrap();
-    assert_eq!(paused.len(), 1, "only the same-origin pause landed");
+    assert_eq!(paused.len(), 1, "only the same-origin pauses landed");
 }
 
 outbox_tests::backend_tests!(
