@@ -99,16 +99,19 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
 enum Step {
     /// Not run yet.
     Waiting,
-    /// Its outcome is written in the transaction, which keeps the fence (its heartbeat waits)
-    /// until the batch ends: the outcome once the batch commits, and what the detached path
-    /// records if the transaction dies instead.
+    /// Its outcome is written in the transaction: the outcome once the batch commits, and what
+    /// the detached path records if the transaction dies instead. Until the `COMMIT` its fence
+    /// is free: the transaction holds its row locked, so the worker's beat finds it busy and
+    /// writes nothing, and if the transaction dies while later handlers run the beat keeps the
+    /// claim alive (a dead transaction's locks are gone) until the batch finds out.
     Written {
         outcome: AttemptOutcome,
         /// Its own failure (a failed handler), recorded again if the transaction dies.
         failure: Option<Failure>,
         /// What its row shows if a `COMMIT` that reported an error landed after all.
         landed: Option<Landed>,
-        /// Held until the batch ends (let go before its detached bookkeeping, if it dies).
+        /// Taken for the `COMMIT` and held until the batch ends (let go before its detached
+        /// bookkeeping, if it dies).
         fence: Option<OwnedMutexGuard<FenceState>>,
     },
     /// Its handler ran and its outcome is not written: the transaction died meanwhile.
@@ -168,10 +171,15 @@ impl<'a> Batch<'a> {
         match self.begin().await {
             Ok(mut tx) => {
                 let ended = match self.events(tx.as_mut()).await {
-                    Ok(()) => match tx.commit().await {
-                        Ok(()) => Ok(()),
-                        Err(e) => Err((Stop::Died(format!("commit failed: {}", e.chain())), true)),
-                    },
+                    Ok(()) => {
+                        self.hold_written().await;
+                        match tx.commit().await {
+                            Ok(()) => Ok(()),
+                            Err(e) => {
+                                Err((Stop::Died(format!("commit failed: {}", e.chain())), true))
+                            }
+                        }
+                    }
                     Err(stop) => {
                         rollback_quietly(tx.as_mut()).await;
                         Err((stop, false))
@@ -420,7 +428,7 @@ impl<'a> Batch<'a> {
                     outcome: AttemptOutcome::Processed,
                     failure: None,
                     landed: Some(Landed::Processed),
-                    fence: Some(fence),
+                    fence: None,
                 };
                 Ok(())
             }
@@ -473,7 +481,7 @@ impl<'a> Batch<'a> {
                     outcome: failure_outcome(&failure),
                     failure: Some(failure),
                     landed: Some(Landed::Failure),
-                    fence: Some(fence),
+                    fence: None,
                 };
                 Ok(())
             }
@@ -511,7 +519,7 @@ impl<'a> Batch<'a> {
                     outcome,
                     failure: None,
                     landed: None,
-                    fence: Some(fence),
+                    fence: None,
                 };
                 Ok(())
             }
@@ -541,6 +549,19 @@ impl<'a> Batch<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Takes the fences of the events whose outcome is written (waiting for a beat under way):
+    /// held through the `COMMIT` and until the batch ends.
+    async fn hold_written(&mut self) {
+        for i in 0..self.steps.len() {
+            let beat = self.members[i].1;
+            if let Step::Written { fence, .. } = &mut self.steps[i]
+                && fence.is_none()
+            {
+                *fence = Some(beat.fence.lock_owned().await);
+            }
+        }
     }
 
     /// The batch committed: every written outcome stands.

@@ -242,6 +242,9 @@ impl Drop for HeartbeatGuard {
     }
 }
 
+/// How soon a group's beat is tried again after it failed (doubling up to the interval).
+const FIRST_RETRY_AFTER_FAILED_BEAT: Duration = Duration::from_millis(50);
+
 /// One claim of a [`BeatGroup`].
 struct GroupMember {
     fence: FenceCell,
@@ -308,12 +311,22 @@ impl BeatGroup {
 
 impl GroupInner {
     async fn run(&self) {
+        // After a failed beat (a cut connection, a server coming back) the next try comes soon,
+        // backing off to the interval: a pool's dead connections are flushed one per try, and
+        // a claim must not go stale while they are.
+        let mut wait = self.interval;
         loop {
             tokio::select! {
-                _ = tokio::time::sleep(self.interval) => {}
+                _ = tokio::time::sleep(wait) => {}
                 _ = self.now.notified() => {}
             }
-            self.beat_once().await;
+            wait = if self.beat_once().await {
+                self.interval
+            } else if wait >= self.interval {
+                FIRST_RETRY_AFTER_FAILED_BEAT
+            } else {
+                (wait * 2).min(self.interval)
+            };
         }
     }
 
@@ -337,7 +350,8 @@ impl GroupInner {
     }
 
     /// One statement for every running member whose fence is free; alive for all of them.
-    async fn beat_once(&self) {
+    /// `false` when the statement failed.
+    async fn beat_once(&self) -> bool {
         let mut running = self.running();
         for member in &running {
             self.repo.note_alive(member.cell.latest());
@@ -345,7 +359,7 @@ impl GroupInner {
         running.retain(|member| member.state.is_some());
         let fences: Vec<Fence> = running.iter().filter_map(Held::fence).collect();
         if fences.is_empty() {
-            return;
+            return true;
         }
         let beat = self.repo.heartbeat_many(fences.clone());
         tokio::pin!(beat);
@@ -363,8 +377,8 @@ impl GroupInner {
             Ok(outcomes) => outcomes,
             Err(e) => {
                 // A missed beat is not a lost claim (as for one claim's heartbeat).
-                tracing::warn!(error = %e.chain(), claims = fences.len(), "heartbeat of the worker's claims failed; retrying at the next interval");
-                return;
+                tracing::warn!(error = %e.chain(), claims = fences.len(), "heartbeat of the worker's claims failed; retrying soon");
+                return false;
             }
         };
         for (member, outcome) in running.iter_mut().zip(outcomes) {
@@ -382,6 +396,7 @@ impl GroupInner {
                 }
             }
         }
+        true
     }
 }
 

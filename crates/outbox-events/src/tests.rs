@@ -884,3 +884,64 @@ async fn a_batch_beats_its_claims_with_one_statement_per_interval() {
     );
     assert_eq!(beats[0].len(), 4, "the first beat covers every claim");
 }
+
+/// An event whose outcome is written keeps being beaten while the batch's later handlers run
+/// (its row is locked by the live transaction, so a real beat finds it busy; if the transaction
+/// dies meanwhile, the beat is what keeps the claim from going stale before the batch finds
+/// out), and its fence is taken again for the `COMMIT`.
+#[tokio::test(start_paused = true)]
+async fn a_written_event_is_still_beaten_while_later_handlers_run() {
+    let claims: Vec<Claim> = (0..2)
+        .map(|i| {
+            let mut c = claim("t", 0);
+            c.event.record_key = Some(outbox_persistence::RecordKey::from_stored(format!(
+                "Lead:{i}"
+            )));
+            c
+        })
+        .collect();
+    let first = claims[0].event.id;
+    let beats: Arc<Mutex<Vec<Vec<Fence>>>> = Arc::default();
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
+    repo.expect_backend_name().return_const("mock");
+    repo.expect_serializes_writers().return_const(false);
+    let b = Arc::clone(&beats);
+    repo.expect_heartbeat_many()
+        .returning(move |fences: Vec<Fence>| {
+            b.lock().unwrap().push(fences.clone());
+            Ok(fences
+                .into_iter()
+                .map(outbox_persistence::BeatOutcome::Beaten)
+                .collect())
+        });
+    let mut attempt = MockAttempt::new();
+    attempt.expect_savepoint().returning(|| Ok(()));
+    attempt
+        .expect_mark_processed()
+        .times(2)
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt.expect_commit().times(1).returning(|| Ok(()));
+    repo.expect_begin_batch_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok((Box::new(attempt) as Box<dyn Attempt>, Vec::new())));
+    let config = config().with_batches(32, Duration::from_secs(60));
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::from_millis(3500), || Ok(())),
+        config,
+    );
+    let (_, ran) = runner.run_batch(claims).await;
+    assert_eq!(ran, 2);
+    let beats = beats.lock().unwrap();
+    let first_beaten = beats
+        .iter()
+        .filter(|fences| fences.iter().any(|f| f.id == first))
+        .count();
+    // 3 beats during its own handler, 3 more during the second one's.
+    assert!(
+        first_beaten >= 6,
+        "the written event was beaten {first_beaten} times in {} beats",
+        beats.len()
+    );
+}
