@@ -23,18 +23,6 @@ fn sum<'a>(reports: impl Iterator<Item = &'a Value>, key: &str) -> u64 {
         .sum()
 }
 
-/// That the work processes ran batched attempts (the default), so the faults landed on them.
-fn batches_check(chaos: &Chaos) -> Invariant {
-    let batches = sum(chaos.process_reports.iter(), "batches");
-    (
-        "the faults hit batched attempts (the default)".into(),
-        batches > 0,
-        format!(
-            "{batches} attempt transactions ran several events in the processes that exited normally; kills, cuts, lock holds and the poison event landed on batches"
-        ),
-    )
-}
-
 /// The invariants `outbox-demo verify --json` checked.
 fn verified(verification: &Value) -> Vec<Invariant> {
     let Some(list) = verification["checks"].as_array() else {
@@ -112,7 +100,6 @@ impl Suite<'_> {
     /// never cause, and what a dead one must leave behind.
     fn integrity_checks(&self, chaos: &Chaos, v: &Value, checks: &mut Vec<Invariant>) {
         let reports = || chaos.process_reports.iter();
-        checks.push(batches_check(chaos));
         let lost = sum(reports(), "lost_claims");
         checks.push((
             "0 lost claims by a live process".into(),
