@@ -99,11 +99,10 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
 enum Step {
     /// Not run yet.
     Waiting,
-    /// Its outcome is written in the transaction: the outcome once the batch commits, and what
-    /// the detached path records if the transaction dies instead. Until the `COMMIT` its fence
-    /// is free: the transaction holds its row locked, so the worker's beat finds it busy and
-    /// writes nothing, and if the transaction dies while later handlers run the beat keeps the
-    /// claim alive (a dead transaction's locks are gone) until the batch finds out.
+    /// Its outcome is written in the transaction (what the detached path records if it dies).
+    /// Until the `COMMIT` its fence is free: the live transaction locks its row, so the beat
+    /// finds it busy; a transaction that died while later handlers run left no lock, and the
+    /// beat keeps the claim alive until the batch finds out.
     Written {
         outcome: AttemptOutcome,
         /// Its own failure (a failed handler), recorded again if the transaction dies.
