@@ -10,7 +10,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use clap::Args;
 use outbox_events::{DEFAULT_MAX_RETRY_ATTEMPTS, DEFAULT_RETRY_DELAY, DEFAULT_STALE_AFTER};
 use outbox_persistence::{
-    BlockedKey, ClaimPolicy, ConnectConfig, EventRow, HeadState, KeyReport, OutboxStats, PausedType,
+    BlockedKey, ClaimPolicy, ConnectConfig, EventRow, KeyReport, OutboxStats, PausedType,
 };
 use serde::Serialize;
 
@@ -145,46 +145,8 @@ fn print_blocked(blocked: &[BlockedKey]) {
             b.waiting,
             ts(b.waiting_since),
             b.head.id,
-            describe(&b.state)
+            b.state.describe()
         );
-    }
-}
-
-/// One sentence for a head's state.
-pub fn describe(state: &HeadState) -> String {
-    match state {
-        HeadState::Running {
-            last_beat,
-            stale_at,
-        } => format!(
-            "running, heartbeat live (last beat {}; stale at {} if it stops)",
-            ts(*last_beat),
-            ts(*stale_at)
-        ),
-        HeadState::Stale {
-            last_beat,
-            stale_since,
-        } => format!(
-            "stale since {} (last beat {}): its worker stopped; the next claim reclaims it and counts the dead attempt",
-            ts(*stale_since),
-            ts(*last_beat)
-        ),
-        HeadState::WaitingForRetry { until, failures } => format!(
-            "waiting for its retry until {} after {failures} failed attempt(s)",
-            ts(*until)
-        ),
-        HeadState::WaitingForInFlight { running } => {
-            format!("pending, waits for row {running} of its key, which is running")
-        }
-        HeadState::Ready => {
-            "claimable now: waiting for a free worker (or for a worker whose scope takes its event type)"
-                .to_string()
-        }
-        HeadState::Paused { since, by } => format!(
-            "pending, its event type paused by {by} since {} (outbox resume TYPE restarts it)",
-            ts(*since)
-        ),
-        _ => format!("{state:?}"),
     }
 }
 
@@ -208,7 +170,7 @@ fn print_key(report: &KeyReport) {
     match &report.head {
         None => println!("no pending or processing row: nothing is blocked"),
         Some(state) => {
-            println!("head: {}", describe(state));
+            println!("head: {}", state.describe());
             println!("{} non-terminal row(s), oldest first:", report.rows.len());
             for r in &report.rows {
                 print_row(r);

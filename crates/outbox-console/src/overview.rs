@@ -10,7 +10,6 @@ use outbox_persistence::console::{QueueCounts, Throughput, queue_counts, through
 use outbox_persistence::{AuditEntry, BlockedKey, PausedType};
 
 use crate::layout::{Base, PageError, age, csrf_field, shell, ts};
-use crate::records::describe;
 use crate::{AUDIT_ENTRIES_SHOWN, BLOCKED_KEYS_SHOWN, Console};
 
 /// What the live part of the overview shows.
@@ -145,7 +144,7 @@ fn blocked_table(base: &Base, blocked: &[BlockedKey]) -> Markup {
                         td { (b.waiting) }
                         td { (ts(b.waiting_since)) }
                         td { a href=(base.link(&format!("/events/{}", b.head.id))) { (b.head.event_type) } }
-                        td { (describe(&b.state)) }
+                        td { (b.state.describe()) }
                     }
                 }
             }

@@ -6,50 +6,12 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use maud::html;
-use outbox_persistence::{EventStatus, HeadState, key_report};
+use outbox_persistence::{EventStatus, key_report};
 use serde::Deserialize;
 
 use crate::Console;
 use crate::layout::{Base, PageError, csrf_field, rows_table, shell, ts};
 use crate::overview::encode;
-
-/// One sentence for a head's state (as `outbox status` prints it).
-pub(crate) fn describe(state: &HeadState) -> String {
-    match state {
-        HeadState::Running {
-            last_beat,
-            stale_at,
-        } => format!(
-            "running, heartbeat live (last beat {}; stale at {} if it stops)",
-            ts(*last_beat),
-            ts(*stale_at)
-        ),
-        HeadState::Stale {
-            last_beat,
-            stale_since,
-        } => format!(
-            "stale since {} (last beat {}): its worker stopped; the next claim reclaims it and counts the dead attempt",
-            ts(*stale_since),
-            ts(*last_beat)
-        ),
-        HeadState::WaitingForRetry { until, failures } => format!(
-            "waiting for its retry until {} after {failures} failed attempt(s)",
-            ts(*until)
-        ),
-        HeadState::WaitingForInFlight { running } => {
-            format!("pending, waits for row {running} of its key, which is running")
-        }
-        HeadState::Ready => "claimable now: waiting for a free worker (or for a worker whose \
-                             scope takes its event type)"
-            .to_string(),
-        HeadState::Paused { since, by } => format!(
-            "pending, its event type is paused (by {by} since {}): no worker claims it, and its \
-             record's later rows wait behind it, until the type is resumed",
-            since.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-        ),
-        other => format!("{other:?}"),
-    }
-}
 
 /// The record page's query.
 #[derive(Deserialize)]
@@ -83,7 +45,7 @@ pub(crate) async fn record_page(
         @match &report.head {
             None => p data-testid="head-state" { "No pending or processing row: nothing is blocked." },
             Some(state) => {
-                p { "Head: " span data-testid="head-state" { (describe(state)) } }
+                p { "Head: " span data-testid="head-state" { (state.describe()) } }
                 p { (report.rows.len()) " non-terminal row(s), oldest first:" }
                 (rows_table(&base, &report.rows))
             }

@@ -61,6 +61,46 @@ pub enum HeadState {
     },
 }
 
+impl HeadState {
+    /// One sentence for the head's state, as `outbox status` and the console say it.
+    pub fn describe(&self) -> String {
+        let ts = |t: &DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        match self {
+            HeadState::Running {
+                last_beat,
+                stale_at,
+            } => format!(
+                "running, heartbeat live (last beat {}; stale at {} if it stops)",
+                ts(last_beat),
+                ts(stale_at)
+            ),
+            HeadState::Stale {
+                last_beat,
+                stale_since,
+            } => format!(
+                "stale since {} (last beat {}): its worker stopped; the next claim reclaims it and counts the dead attempt",
+                ts(stale_since),
+                ts(last_beat)
+            ),
+            HeadState::WaitingForRetry { until, failures } => format!(
+                "waiting for its retry until {} after {failures} failed attempt(s)",
+                ts(until)
+            ),
+            HeadState::WaitingForInFlight { running } => {
+                format!("pending, waits for row {running} of its key, which is running")
+            }
+            HeadState::Ready => "claimable now: waiting for a free worker (or for a worker whose \
+                                 scope takes its event type)"
+                .to_string(),
+            HeadState::Paused { since, by } => format!(
+                "pending, its event type paused by {by} since {}: no worker claims it, and its \
+                 record's later rows wait behind it, until the type is resumed (outbox resume TYPE)",
+                ts(since)
+            ),
+        }
+    }
+}
+
 /// A pending head of a paused event type is held by the pause, whatever else it waits for.
 fn pause_state(head: &EventRow, state: HeadState, paused: &[PausedType]) -> HeadState {
     if head.status != EventStatus::Pending {

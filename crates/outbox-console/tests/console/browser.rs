@@ -422,7 +422,7 @@ async fn check_live_refresh(ctx: &Ctx<'_>) {
     assert!(!ctx.recorder.ids().contains(&id));
     ctx.goto("/records?key=lead:browser-live").await;
     let head = ctx.text("[data-testid=head-state]").await;
-    assert!(head.contains("its event type is paused"), "{head}");
+    assert!(head.contains("its event type paused by"), "{head}");
     ctx.shot("record").await;
     let resumed = ctx.db.repository().resume_event_type(LIVE, "test").await;
     assert!(ok(resumed, "resume"));
