@@ -83,48 +83,53 @@ pub(crate) async fn retry(
 /// `POST /actions/pause`.
 pub(crate) async fn pause(
     State(console): State<Console>,
-    Extension(Actor(actor)): Extension<Actor>,
+    Extension(actor): Extension<Actor>,
     base: Base,
     Form(fields): Form<Fields>,
 ) -> Result<Response, PageError> {
-    if let Some(refusal) = refuse_action(&console, field(&fields, "csrf")) {
-        return Ok(refusal);
-    }
-    let Some(event_type) = field(&fields, "event_type") else {
-        return Ok(bad_request("name the event type to pause"));
-    };
-    let newly = console.repo().pause_event_type(event_type, &actor).await?;
-    tracing::info!(actor = %actor, event_type, newly, "console: paused an event type");
-    let message = if newly {
-        format!(
-            "Paused {event_type}: workers stop claiming it within {} s.",
-            outbox_events::PAUSE_REFRESH.as_secs_f64()
-        )
-    } else {
-        format!("{event_type} was paused already.")
-    };
-    Ok(done(&console, &base, message, "/"))
+    set_paused(console, actor, base, fields, true).await
 }
 
 /// `POST /actions/resume`.
 pub(crate) async fn resume(
     State(console): State<Console>,
-    Extension(Actor(actor)): Extension<Actor>,
+    Extension(actor): Extension<Actor>,
     base: Base,
     Form(fields): Form<Fields>,
+) -> Result<Response, PageError> {
+    set_paused(console, actor, base, fields, false).await
+}
+
+/// Pauses (`pause`) or resumes the form's event type, audited under `actor`.
+async fn set_paused(
+    console: Console,
+    Actor(actor): Actor,
+    base: Base,
+    fields: Fields,
+    pause: bool,
 ) -> Result<Response, PageError> {
     if let Some(refusal) = refuse_action(&console, field(&fields, "csrf")) {
         return Ok(refusal);
     }
+    let verb = if pause { "pause" } else { "resume" };
     let Some(event_type) = field(&fields, "event_type") else {
-        return Ok(bad_request("name the event type to resume"));
+        return Ok(bad_request(&format!("name the event type to {verb}")));
     };
-    let was = console.repo().resume_event_type(event_type, &actor).await?;
-    tracing::info!(actor = %actor, event_type, was, "console: resumed an event type");
-    let message = if was {
-        format!("Resumed {event_type}: its rows are claimable again.")
+    let repo = console.repo();
+    let changed = if pause {
+        repo.pause_event_type(event_type, &actor).await?
     } else {
-        format!("{event_type} was not paused.")
+        repo.resume_event_type(event_type, &actor).await?
+    };
+    tracing::info!(actor = %actor, event_type, changed, "console: {verb}d an event type");
+    let message = match (pause, changed) {
+        (true, true) => format!(
+            "Paused {event_type}: workers stop claiming it within {} s.",
+            outbox_events::PAUSE_REFRESH.as_secs_f64()
+        ),
+        (true, false) => format!("{event_type} was paused already."),
+        (false, true) => format!("Resumed {event_type}: its rows are claimable again."),
+        (false, false) => format!("{event_type} was not paused."),
     };
     Ok(done(&console, &base, message, "/"))
 }
