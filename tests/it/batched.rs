@@ -32,14 +32,21 @@ enum Act {
     LockHeld,
     /// Sleeps 30 ms, then writes its effect.
     Slow,
-    /// Says it runs ([`WAITING`]), waits for [`RESUME`], then writes its effect.
+    /// On its first run, says it runs ([`WAITING`]) and waits for [`RESUME`]; then writes its
+    /// effect.
     Wait,
+    /// The same with [`HOLDING`] and [`GO_ON`] (a test of its own, run beside `Wait`'s).
+    Hold,
 }
 
 /// Set by a `wait` handler once it runs.
 static WAITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// Lets a `wait` handler go on.
 static RESUME: tokio::sync::Notify = tokio::sync::Notify::const_new();
+/// Set by a `hold` handler once it runs.
+static HOLDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Lets a `hold` handler go on.
+static GO_ON: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 fn act(event: &OutboxEvent) -> Act {
     let envelope = EventEnvelope::parse(&event.payload).expect("a test payload");
@@ -49,6 +56,7 @@ fn act(event: &OutboxEvent) -> Act {
         Some("lock_held") => Act::LockHeld,
         Some("slow") => Act::Slow,
         Some("wait") => Act::Wait,
+        Some("hold") => Act::Hold,
         _ => Act::Effect,
     }
 }
@@ -99,9 +107,15 @@ impl Handler for Acting {
         if what == Act::Slow {
             tokio::time::sleep(Duration::from_millis(30)).await;
         }
-        if what == Act::Wait && event.retry_count == 0 {
+        // Only its first run waits: a batch given back at its settle runs it again uncounted.
+        if what == Act::Wait && !WAITING.load(Ordering::SeqCst) {
             let resumed = RESUME.notified();
             WAITING.store(true, Ordering::SeqCst);
+            resumed.await;
+        }
+        if what == Act::Hold && event.retry_count == 0 {
+            let resumed = GO_ON.notified();
+            HOLDING.store(true, Ordering::SeqCst);
             resumed.await;
         }
         if what == Act::LockHeld && event.retry_count == 0 {
@@ -466,9 +480,12 @@ async fn a_failure_in_a_chain_gives_back_the_rest_unrun(db: TestDb) {
     assert_in_order(&order, 40);
 }
 
-/// A claim taken over while its batch runs (another worker reclaimed it, moving its fence):
-/// its handler's effects roll back to its own savepoint and nothing is written for it; the
-/// events before it commit. The row is the other worker's; here it goes stale and is reclaimed.
+/// A claim taken over while its batch runs (another worker reclaimed it, moving its fence)
+/// writes nothing and commits nothing. If its beat finds it lost before it runs, its handler
+/// never runs and the events around it commit in the batch; if its fenced write at the settle
+/// finds it lost, the batch rolls back whole and gives the others back uncounted, to run again
+/// (rule 3). Either way the database ends the same: each of the others processed once,
+/// uncounted, and the row is the other worker's (here it goes stale and is reclaimed).
 async fn a_claim_taken_over_inside_a_live_batch_writes_nothing(db: TestDb) {
     if db.backend() != Backend::Postgres {
         return; // SQLite's batch holds the write lock: nobody can take a claim over meanwhile.
@@ -524,7 +541,73 @@ async fn a_claim_taken_over_inside_a_live_batch_writes_nothing(db: TestDb) {
     );
 }
 
+/// Every claim of a live batch stays beaten while a later handler of the batch runs longer than
+/// stale-after (the outcomes are written at the settle, so no claimed row is locked by the
+/// transaction meanwhile); when that transaction then dies, every event is accounted for by
+/// this worker, none is reclaimed and none is lost.
+async fn a_batch_keeps_its_claims_fresh_while_a_later_handler_runs_long(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return; // SQLite's batch holds the write lock: nobody can reclaim a row meanwhile.
+    }
+    create_tables(&db).await;
+    let repo = db.repository();
+    enqueue(&repo, &[event(99, "effect")]).await;
+    enqueue(&repo, &[event(0, "effect"), event(1, "hold")]).await;
+    let config = config()
+        .with_heartbeat_interval(Duration::from_millis(200))
+        .with_stale_after(Duration::from_millis(1_000));
+    HOLDING.store(false, std::sync::atomic::Ordering::SeqCst);
+    let handle = start(&repo, config).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !HOLDING.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hold handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Twice stale-after into the wait: B0 ran before it in the same batch, and its claim must
+    // look as alive as B1's to any other claimer.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let stale = db
+        .count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'processing'
+               AND LastModifiedDate < now() - interval '1 second'",
+        )
+        .await;
+    assert_eq!(stale, 0, "a claim of the live batch went stale");
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'processing'")
+            .await,
+        2,
+        "B0 and B1 are claimed in the batch"
+    );
+    // Cut the batch's connection (the one long in its transaction), then let the handler end.
+    let cut = db
+        .count(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+               WHERE datname = current_database() AND pid <> pg_backend_pid()
+                 AND xact_start < now() - interval '1 second') t",
+        )
+        .await;
+    assert_eq!(cut, 1, "one connection held the batch's transaction");
+    GO_ON.notify_one();
+    let metrics = finish(&repo, handle).await;
+    assert_eq!(metrics.lost_claims, 0, "{metrics:?}");
+    assert_eq!(metrics.stale_reclaims, 0, "{metrics:?}");
+    for i in [0, 1] {
+        // Counted once for the dead batch (rule 5), then processed alone.
+        assert_eq!(
+            retry_count(&db, i).await,
+            ("processed".into(), 1),
+            "record {i}"
+        );
+        assert_eq!(effects(&db, i).await, 1, "record {i}");
+    }
+}
+
 backend_tests!(
+    a_batch_keeps_its_claims_fresh_while_a_later_handler_runs_long,
     a_claim_taken_over_inside_a_live_batch_writes_nothing,
     a_hot_record_runs_in_chains_in_order,
     a_failure_in_a_chain_gives_back_the_rest_unrun,

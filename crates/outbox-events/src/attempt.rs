@@ -264,7 +264,12 @@ pub(crate) fn ended(
         queued,
     );
     tracing::Span::current().record("outcome", outcome.as_str());
-    tracing::debug!("attempt finished");
+    if *outcome == AttemptOutcome::LostClaim {
+        // Never expected of a live worker: worth a line with the claim's history around it.
+        tracing::warn!(event_id = %claim.event.id, retry_count = claim.event.retry_count, reclaimed = claim.reclaimed, attempt_ms = claimed_at.elapsed().as_millis() as u64, "claim lost: the attempt ended without writing its outcome");
+    } else {
+        tracing::debug!("attempt finished");
+    }
 }
 
 /// Opens the attempt transaction. A failure to begin (the database is down, the pool is

@@ -7,7 +7,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use outbox_persistence::{Attempt, Claim, FenceOutcome, RecordKey};
+use outbox_persistence::{Attempt, Claim, RecordKey};
 use tokio::sync::OwnedMutexGuard;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -18,6 +18,7 @@ use crate::attempt::{
 use crate::detached::{DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed};
 
 mod died;
+mod settle;
 use crate::handler::{AttemptContext, HandlerError};
 use crate::heartbeat::{Beat, BeatGroup, FenceCell, FenceState};
 
@@ -99,30 +100,71 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
 enum Step {
     /// Not run yet.
     Waiting,
-    /// Its outcome is written in the transaction (what the detached path records if it dies).
-    /// Until the `COMMIT` its fence is free: the live transaction locks its row, so the beat
-    /// finds it busy; a transaction that died while later handlers run left no lock, and the
-    /// beat keeps the claim alive until the batch finds out.
-    Written {
-        outcome: AttemptOutcome,
-        /// Its own failure (a failed handler), recorded again if the transaction dies.
-        failure: Option<Failure>,
-        /// What its row shows if a `COMMIT` that reported an error landed after all.
-        landed: Option<Landed>,
-        /// Taken for the `COMMIT` and held until the batch ends (let go before its detached
-        /// bookkeeping, if it dies).
-        fence: Option<OwnedMutexGuard<FenceState>>,
-    },
-    /// Its handler ran and its outcome is not written: the transaction died meanwhile.
+    /// Its handler ran (or it is given back unrun) and its outcome is decided; the write waits
+    /// for the settle (rule 2). Until then the transaction has not touched its row, so the beat
+    /// keeps the claim fresh while later handlers run.
+    Decided(Decision),
+    /// Its outcome is written in the transaction at the settle; its fence is held until the
+    /// batch ends (let go before its detached bookkeeping, if the batch dies).
+    Written(Decision, Option<OwnedMutexGuard<FenceState>>),
+    /// Its handler ran and no outcome was decided: the transaction died meanwhile.
     Ran(Option<Failure>),
     /// Ended.
     Done(AttemptOutcome),
+}
+
+/// An event's decided outcome and the fenced write that records it at the settle.
+struct Decision {
+    outcome: AttemptOutcome,
+    /// Its own failure (a failed handler): the retry or `failed` written, and recorded again
+    /// on the side if the transaction dies.
+    failure: Option<Failure>,
+    /// Why it is given back uncounted (a release), if it is.
+    release: Option<&'static str>,
+}
+
+impl Decision {
+    fn processed() -> Self {
+        Self {
+            outcome: AttemptOutcome::Processed,
+            failure: None,
+            release: None,
+        }
+    }
+
+    fn failed(failure: Failure) -> Self {
+        Self {
+            outcome: failure_outcome(&failure),
+            failure: Some(failure),
+            release: None,
+        }
+    }
+
+    fn not_run(why: &'static str) -> Self {
+        Self {
+            outcome: AttemptOutcome::NotRun,
+            failure: None,
+            release: Some(why),
+        }
+    }
+
+    /// What its row shows if a `COMMIT` that reported an error landed after all.
+    fn landed(&self) -> Option<Landed> {
+        match (&self.failure, self.release) {
+            (_, Some(_)) => None,
+            (Some(_), None) => Some(Landed::Failure),
+            (None, None) => Some(Landed::Processed),
+        }
+    }
 }
 
 /// How a batch stopped early.
 enum Stop {
     /// The transaction failed (the error's text); the detached path accounts for the batch.
     Died(String),
+    /// A write at the settle could not land for a reason that is no event's fault (its claim
+    /// was lost, a lock timeout, a conflict): rolled back whole, every event given back (rule 3).
+    GiveBack(String),
     /// A hard shutdown: rolled back, left to stale reclaim.
     Cancelled,
 }
@@ -169,16 +211,15 @@ impl<'a> Batch<'a> {
         }
         match self.begin().await {
             Ok(mut tx) => {
-                let ended = match self.events(tx.as_mut()).await {
-                    Ok(()) => {
-                        self.hold_written().await;
-                        match tx.commit().await {
-                            Ok(()) => Ok(()),
-                            Err(e) => {
-                                Err((Stop::Died(format!("commit failed: {}", e.chain())), true))
-                            }
-                        }
-                    }
+                let settled = match self.events(tx.as_mut()).await {
+                    Ok(()) => self.settle(tx.as_mut()).await,
+                    Err(stop) => Err(stop),
+                };
+                let ended = match settled {
+                    Ok(()) => match tx.commit().await {
+                        Ok(()) => Ok(()),
+                        Err(e) => Err((Stop::Died(format!("commit failed: {}", e.chain())), true)),
+                    },
                     Err(stop) => {
                         rollback_quietly(tx.as_mut()).await;
                         Err((stop, false))
@@ -188,6 +229,7 @@ impl<'a> Batch<'a> {
                     Ok(()) => self.committed(),
                     Err((Stop::Cancelled, _)) => self.cancelled(),
                     Err((Stop::Died(error), commit)) => self.died(&error, commit).await,
+                    Err((Stop::GiveBack(why), _)) => self.gave_back(&why).await,
                 }
             }
             Err(outcome) => self.end_waiting(outcome),
@@ -295,23 +337,22 @@ impl<'a> Batch<'a> {
     }
 
     /// Runs the waiting events in claim order, each after a savepoint of its own, until the
-    /// time budget is spent (the rest given back in the transaction).
+    /// time budget is spent (the rest given back), deciding each one's outcome (rule 2).
     async fn events(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
-        // The begin's savepoint is fresh; every write after it (an event's, or a release of a
-        // row given back) needs a new one before the next event runs, or that event's rollback
-        // would undo it.
-        let mut written_since_savepoint = false;
         for i in std::mem::take(&mut self.recheck) {
-            self.release_in_tx(tx, i, WAITS_FOR_OLDER, AttemptOutcome::NotRun)
-                .await?;
-            written_since_savepoint = true;
+            self.decide(i, Decision::not_run(WAITS_FOR_OLDER));
         }
+        // The begin's savepoint is fresh, and a rolled-back event leaves its savepoint in
+        // place: a new one is needed only after a handler whose effects must stay when the
+        // next event rolls back.
+        let mut kept_effects = false;
         for i in 0..self.members.len() {
             if !matches!(self.steps[i], Step::Waiting) {
                 continue;
             }
             if self.ran > 0 && self.handler_time >= self.env.config.batch_budget {
-                return self.give_back(tx, i, |_| true, BUDGET_SPENT).await;
+                self.give_back(i, |_| true, BUDGET_SPENT);
+                return Ok(());
             }
             let (claim, _) = self.members[i];
             if claim
@@ -320,25 +361,25 @@ impl<'a> Batch<'a> {
                 .as_ref()
                 .is_some_and(|key| self.blocked.contains(key))
             {
-                self.release_in_tx(tx, i, OLDER_FAILED, AttemptOutcome::NotRun)
-                    .await?;
-                written_since_savepoint = true;
+                self.decide(i, Decision::not_run(OLDER_FAILED));
                 continue;
             }
-            if std::mem::replace(&mut written_since_savepoint, true) {
+            if std::mem::take(&mut kept_effects) {
                 tx.savepoint()
                     .await
                     .map_err(|e| Stop::Died(format!("savepoint failed: {}", e.chain())))?;
             }
             let span = attempt::attempt_span(claim);
             self.event(tx, i).instrument(span).await?;
-            if !matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
+            if matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
+                kept_effects = true;
+            } else {
                 // A record's later events wait for this one: none of them runs in this batch.
                 let key = claim.event.record_key.clone();
                 if key.is_some() {
                     let members = self.members.clone();
                     let same = move |j: usize| members[j].0.event.record_key == key;
-                    self.give_back(tx, i + 1, same, OLDER_FAILED).await?;
+                    self.give_back(i + 1, same, OLDER_FAILED);
                 }
                 self.block(i);
             }
@@ -357,12 +398,18 @@ impl<'a> Batch<'a> {
     /// The outcome event `i` has so far.
     fn outcome(&self, i: usize) -> Option<&AttemptOutcome> {
         match &self.steps[i] {
-            Step::Written { outcome, .. } | Step::Done(outcome) => Some(outcome),
+            Step::Decided(decision) | Step::Written(decision, _) => Some(&decision.outcome),
+            Step::Done(outcome) => Some(outcome),
             _ => None,
         }
     }
 
-    /// One event: its handler, then its outcome written in the transaction.
+    /// Event `i`'s outcome is decided; written at the settle.
+    fn decide(&mut self, i: usize, decision: Decision) {
+        self.steps[i] = Step::Decided(decision);
+    }
+
+    /// One event: its handler, then its outcome decided.
     async fn event(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<(), Stop> {
         let env = self.env;
         let (claim, beat) = self.members[i];
@@ -391,12 +438,13 @@ impl<'a> Batch<'a> {
         };
         match result {
             Err(AttemptOutcome::Cancelled) => Err(Stop::Cancelled),
-            Err(_) => {
-                rolled_back(tx).await?;
-                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+            Err(_) => self.lost(tx, i).await,
+            // Found lost by its beat while the handler ended: its effects must not commit.
+            Ok(Ok(())) if beat.lost.is_cancelled() => self.lost(tx, i).await,
+            Ok(Ok(())) => {
+                self.decide(i, Decision::processed());
                 Ok(())
             }
-            Ok(Ok(())) => self.succeeded(tx, i).await,
             Ok(Err(error)) => {
                 if error.is_lock_timeout() {
                     env.metrics.lock_timeout(&claim.event.event_type);
@@ -407,158 +455,24 @@ impl<'a> Batch<'a> {
                     self.steps[i] = Step::Ran(Some(failure));
                     return Err(stop);
                 }
-                self.record_failure(tx, i, failure).await
+                self.decide(i, Decision::failed(failure));
+                Ok(())
             }
         }
     }
 
-    /// The handler succeeded: `processed`, fenced, in the transaction.
-    async fn succeeded(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<(), Stop> {
-        let (claim, beat) = self.members[i];
-        let fence = beat.fence.lock_owned().await;
-        if fence.lost {
-            rolled_back(tx).await?;
-            self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-            return Ok(());
-        }
-        match tx.mark_processed(fence.fence).await {
-            Ok(FenceOutcome::Written) => {
-                self.steps[i] = Step::Written {
-                    outcome: AttemptOutcome::Processed,
-                    failure: None,
-                    landed: Some(Landed::Processed),
-                    fence: None,
-                };
-                Ok(())
-            }
-            Ok(FenceOutcome::Lost) => {
-                drop(fence);
-                rolled_back(tx).await?;
-                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-                Ok(())
-            }
-            Err(e) => {
-                drop(fence);
-                rolled_back(tx).await?;
-                if e.is_lock_timeout() {
-                    self.env.metrics.lock_timeout(&claim.event.event_type);
-                }
-                let message = format!("could not mark processed: {}", e.chain());
-                if e.is_lock_timeout() || e.is_conflict() {
-                    // Not the event's fault (see the single attempt): released, uncounted.
-                    tracing::warn!(error = %message, "the handler succeeded but its outcome could not be written; releasing the claim uncounted");
-                    return self
-                        .release_in_tx(tx, i, &message, AttemptOutcome::Released)
-                        .await;
-                }
-                let failure = self.env.failure(claim, true, message);
-                self.record_failure(tx, i, failure).await
-            }
-        }
-    }
-
-    /// Records event `i`'s retry or `failed`, fenced, in the transaction (rolled back to its
-    /// savepoint already).
-    async fn record_failure(
-        &mut self,
-        tx: &mut dyn Attempt,
-        i: usize,
-        failure: Failure,
-    ) -> Result<(), Stop> {
-        let (_, beat) = self.members[i];
-        let fence = beat.fence.lock_owned().await;
-        if fence.lost {
-            self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-            return Ok(());
-        }
-        match tx
-            .record_failure(fence.fence, failure.bookkeeping, &failure.message)
-            .await
-        {
-            Ok(FenceOutcome::Written) => {
-                self.steps[i] = Step::Written {
-                    outcome: failure_outcome(&failure),
-                    failure: Some(failure),
-                    landed: Some(Landed::Failure),
-                    fence: None,
-                };
-                Ok(())
-            }
-            Ok(FenceOutcome::Lost) => {
-                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-                Ok(())
-            }
-            Err(e) => {
-                self.steps[i] = Step::Ran(Some(failure));
-                Err(Stop::Died(format!(
-                    "failure bookkeeping failed: {}",
-                    e.chain()
-                )))
-            }
-        }
-    }
-
-    /// Gives event `i`'s claim back in the transaction, uncounted, as `outcome`.
-    async fn release_in_tx(
-        &mut self,
-        tx: &mut dyn Attempt,
-        i: usize,
-        why: &str,
-        outcome: AttemptOutcome,
-    ) -> Result<(), Stop> {
-        let (_, beat) = self.members[i];
-        let fence = beat.fence.lock_owned().await;
-        if fence.lost {
-            self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-            return Ok(());
-        }
-        match tx.release(fence.fence, why).await {
-            Ok(FenceOutcome::Written) => {
-                self.steps[i] = Step::Written {
-                    outcome,
-                    failure: None,
-                    landed: None,
-                    fence: None,
-                };
-                Ok(())
-            }
-            Ok(FenceOutcome::Lost) => {
-                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-                Ok(())
-            }
-            Err(e) => Err(Stop::Died(format!(
-                "releasing a claim failed: {}",
-                e.chain()
-            ))),
-        }
-    }
-
-    /// Gives back, unrun, the waiting events from `from` on that `which` selects.
-    async fn give_back(
-        &mut self,
-        tx: &mut dyn Attempt,
-        from: usize,
-        which: impl Fn(usize) -> bool,
-        why: &str,
-    ) -> Result<(), Stop> {
-        for j in from..self.members.len() {
-            if matches!(self.steps[j], Step::Waiting) && which(j) {
-                self.release_in_tx(tx, j, why, AttemptOutcome::NotRun)
-                    .await?;
-            }
-        }
+    /// Event `i`'s claim is lost: its effects roll back to its savepoint, nothing is written.
+    async fn lost(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<(), Stop> {
+        rolled_back(tx).await?;
+        self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
         Ok(())
     }
 
-    /// Takes the fences of the events whose outcome is written (waiting for a beat under way):
-    /// held through the `COMMIT` and until the batch ends.
-    async fn hold_written(&mut self) {
-        for i in 0..self.steps.len() {
-            let beat = self.members[i].1;
-            if let Step::Written { fence, .. } = &mut self.steps[i]
-                && fence.is_none()
-            {
-                *fence = Some(beat.fence.lock_owned().await);
+    /// Gives back, unrun, the waiting events from `from` on that `which` selects.
+    fn give_back(&mut self, from: usize, which: impl Fn(usize) -> bool, why: &'static str) {
+        for j in from..self.members.len() {
+            if matches!(self.steps[j], Step::Waiting) && which(j) {
+                self.decide(j, Decision::not_run(why));
             }
         }
     }
@@ -566,8 +480,8 @@ impl<'a> Batch<'a> {
     /// The batch committed: every written outcome stands.
     fn committed(&mut self) {
         for step in &mut self.steps {
-            if let Step::Written { outcome, .. } = step {
-                *step = Step::Done(outcome.clone());
+            if let Step::Written(decision, _) = step {
+                *step = Step::Done(decision.outcome.clone());
             }
         }
     }

@@ -67,7 +67,7 @@ impl FenceCell {
     fn lost(state: &mut FenceState, lost: &CancellationToken) {
         state.lost = true;
         lost.cancel();
-        tracing::warn!(event_id = %state.fence.id, "claim lost: the row was reclaimed or finished elsewhere");
+        tracing::warn!(event_id = %state.fence.id, last_written = %state.fence.last_written, "claim lost: the row was reclaimed or finished elsewhere");
     }
 }
 

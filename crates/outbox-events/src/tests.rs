@@ -885,12 +885,11 @@ async fn a_batch_beats_its_claims_with_one_statement_per_interval() {
     assert_eq!(beats[0].len(), 4, "the first beat covers every claim");
 }
 
-/// An event whose outcome is written keeps being beaten while the batch's later handlers run
-/// (its row is locked by the live transaction, so a real beat finds it busy; if the transaction
-/// dies meanwhile, the beat is what keeps the claim from going stale before the batch finds
-/// out), and its fence is taken again for the `COMMIT`.
+/// An event whose handler ended keeps being beaten while the batch's later handlers run: its
+/// outcome is written only at the settle, once every handler ran, so until then the
+/// transaction has not locked its row and the beat keeps its claim fresh (rule 4).
 #[tokio::test(start_paused = true)]
-async fn a_written_event_is_still_beaten_while_later_handlers_run() {
+async fn a_decided_event_is_beaten_while_later_handlers_run_and_written_at_the_settle() {
     let claims: Vec<Claim> = (0..2)
         .map(|i| {
             let mut c = claim("t", 0);
@@ -917,9 +916,12 @@ async fn a_written_event_is_still_beaten_while_later_handlers_run() {
         });
     let mut attempt = MockAttempt::new();
     attempt.expect_savepoint().returning(|| Ok(()));
+    let started = tokio::time::Instant::now();
     attempt
         .expect_mark_processed()
         .times(2)
+        // Both handlers ran 3.5 s each before either outcome is written.
+        .withf(move |_| started.elapsed() >= Duration::from_millis(7_000))
         .returning(|_| Ok(FenceOutcome::Written));
     attempt.expect_commit().times(1).returning(|| Ok(()));
     repo.expect_begin_batch_attempt()
@@ -941,7 +943,7 @@ async fn a_written_event_is_still_beaten_while_later_handlers_run() {
     // 3 beats during its own handler, 3 more during the second one's.
     assert!(
         first_beaten >= 6,
-        "the written event was beaten {first_beaten} times in {} beats",
+        "the first event was beaten {first_beaten} times in {} beats",
         beats.len()
     );
 }

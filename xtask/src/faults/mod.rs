@@ -35,7 +35,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::binaries::{DEMO, OUTBOX, Release};
 use crate::is_ci;
-use profile::{Backend, FULL, QUICK};
+use profile::{Backend, FULL, Profile, QUICK};
 use skew::Skew;
 use suite::{Binaries, Suite};
 
@@ -48,6 +48,8 @@ struct Options {
     seed: u64,
     /// A second PostgreSQL run whose processes go through a transaction-pooling PgBouncer.
     pgbouncer: bool,
+    /// `--batch-max-events` of every work process.
+    batch_max_events: usize,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -56,6 +58,7 @@ fn parse(args: &[String]) -> Result<Options> {
         backends: vec![Backend::Postgres, Backend::Sqlite],
         report: None,
         pgbouncer: false,
+        batch_max_events: profile::BATCH_MAX_EVENTS,
         seed: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64),
@@ -78,6 +81,11 @@ fn parse(args: &[String]) -> Result<Options> {
                     other => bail!("unknown backend `{other}` (postgres, sqlite or both)"),
                 }
             }
+            "--batch-max-events" => {
+                options.batch_max_events = value("--batch-max-events")?
+                    .parse()
+                    .context("`--batch-max-events` takes a number")?
+            }
             "--report" => options.report = Some(PathBuf::from(value("--report")?)),
             "--seed" => {
                 options.seed = value("--seed")?
@@ -85,23 +93,26 @@ fn parse(args: &[String]) -> Result<Options> {
                     .context("`--seed` takes a number")?
             }
             other => bail!(
-                "unexpected argument `{other}`; usage: cargo xtask faults [--quick] [--backend postgres|sqlite|both] [--pgbouncer] [--report FILE] [--seed N]"
+                "unexpected argument `{other}`; usage: cargo xtask faults [--quick] [--backend postgres|sqlite|both] [--pgbouncer] [--batch-max-events N] [--report FILE] [--seed N]"
             ),
         }
     }
     Ok(options)
 }
 
-/// `cargo xtask faults [--quick] [--backend postgres|sqlite|both] [--pgbouncer] [--report FILE]
-/// [--seed N]`. `--pgbouncer` adds a PostgreSQL run whose processes (work, foreign writers, the
-/// CLI) go through a transaction-pooling PgBouncer, with the same kills, cuts and restart.
+/// `cargo xtask faults [--quick] [--backend postgres|sqlite|both] [--pgbouncer]
+/// [--batch-max-events N] [--report FILE] [--seed N]`. `--pgbouncer` adds a PostgreSQL run whose
+/// processes (work, foreign writers, the CLI) go through a transaction-pooling PgBouncer, with
+/// the same kills, cuts and restart. The work processes run batched attempts of up to
+/// `--batch-max-events` events (32 unless told; 1 runs one event per attempt).
 pub fn run(args: &[String]) -> Result<()> {
     let options = parse(args)?;
     let profile = if options.quick { QUICK } else { FULL };
     println!(
-        "fault suite ({} profile, seed {}), backends: {}",
+        "fault suite ({} profile, seed {}, up to {} events per attempt), backends: {}",
         profile.name,
         options.seed,
+        options.batch_max_events.max(1),
         options
             .backends
             .iter()
@@ -141,7 +152,10 @@ pub fn run(args: &[String]) -> Result<()> {
     }
     for (index, (backend, pooler)) in runs.iter().enumerate() {
         let mut rng = Rng(options.seed.wrapping_add(index as u64));
-        let profile = profile.on(*backend);
+        let profile = Profile {
+            batch_max_events: options.batch_max_events.max(1),
+            ..profile.on(*backend)
+        };
         let name = match pooler {
             Some(_) => "postgres through PgBouncer",
             None => backend.name(),

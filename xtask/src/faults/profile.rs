@@ -48,7 +48,14 @@ pub(super) struct Profile {
     pub(super) calm_below: i64,
     /// The whole run must drain within this.
     pub(super) deadline: Duration,
+    /// The most events one attempt transaction of a work process runs (`--batch-max-events`;
+    /// 1: one event per attempt).
+    pub(super) batch_max_events: usize,
 }
+
+/// The fault suite runs batched attempts unless told otherwise (`--batch-max-events 1`): the
+/// library's `RECOMMENDED_BATCH_MAX_EVENTS` (a copy: xtask depends on no workspace crate).
+pub(super) const BATCH_MAX_EVENTS: usize = 32;
 
 pub(super) const FULL: Profile = Profile {
     name: "full",
@@ -67,6 +74,7 @@ pub(super) const FULL: Profile = Profile {
     foreign_secs: 30,
     calm_below: 100,
     deadline: Duration::from_secs(600),
+    batch_max_events: BATCH_MAX_EVENTS,
 };
 
 pub(super) const QUICK: Profile = Profile {
@@ -86,6 +94,7 @@ pub(super) const QUICK: Profile = Profile {
     foreign_secs: 8,
     calm_below: 40,
     deadline: Duration::from_secs(80),
+    batch_max_events: BATCH_MAX_EVENTS,
 };
 
 impl Profile {
@@ -130,3 +139,8 @@ pub(super) const POISON_LOG: &str = "poison event: aborting the process";
 /// What a work process writes to stderr once its workers have started: a copy of the demo's
 /// `STARTED_LOG` (in `crates/outbox-demo`; a unit test keeps the two equal).
 pub(super) const STARTED_LOG: &str = "outbox-demo work: workers started";
+/// The log filter of every work process: warnings, which include each claim it lost and why
+/// its beats or bookkeeping failed (the report quotes them when a live process lost a claim).
+pub(super) const WORK_LOG: &str = "warn";
+/// What the library logs when a claim turns out lost (in `crates/outbox-events`).
+pub(super) const CLAIM_LOST_LOG: &str = "claim lost";

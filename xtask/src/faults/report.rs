@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::chaos::Chaos;
-use super::profile::{Backend, HEARTBEAT_MS, MAX_RETRY_ATTEMPTS};
+use super::profile::{Backend, CLAIM_LOST_LOG, HEARTBEAT_MS, MAX_RETRY_ATTEMPTS};
 use super::skew::{SKEW_SECONDS, Skew};
 use super::suite::{Suite, SuiteReport};
 use crate::cmd::format_duration;
@@ -89,11 +89,51 @@ impl Suite<'_> {
                 detail.replace('|', "/")
             );
         }
+        if !passed {
+            md.push_str(&self.lost_claim_logs());
+        }
         let _ = writeln!(md, "\nLogs of each work process: `{}`", self.dir.display());
         SuiteReport {
             markdown: md,
             passed,
         }
+    }
+
+    /// The work processes' log lines that report a lost claim, each with the lines logged
+    /// before it: what a failed run needs to find the window (empty when none lost a claim).
+    fn lost_claim_logs(&self) -> String {
+        /// Lines quoted before each lost claim, and claims quoted per run.
+        const BEFORE: usize = 12;
+        const CLAIMS: usize = 5;
+        let mut files: Vec<_> = std::fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "err"))
+            .collect();
+        files.sort();
+        let mut md = String::new();
+        let mut quoted = 0;
+        for path in files {
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let lines: Vec<&str> = text.lines().collect();
+            for (at, line) in lines.iter().enumerate() {
+                if !line.contains(CLAIM_LOST_LOG) || quoted == CLAIMS {
+                    continue;
+                }
+                quoted += 1;
+                let name = path.file_name().unwrap_or_default().to_string_lossy();
+                let _ = writeln!(md, "\nA lost claim in `{name}`, line {}:\n```", at + 1);
+                for l in &lines[at.saturating_sub(BEFORE)..=at] {
+                    let _ = writeln!(md, "{l}");
+                }
+                let _ = writeln!(md, "```");
+            }
+        }
+        md
     }
 
     /// Lost claims, reruns, repeated sends and the poison events: what a live process must

@@ -17,7 +17,7 @@ use super::Rng;
 use super::chaos::{Chaos, Phase};
 use super::profile::{
     Backend, HEARTBEAT_MS, LOCK_TIMEOUT_MS, MAX_RETRY_ATTEMPTS, ORPHAN_AFTER, POISON_LOG,
-    STARTED_LOG,
+    STARTED_LOG, WORK_LOG,
 };
 use super::skew::{self, Skew};
 use super::suite::Suite;
@@ -196,7 +196,7 @@ impl Suite<'_> {
             .current_dir(&self.dir)
             .env("DATABASE_URL", &url)
             .env("OUTBOX_LISTEN_URL", self.listen_url())
-            .env("RUST_LOG", "error")
+            .env("RUST_LOG", WORK_LOG)
             .env_remove("OUTBOX_PULL_WORKER")
             .stdout(File::create(&stdout)?)
             .stderr(File::create(stdout.with_extension("err"))?);
@@ -224,6 +224,7 @@ impl Suite<'_> {
         let stale_after = self.stale_after_ms().to_string();
         let lock_timeout = LOCK_TIMEOUT_MS.to_string();
         let max_attempts = MAX_RETRY_ATTEMPTS.to_string();
+        let batch = self.profile.batch_max_events.to_string();
         let args: Vec<&str> = vec![
             "work",
             "--until-drained",
@@ -246,6 +247,8 @@ impl Suite<'_> {
             "2000",
             "--max-retry-attempts",
             &max_attempts,
+            "--batch-max-events",
+            &batch,
         ];
         args.into_iter().map(str::to_string).collect()
     }

@@ -1,12 +1,36 @@
 //! A batched attempt whose transaction died (docs/state-machine.md, "Batched attempts", rule
 //! 5): none of it is processed; each event that ran is counted on the detached path, each event
-//! not run is given back uncounted.
+//! not run is given back uncounted. And one rolled back at its settle for no event's fault
+//! (rule 3): each event is given back uncounted, a failed handler's failure still counted.
 
 use outbox_persistence::Claim;
 
 use super::{BATCH_DIED, Batch, Step};
 use crate::attempt::{AttemptOutcome, Failure};
-use crate::detached::{detached, release};
+use crate::detached::{Landed, detached, release};
+use crate::heartbeat::Beat;
+
+/// Why the events of a batch rolled back at its settle are given back.
+const GIVEN_BACK: &str = "not run: the batched attempt was rolled back at its settle";
+
+/// How the batch's transaction ended without committing.
+#[derive(Clone, Copy)]
+enum Ending<'e> {
+    /// It died (`commit`: its `COMMIT` reported `error`, so it may have landed).
+    Died { error: &'e str, commit: bool },
+    /// It was rolled back at the settle for no event's fault.
+    GaveBack,
+}
+
+impl Ending<'_> {
+    /// Why an event not run is given back.
+    fn why(self) -> &'static str {
+        match self {
+            Ending::Died { .. } => BATCH_DIED,
+            Ending::GaveBack => GIVEN_BACK,
+        }
+    }
+}
 
 impl Batch<'_> {
     /// The transaction died (`commit`: its `COMMIT` reported `error`, so it may have landed):
@@ -17,36 +41,71 @@ impl Batch<'_> {
             error,
             "the batched attempt's transaction failed; accounting for each of its events on the side"
         );
-        // Every fence held for the commit is let go first: the detached bookkeeping below takes
-        // each in turn, and the heartbeats of those waiting their turn must beat meanwhile.
-        let mut steps = std::mem::take(&mut self.steps);
-        for step in &mut steps {
-            if let Step::Written { fence, .. } = step {
+        self.account(Ending::Died { error, commit }).await;
+    }
+
+    /// The batch was rolled back at its settle (a claim lost, a lock timeout or a conflict on
+    /// an outcome's write): every event is given back uncounted to run again, except that a
+    /// failed handler's failure is still recorded (rule 3).
+    pub(super) async fn gave_back(&mut self, why: &str) {
+        tracing::warn!(
+            why,
+            "the batched attempt was rolled back at its settle; giving its events back"
+        );
+        self.account(Ending::GaveBack).await;
+    }
+
+    /// Accounts on the side for every event the rolled-back transaction did not end.
+    async fn account(&mut self, ending: Ending<'_>) {
+        // Every fence held for the settle is let go first: the bookkeeping below takes each in
+        // turn, and the heartbeats of those waiting their turn must beat meanwhile.
+        for step in &mut self.steps {
+            if let Step::Written(_, fence) = step {
                 fence.take();
             }
         }
-        for (i, step) in steps.into_iter().enumerate() {
+        for (i, step) in std::mem::take(&mut self.steps).into_iter().enumerate() {
             let (claim, beat) = self.members[i];
             let outcome = match step {
                 Step::Done(outcome) => outcome,
-                Step::Waiting => not_run(release(self.env, beat, BATCH_DIED).await),
-                Step::Written {
-                    outcome: AttemptOutcome::NotRun,
-                    ..
-                } => not_run(release(self.env, beat, BATCH_DIED).await),
-                Step::Written {
-                    failure, landed, ..
-                } => {
-                    let failure = failure.unwrap_or_else(|| self.dead_failure(claim, error));
-                    let landed = if commit { landed } else { None };
-                    detached(self.env, claim, beat, failure, landed).await
+                Step::Waiting => not_run(release(self.env, beat, ending.why()).await),
+                Step::Decided(d) | Step::Written(d, _) if d.release.is_some() => {
+                    not_run(release(self.env, beat, ending.why()).await)
                 }
-                Step::Ran(failure) => {
-                    let failure = failure.unwrap_or_else(|| self.dead_failure(claim, error));
-                    detached(self.env, claim, beat, failure, None).await
+                Step::Written(d, _) => {
+                    let landed = match ending {
+                        Ending::Died { commit: true, .. } => d.landed(),
+                        _ => None,
+                    };
+                    self.ran(claim, beat, d.failure, landed, ending).await
                 }
+                Step::Decided(d) => self.ran(claim, beat, d.failure, None, ending).await,
+                Step::Ran(failure) => self.ran(claim, beat, failure, None, ending).await,
             };
+            // Its row is no longer this worker's claim: beating it would only find it gone.
+            beat.stop();
             self.steps.push(Step::Done(outcome));
+        }
+    }
+
+    /// Accounts for an event whose handler ran (`failure`: its own, if it failed) in a batch
+    /// that ended so: counted on the detached path if the batch died or the handler failed,
+    /// otherwise given back uncounted.
+    async fn ran(
+        &self,
+        claim: &Claim,
+        beat: &Beat<'_>,
+        failure: Option<Failure>,
+        landed: Option<Landed>,
+        ending: Ending<'_>,
+    ) -> AttemptOutcome {
+        match (failure, ending) {
+            (Some(failure), _) => detached(self.env, claim, beat, failure, landed).await,
+            (None, Ending::Died { error, .. }) => {
+                let failure = self.dead_failure(claim, error);
+                detached(self.env, claim, beat, failure, landed).await
+            }
+            (None, Ending::GaveBack) => release(self.env, beat, GIVEN_BACK).await,
         }
     }
 
@@ -60,7 +119,7 @@ impl Batch<'_> {
     }
 }
 
-/// A release after the batch died is a claim given back unrun.
+/// A release of a claim whose handler never ran is a claim given back unrun.
 fn not_run(outcome: AttemptOutcome) -> AttemptOutcome {
     match outcome {
         AttemptOutcome::Released => AttemptOutcome::NotRun,
