@@ -529,6 +529,57 @@ async fn heartbeat_many_beats_each_claim(db: TestDb) {
     );
 }
 
+/// A batch's settle writes every `processed` in one statement (PostgreSQL; one by one on
+/// SQLite): each claim still under its fence is written, a claim finished elsewhere is reported
+/// lost and left alone, and each record's head moves past its processed row.
+async fn mark_processed_many_writes_each_fenced_claim(db: TestDb) {
+    let repo = db.repository();
+    let events: Vec<NewEvent> = (0..3)
+        .map(|i| NewEvent::new("t", lead(&format!("mpm{i}"))))
+        .chain([NewEvent::new("t", lead("mpm0"))])
+        .collect();
+    let ids = enqueue(&repo, &events).await;
+    let claims = repo.claim_batch(policy(), &Scope::All, 3).await.unwrap();
+    let fences: Vec<Fence> = ids[..3]
+        .iter()
+        .map(|id| claims.iter().find(|c| c.event.id == *id).unwrap().fence)
+        .collect();
+    assert_eq!(claims.len(), 3, "the heads of three records");
+    // The third finishes elsewhere (its holder's own write): lost to the settle.
+    assert_eq!(
+        repo.update_status(fences[2], Terminal::Processed, None)
+            .await
+            .unwrap(),
+        FenceOutcome::Written
+    );
+    let (mut tx, lost) = repo
+        .begin_batch_attempt(secs(5), fences.clone())
+        .await
+        .unwrap();
+    assert_eq!(lost, vec![ids[2]]);
+    let outcomes = tx.mark_processed_many(fences.clone()).await.unwrap();
+    assert_eq!(
+        outcomes,
+        vec![
+            FenceOutcome::Written,
+            FenceOutcome::Written,
+            FenceOutcome::Lost
+        ]
+    );
+    tx.commit().await.unwrap();
+    for id in &ids[..3] {
+        let row = repo.get_event(*id).await.unwrap().unwrap();
+        assert_eq!(row.status, EventStatus::Processed, "{id}");
+        assert_eq!(row.retry_count, 0, "{id}");
+    }
+    // The record's next row is its head now, and claimable.
+    let next = repo.claim_batch(policy(), &Scope::All, 3).await.unwrap();
+    assert_eq!(
+        next.iter().map(|c| c.event.id).collect::<Vec<_>>(),
+        vec![ids[3]]
+    );
+}
+
 async fn insert_side_effect(tx: &mut Tx) {
     outbox_persistence::with_tx!(tx, |conn| {
         sqlx::query("INSERT INTO side_effect VALUES (1)")
@@ -1127,6 +1178,7 @@ backend_tests!(
     concurrent_claim_next_respects_keys,
     heartbeat_fences,
     heartbeat_many_beats_each_claim,
+    mark_processed_many_writes_each_fenced_claim,
     attempt_savepoint_and_retry_counting,
     backfill_matches_enqueue,
     stats_reports_the_queue,

@@ -343,8 +343,8 @@ impl<'a> Batch<'a> {
             self.decide(i, Decision::not_run(WAITS_FOR_OLDER));
         }
         // The begin's savepoint is fresh, and a rolled-back event leaves its savepoint in
-        // place: a new one is needed only after a handler whose effects must stay when the
-        // next event rolls back.
+        // place: a new one is needed only after a handler that succeeded with effects in the
+        // transaction, which the next event's rollback must not undo.
         let mut kept_effects = false;
         for i in 0..self.members.len() {
             if !matches!(self.steps[i], Step::Waiting) {
@@ -370,10 +370,8 @@ impl<'a> Batch<'a> {
                     .map_err(|e| Stop::Died(format!("savepoint failed: {}", e.chain())))?;
             }
             let span = attempt::attempt_span(claim);
-            self.event(tx, i).instrument(span).await?;
-            if matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
-                kept_effects = true;
-            } else {
+            kept_effects = self.event(tx, i).instrument(span).await?;
+            if !matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
                 // A record's later events wait for this one: none of them runs in this batch.
                 let key = claim.event.record_key.clone();
                 if key.is_some() {
@@ -409,18 +407,22 @@ impl<'a> Batch<'a> {
         self.steps[i] = Step::Decided(decision);
     }
 
-    /// One event: its handler, then its outcome decided.
-    async fn event(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<(), Stop> {
+    /// One event: its handler, then its outcome decided. Returns whether the handler used the
+    /// transaction: effects that a later event's rollback must not undo, if it succeeded.
+    async fn event(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<bool, Stop> {
         let env = self.env;
         let (claim, beat) = self.members[i];
         self.ran += 1;
         self.steps[i] = Step::Ran(None);
         let handler = env.handlers.get(&claim.event.event_type).cloned();
-        let result = match handler {
-            None => Ok(Err(HandlerError::Permanent(format!(
-                "no handler registered for event type {:?}",
-                claim.event.event_type
-            )))),
+        let (result, touched) = match handler {
+            None => (
+                Ok(Err(HandlerError::Permanent(format!(
+                    "no handler registered for event type {:?}",
+                    claim.event.event_type
+                )))),
+                false,
+            ),
             Some(handler) => {
                 let mut ctx = AttemptContext::for_attempt(tx);
                 let started = Instant::now();
@@ -433,17 +435,26 @@ impl<'a> Batch<'a> {
                 let took = started.elapsed();
                 self.handler_time += took;
                 env.metrics.handler_ran(&claim.event.event_type, took);
-                result
+                (result, ctx.touched())
             }
         };
         match result {
             Err(AttemptOutcome::Cancelled) => Err(Stop::Cancelled),
-            Err(_) => self.lost(tx, i).await,
-            // Found lost by its beat while the handler ended: its effects must not commit.
-            Ok(Ok(())) if beat.lost.is_cancelled() => self.lost(tx, i).await,
+            // Lost (found by its beat while the handler ran, or as it ended): its effects must
+            // not commit, and nothing is written for it.
+            Err(_) => {
+                undo(tx, touched).await?;
+                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                Ok(false)
+            }
+            Ok(Ok(())) if beat.lost.is_cancelled() => {
+                undo(tx, touched).await?;
+                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                Ok(false)
+            }
             Ok(Ok(())) => {
                 self.decide(i, Decision::processed());
-                Ok(())
+                Ok(touched)
             }
             Ok(Err(error)) => {
                 if error.is_lock_timeout() {
@@ -451,21 +462,14 @@ impl<'a> Batch<'a> {
                 }
                 let failure = env.failure(claim, error.is_retryable(), error.to_string());
                 tracing::info!(error = %failure.message, "handler failed");
-                if let Err(stop) = rolled_back(tx).await {
+                if let Err(stop) = undo(tx, touched).await {
                     self.steps[i] = Step::Ran(Some(failure));
                     return Err(stop);
                 }
                 self.decide(i, Decision::failed(failure));
-                Ok(())
+                Ok(false)
             }
         }
-    }
-
-    /// Event `i`'s claim is lost: its effects roll back to its savepoint, nothing is written.
-    async fn lost(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<(), Stop> {
-        rolled_back(tx).await?;
-        self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-        Ok(())
     }
 
     /// Gives back, unrun, the waiting events from `from` on that `which` selects.
@@ -503,6 +507,16 @@ impl<'a> Batch<'a> {
                 *step = Step::Done(outcome.clone());
             }
         }
+    }
+}
+
+/// Undoes the running event's effects: rolls back to its savepoint, unless its handler never
+/// asked for the transaction (nothing to undo).
+async fn undo(tx: &mut dyn Attempt, touched: bool) -> Result<(), Stop> {
+    if touched {
+        rolled_back(tx).await
+    } else {
+        Ok(())
     }
 }
 

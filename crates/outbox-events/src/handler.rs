@@ -178,6 +178,9 @@ impl HandlerError {
 /// ```
 pub struct AttemptContext<'a> {
     inner: Inner<'a>,
+    /// Whether the handler asked for the transaction: one that never did has no effects in
+    /// it to keep or undo (a batch then needs no savepoint after it, nor a rollback).
+    touched: bool,
 }
 
 /// The workers' attempt, or a transaction a test opened.
@@ -191,6 +194,7 @@ impl<'a> AttemptContext<'a> {
     pub fn new(tx: &'a mut Tx) -> Self {
         Self {
             inner: Inner::Tx(tx),
+            touched: false,
         }
     }
 
@@ -198,12 +202,19 @@ impl<'a> AttemptContext<'a> {
     pub(crate) fn for_attempt(attempt: &'a mut dyn Attempt) -> Self {
         Self {
             inner: Inner::Attempt(attempt),
+            touched: false,
         }
+    }
+
+    /// Whether the handler asked for the transaction (so may have written to it).
+    pub(crate) fn touched(&self) -> bool {
+        self.touched
     }
 
     /// The attempt transaction: the handler's database effects go here, so they commit
     /// atomically with `processed` and roll back with a failure.
     pub fn tx(&mut self) -> &mut Tx {
+        self.touched = true;
         match &mut self.inner {
             Inner::Attempt(attempt) => attempt.tx(),
             Inner::Tx(tx) => tx,

@@ -92,6 +92,16 @@ pub(crate) trait AttemptWrites: Send + Sync + 'static {
         write: FencedWrite<'_>,
     ) -> Result<FenceOutcome>;
 
+    /// `processed` for several claims in `tx`, each fenced on its own: one outcome per fence,
+    /// in order. One write after another unless the backend has a statement for all.
+    async fn processed_many(&self, tx: &mut Tx, fences: &[Fence]) -> Result<Vec<FenceOutcome>> {
+        let mut outcomes = Vec::with_capacity(fences.len());
+        for fence in fences {
+            outcomes.push(self.write(tx, *fence, FencedWrite::Processed).await?);
+        }
+        Ok(outcomes)
+    }
+
     /// Called once, just before the transaction commits or rolls back.
     fn ending(&self) {}
 
@@ -170,6 +180,11 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
     async fn mark_processed(&mut self, fence: Fence) -> Result<FenceOutcome> {
         let (tx, writes) = self.open()?;
         writes.write(tx, fence, FencedWrite::Processed).await
+    }
+
+    async fn mark_processed_many(&mut self, fences: Vec<Fence>) -> Result<Vec<FenceOutcome>> {
+        let (tx, writes) = self.open()?;
+        writes.processed_many(tx, &fences).await
     }
 
     async fn record_failure(

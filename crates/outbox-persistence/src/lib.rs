@@ -473,6 +473,16 @@ pub trait Attempt: Send {
     /// `processed`, in this transaction, fenced.
     async fn mark_processed(&mut self, fence: Fence) -> Result<FenceOutcome>;
 
+    /// `processed` for several claims, in this transaction, each fenced: one outcome per
+    /// fence, in order (PostgreSQL: one statement; a batched attempt's settle).
+    async fn mark_processed_many(&mut self, fences: Vec<Fence>) -> Result<Vec<FenceOutcome>> {
+        let mut outcomes = Vec::with_capacity(fences.len());
+        for fence in fences {
+            outcomes.push(self.mark_processed(fence).await?);
+        }
+        Ok(outcomes)
+    }
+
     /// Retry or failed state, in this transaction, fenced.
     async fn record_failure(
         &mut self,

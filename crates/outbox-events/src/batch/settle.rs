@@ -1,56 +1,77 @@
 //! The settle of a batched attempt (docs/state-machine.md, "Batched attempts", rules 2 and 3):
-//! once its events ran, every decided outcome is written in the transaction, in claim order,
-//! each under its fence, held until the batch ends.
+//! once its events ran, every decided outcome is written in the transaction, each under its
+//! fence, held until the batch ends: the `processed` writes in one statement, then each retry,
+//! `failed` or release.
 
-use outbox_persistence::{Attempt, Fence, FenceOutcome};
+use outbox_persistence::{Attempt, Error, Fence, FenceOutcome};
+use tokio::sync::OwnedMutexGuard;
 
 use super::{Batch, Decision, Step, Stop};
 use crate::attempt::AttemptOutcome;
+use crate::heartbeat::FenceState;
+
+/// A decided event at the settle: its index, its decision and its fence, held.
+type Held = (usize, Decision, OwnedMutexGuard<FenceState>);
 
 impl Batch<'_> {
     /// Writes every decided outcome, fenced, in the transaction. A write that finds its claim
     /// lost, or hits a lock timeout or conflict, stops the batch as a give-back (its event's
     /// effects cannot be undone alone); any other error is the transaction dying.
     pub(super) async fn settle(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
+        let mut held: Vec<Held> = Vec::new();
         for i in 0..self.steps.len() {
             let step = std::mem::replace(&mut self.steps[i], Step::Waiting);
             let Step::Decided(decision) = step else {
                 self.steps[i] = step;
                 continue;
             };
-            let (claim, beat) = self.members[i];
-            let fence = beat.fence.lock_owned().await;
+            let fence = self.members[i].1.fence.lock_owned().await;
             if fence.lost {
-                return Err(self.lost_at_settle(i, decision));
+                drop(fence);
+                self.undecided(held);
+                return Err(self.lost_at_settle(i));
             }
-            let written = write(tx, &decision, fence.fence).await;
-            match written {
-                Ok(FenceOutcome::Written) => self.steps[i] = Step::Written(decision, Some(fence)),
-                Ok(FenceOutcome::Lost) => {
-                    drop(fence);
-                    return Err(self.lost_at_settle(i, decision));
+            held.push((i, decision, fence));
+        }
+        let outcomes = match write_all(tx, &held).await {
+            Ok(outcomes) => outcomes,
+            Err(e) => {
+                let (i, _, _) = &held[0];
+                if e.is_lock_timeout() {
+                    let claim = self.members[*i].0;
+                    self.env.metrics.lock_timeout(&claim.event.event_type);
                 }
-                Err(e) => {
-                    drop(fence);
-                    self.steps[i] = Step::Decided(decision);
-                    if e.is_lock_timeout() {
-                        self.env.metrics.lock_timeout(&claim.event.event_type);
-                    }
-                    let error = format!("writing an outcome failed: {}", e.chain());
-                    return Err(if e.is_lock_timeout() || e.is_conflict() {
-                        Stop::GiveBack(error)
-                    } else {
-                        Stop::Died(error)
-                    });
-                }
+                let error = format!("writing the outcomes failed: {}", e.chain());
+                self.undecided(held);
+                return Err(if e.is_lock_timeout() || e.is_conflict() {
+                    Stop::GiveBack(error)
+                } else {
+                    Stop::Died(error)
+                });
             }
+        };
+        if let Some(lost) = outcomes.iter().position(|o| *o == FenceOutcome::Lost) {
+            let i = held[lost].0;
+            let others = held.into_iter().filter(|(j, _, _)| *j != i).collect();
+            self.undecided(others);
+            return Err(self.lost_at_settle(i));
+        }
+        for (i, decision, fence) in held {
+            self.steps[i] = Step::Written(decision, Some(fence));
         }
         Ok(())
     }
 
+    /// The settle stopped: these events' outcomes are decided, not written (fences let go).
+    fn undecided(&mut self, held: Vec<Held>) {
+        for (i, decision, _) in held {
+            self.steps[i] = Step::Decided(decision);
+        }
+    }
+
     /// Event `i`'s claim turned out lost at the settle (reclaimed after its beats failed for
     /// `stale_after`): its effects sit under later events' work, so the batch gives back all.
-    fn lost_at_settle(&mut self, i: usize, _decision: Decision) -> Stop {
+    fn lost_at_settle(&mut self, i: usize) -> Stop {
         tracing::warn!(
             event_id = %self.members[i].0.event.id,
             "a claim of the batch was lost before its outcome was written; rolling the batch back and giving its events back"
@@ -60,18 +81,36 @@ impl Batch<'_> {
     }
 }
 
-/// The fenced write of `decision`.
-async fn write(
-    tx: &mut dyn Attempt,
-    decision: &Decision,
-    fence: Fence,
-) -> outbox_persistence::Result<FenceOutcome> {
-    match (&decision.release, &decision.failure) {
-        (Some(why), _) => tx.release(fence, why).await,
-        (None, Some(failure)) => {
-            tx.record_failure(fence, failure.bookkeeping, &failure.message)
-                .await
-        }
-        (None, None) => tx.mark_processed(fence).await,
+/// Writes every held decision: the `processed` ones in one statement (several) or one, then
+/// each of the others. One outcome per held event, in order; the first error stops it.
+async fn write_all(tx: &mut dyn Attempt, held: &[Held]) -> Result<Vec<FenceOutcome>, Error> {
+    let processed: Vec<usize> = (0..held.len())
+        .filter(|&k| is_processed(&held[k].1))
+        .collect();
+    let mut outcomes = vec![FenceOutcome::Written; held.len()];
+    let fences: Vec<Fence> = processed.iter().map(|&k| held[k].2.fence).collect();
+    let written = match fences.as_slice() {
+        [] => Vec::new(),
+        [one] => vec![tx.mark_processed(*one).await?],
+        _ => tx.mark_processed_many(fences).await?,
+    };
+    for (&k, outcome) in processed.iter().zip(written) {
+        outcomes[k] = outcome;
     }
+    for (k, (_, decision, fence)) in held.iter().enumerate() {
+        outcomes[k] = match (&decision.release, &decision.failure) {
+            (Some(why), _) => tx.release(fence.fence, why).await?,
+            (None, Some(failure)) => {
+                tx.record_failure(fence.fence, failure.bookkeeping, &failure.message)
+                    .await?
+            }
+            (None, None) => continue,
+        };
+    }
+    Ok(outcomes)
+}
+
+/// Whether `decision` is `processed` (written with the others in one statement).
+fn is_processed(decision: &Decision) -> bool {
+    decision.release.is_none() && decision.failure.is_none()
 }

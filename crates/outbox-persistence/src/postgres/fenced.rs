@@ -90,6 +90,24 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("4")
 );
 
+/// `processed` for several claims (`$2`, fenced on `$3` in the same order): the ids written.
+/// The heads trigger runs per row after the statement, so a record chain's rows move its head
+/// once each, to the record's oldest row still open.
+const MARK_PROCESSED_MANY: &str = concat!(
+    "\
+UPDATE _System_OutboxEvent e
+SET Status = 'processed',
+    LastModifiedDate = GREATEST(",
+    db_now!(),
+    ", e.LastModifiedDate + interval '1 microsecond'),
+    LastError = NULL
+FROM unnest($2::uuid[], $3::timestamptz[]) AS f(id, written)
+WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written",
+    lock_guard!("4"),
+    "
+RETURNING e.Id"
+);
+
 const MARK_FAILED: &str = concat!(
     "\
 UPDATE _System_OutboxEvent
@@ -191,6 +209,29 @@ impl AttemptWrites for PgAttemptWrites {
             self.cached,
         )
         .await
+    }
+
+    async fn processed_many(&self, tx: &mut Tx, fences: &[Fence]) -> Result<Vec<FenceOutcome>> {
+        let ids: Vec<EventId> = fences.iter().map(|f| f.id).collect();
+        let written: Vec<DateTime<Utc>> = fences.iter().map(|f| f.last_written).collect();
+        let done: Vec<EventId> = sqlx::query_scalar(MARK_PROCESSED_MANY)
+            .persistent(self.cached)
+            .bind(interval(self.shift.micros()))
+            .bind(&ids)
+            .bind(&written)
+            .bind(&self.lock_timeout)
+            .fetch_all(tx.postgres()?)
+            .await?;
+        Ok(ids
+            .iter()
+            .map(|id| {
+                if done.contains(id) {
+                    FenceOutcome::Written
+                } else {
+                    FenceOutcome::Lost
+                }
+            })
+            .collect())
     }
 }
 
