@@ -42,6 +42,8 @@ enum Act {
     Wait,
     /// The same with [`HOLDING`] and [`GO_ON`] (a test of its own, run beside `Wait`'s).
     Hold,
+    /// The same with [`PAUSING`] and [`UNPAUSE`] (another test's).
+    Pause,
 }
 
 /// Set by a `wait` handler once it runs.
@@ -52,6 +54,10 @@ static RESUME: tokio::sync::Notify = tokio::sync::Notify::const_new();
 static HOLDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// Lets a `hold` handler go on.
 static GO_ON: tokio::sync::Notify = tokio::sync::Notify::const_new();
+/// Set by a `pause` handler once it runs.
+static PAUSING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Lets a `pause` handler go on.
+static UNPAUSE: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 fn act(event: &OutboxEvent) -> Act {
     let envelope = EventEnvelope::parse(&event.payload).expect("a test payload");
@@ -64,6 +70,7 @@ fn act(event: &OutboxEvent) -> Act {
         Some("slow") => Act::Slow,
         Some("wait") => Act::Wait,
         Some("hold") => Act::Hold,
+        Some("pause") => Act::Pause,
         _ => Act::Effect,
     }
 }
@@ -130,6 +137,11 @@ impl Handler for Acting {
         if what == Act::Hold && event.retry_count == 0 {
             let resumed = GO_ON.notified();
             HOLDING.store(true, Ordering::SeqCst);
+            resumed.await;
+        }
+        if what == Act::Pause && event.retry_count == 0 {
+            let resumed = UNPAUSE.notified();
+            PAUSING.store(true, Ordering::SeqCst);
             resumed.await;
         }
         if what == Act::LockHeld && event.retry_count == 0 {
@@ -632,7 +644,52 @@ async fn a_batch_keeps_its_claims_fresh_while_a_later_handler_runs_long(db: Test
     }
 }
 
+/// A graceful shutdown lets the running handler finish and commit, and gives the batch's
+/// claims whose handlers have not started back unrun and uncounted, at once, instead of running
+/// them past the shutdown timeout.
+async fn a_stopping_worker_gives_back_what_it_has_not_started(db: TestDb) {
+    create_tables(&db).await;
+    let repo = db.repository();
+    // The first claim runs alone (the worker has not timed its handlers yet): a warm-up.
+    enqueue(&repo, &[event(99, "effect")]).await;
+    let handle = start(&repo, config()).await;
+    drain(&repo, Duration::from_secs(20)).await;
+    PAUSING.store(false, Ordering::SeqCst);
+    enqueue(
+        &repo,
+        &[event(0, "pause"), event(1, "effect"), event(2, "effect")],
+    )
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !PAUSING.load(Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pause handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let stopping = tokio::spawn(handle.shutdown());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    UNPAUSE.notify_one();
+    let report = stopping.await.unwrap();
+    assert!(report.graceful, "{report:?}");
+    assert!(report.metrics.not_run >= 2, "{:?}", report.metrics);
+    assert_eq!(retry_count(&db, 0).await, ("processed".into(), 0));
+    assert_eq!(effects(&db, 0).await, 1);
+    for i in [1, 2] {
+        assert_eq!(retry_count(&db, i).await, ("open".into(), 0), "record {i}");
+        assert_eq!(effects(&db, i).await, 0, "record {i}");
+    }
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'pending'")
+            .await,
+        2,
+        "given back to pending, not left claimed"
+    );
+}
+
 backend_tests!(
+    a_stopping_worker_gives_back_what_it_has_not_started,
     a_batch_keeps_its_claims_fresh_while_a_later_handler_runs_long,
     a_claim_taken_over_inside_a_live_batch_writes_nothing,
     a_hot_record_runs_in_chains_in_order,

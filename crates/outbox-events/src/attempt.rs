@@ -77,6 +77,9 @@ pub(crate) struct AttemptEnv {
     pub metrics: Arc<Metrics>,
     /// Cancelled at hard shutdown: in-flight attempts roll back.
     pub hard_stop: CancellationToken,
+    /// Cancelled when a graceful shutdown begins: running handlers finish, but a worker's
+    /// claims whose handlers have not started are given back unrun rather than run.
+    pub stop: CancellationToken,
     /// One permit per worker: a pull worker or a legacy slot holds one from its claim to the
     /// end of the attempt, so that at most `workers` claims and attempts run at once across
     /// both paths (pull mode runs the legacy dispatcher beside the pull workers for excluded
@@ -140,6 +143,7 @@ impl ClaimRunner {
                 config,
                 metrics: Arc::default(),
                 hard_stop: CancellationToken::new(),
+                stop: CancellationToken::new(),
                 attempts: Arc::new(tokio::sync::Semaphore::new(
                     tokio::sync::Semaphore::MAX_PERMITS,
                 )),

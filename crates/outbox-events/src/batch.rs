@@ -28,6 +28,7 @@ const OLDER_FAILED: &str = "not run: an older event of its record did not succee
 const BATCH_DIED: &str = "not run: the batched attempt's transaction failed first";
 const WAITS_FOR_OLDER: &str =
     "not run: an older row of its record became non-terminal after the claim";
+const STOPPING: &str = "not run: its worker is shutting down";
 
 /// Whether a claim may share an attempt transaction: a row that failed before, or was
 /// reclaimed from a dead worker, runs alone (rule 1), so that an event that kills transactions
@@ -78,8 +79,25 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
             Vec::new()
         };
         for i in singles.into_iter().chain(alone) {
+            if env.stop.is_cancelled() {
+                // A graceful shutdown: given back unrun (uncounted), for other workers now.
+                env.metrics
+                    .claimed(&claims[i].event.event_type, claims[i].reclaimed);
+                let outcome = match crate::detached::release(env, &beats[i], STOPPING).await {
+                    AttemptOutcome::Released => AttemptOutcome::NotRun,
+                    other => other,
+                };
+                beats[i].stop();
+                let _span = attempt::attempt_span(&claims[i]).entered();
+                attempt::ended(env, &claims[i], &outcome, claimed_at);
+                continue;
+            }
             let (_, handler_time) = attempt::one(env, &claims[i], &beats[i], claimed_at).await;
-            took = (took.0 + handler_time, took.1 + 1);
+            // An attempt whose handler never ran (its claim lost, its begin given up) is no
+            // sample of the handlers' time: counted, it would pull the batch sizer's mean to 0.
+            if handler_time > Duration::ZERO {
+                took = (took.0 + handler_time, took.1 + 1);
+            }
         }
         took
     };
@@ -352,6 +370,12 @@ impl<'a> Batch<'a> {
             }
             if self.ran > 0 && self.handler_time >= self.env.config.batch_budget {
                 self.give_back(i, |_| true, BUDGET_SPENT);
+                return Ok(());
+            }
+            if self.env.stop.is_cancelled() {
+                // A graceful shutdown: what has not started goes back for other workers now,
+                // rather than running past the shutdown timeout.
+                self.give_back(i, |_| true, STOPPING);
                 return Ok(());
             }
             let (claim, _) = self.members[i];

@@ -159,6 +159,7 @@ impl Dispatcher {
             config: self.config.clone(),
             metrics: self.metrics.clone(),
             hard_stop: hard_stop.clone(),
+            stop: stop.clone(),
             attempts: Arc::new(tokio::sync::Semaphore::new(self.config.workers.max(1))),
             paused: crate::pause::Paused::unread(),
         });
