@@ -189,7 +189,7 @@ pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
 /// [`run`], and how long its handler ran (zero when it did not run).
 pub(crate) async fn run_timed(env: &AttemptEnv, claim: Claim) -> (AttemptOutcome, Duration) {
     let claimed_at = Instant::now();
-    let fence = FenceCell::new(claim.fence);
+    let fence = FenceCell::new(claim.fence, claim.event.retry_count);
     let lost = CancellationToken::new();
     let beat = Beat::new(env, fence, lost);
     // The claim beats from one heartbeat interval after the claim on. An attempt that ends
@@ -394,7 +394,8 @@ async fn finish_success(
     mut tx: Box<dyn Attempt>,
 ) -> AttemptOutcome {
     let fence = beat.fence.clone();
-    let state = fence.lock().await;
+    let mut state = fence.lock().await;
+    fence.confirm(&env.repo, &mut state).await;
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;
@@ -452,7 +453,8 @@ async fn finish_failure(
         rollback_quietly(tx.as_mut()).await;
         return detached(env, claim, beat, failure, None).await;
     }
-    let state = fence.lock().await;
+    let mut state = fence.lock().await;
+    fence.confirm(&env.repo, &mut state).await;
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;

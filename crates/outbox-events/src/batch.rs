@@ -50,7 +50,7 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
         .map(|c| {
             Beat::grouped(
                 env,
-                FenceCell::new(c.fence),
+                FenceCell::new(c.fence, c.event.retry_count),
                 CancellationToken::new(),
                 &group,
             )
@@ -134,6 +134,9 @@ enum Step {
 /// An event's decided outcome and the fenced write that records it at the settle.
 struct Decision {
     outcome: AttemptOutcome,
+    /// Whether its effects are in the transaction (a handler that succeeded and used it): a
+    /// claim found lost at the settle with effects kept takes the batch back with it.
+    kept_effects: bool,
     /// Its own failure (a failed handler): the retry or `failed` written, and recorded again
     /// on the side if the transaction dies.
     failure: Option<Failure>,
@@ -142,9 +145,10 @@ struct Decision {
 }
 
 impl Decision {
-    fn processed() -> Self {
+    fn processed(kept_effects: bool) -> Self {
         Self {
             outcome: AttemptOutcome::Processed,
+            kept_effects,
             failure: None,
             release: None,
         }
@@ -153,6 +157,7 @@ impl Decision {
     fn failed(failure: Failure) -> Self {
         Self {
             outcome: failure_outcome(&failure),
+            kept_effects: false,
             failure: Some(failure),
             release: None,
         }
@@ -161,6 +166,7 @@ impl Decision {
     fn not_run(why: &'static str) -> Self {
         Self {
             outcome: AttemptOutcome::NotRun,
+            kept_effects: false,
             failure: None,
             release: Some(why),
         }
@@ -318,9 +324,11 @@ impl<'a> Batch<'a> {
                             // lost), and its record's later rows with it.
                             self.recheck.push(i);
                             self.block(i);
-                        } else if env.repo.serializes_writers() {
+                        }
+                        if env.repo.serializes_writers() {
                             // The batch holds the only write lock: nobody can reclaim a row
-                            // until it commits, and a beat could not write meanwhile.
+                            // until it commits, and a beat (also of a row given back at the
+                            // settle) would only wait for it, holding a fence the settle needs.
                             beat.stop();
                         }
                     }
@@ -477,7 +485,7 @@ impl<'a> Batch<'a> {
                 Ok(false)
             }
             Ok(Ok(())) => {
-                self.decide(i, Decision::processed());
+                self.decide(i, Decision::processed(touched));
                 Ok(touched)
             }
             Ok(Err(error)) => {

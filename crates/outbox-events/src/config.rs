@@ -27,13 +27,12 @@ pub const DEFAULT_MAX_RETRY_ATTEMPTS: i32 = 5;
 pub use outbox_persistence::DEFAULT_LOCK_TIMEOUT;
 /// Default time in-flight attempts get to finish at shutdown before they are cancelled.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default most events of one attempt transaction ([`WorkerConfig::batch_max_events`]): one,
-/// batched attempts off: under the fault suite's chaos (connection cuts, a restart, skewed
-/// clocks, stale-after 3 s) batches still lose a claim of a live process now and then (see
-/// docs/state-machine.md, "Batched attempts", rule 7).
-pub const DEFAULT_BATCH_MAX_EVENTS: usize = 1;
-/// The batch size the measurements support once batches are on
-/// ([`WorkerConfig::with_batches`]): 32 events.
+/// Default most events of one attempt transaction ([`WorkerConfig::batch_max_events`]):
+/// batched attempts on, [`RECOMMENDED_BATCH_MAX_EVENTS`] (see docs/state-machine.md,
+/// "Batched attempts", rule 7, for the measurements behind it); `without_batches()` runs one
+/// event per attempt.
+pub const DEFAULT_BATCH_MAX_EVENTS: usize = RECOMMENDED_BATCH_MAX_EVENTS;
+/// The batch size the measurements support: 32 events.
 pub const RECOMMENDED_BATCH_MAX_EVENTS: usize = 32;
 /// Default handler time after which a batched attempt stops taking events
 /// ([`WorkerConfig::batch_budget`]).
@@ -137,8 +136,8 @@ pub struct WorkerConfig {
     /// of its own (see `docs/state-machine.md`, "Batched attempts"); 1 runs one event per
     /// attempt. At most [`outbox_persistence::MAX_BATCH_EVENTS`]. A worker asks for as many as
     /// its handlers' recent times fit in [`WorkerConfig::batch_budget`], starting at one, so
-    /// slow handlers still run one per attempt. Default [`DEFAULT_BATCH_MAX_EVENTS`] (off);
-    /// `with_batches(RECOMMENDED_BATCH_MAX_EVENTS, DEFAULT_BATCH_BUDGET)` turns them on.
+    /// slow handlers still run one per attempt. Default [`DEFAULT_BATCH_MAX_EVENTS`] (on, 32);
+    /// `without_batches()` turns them off.
     pub batch_max_events: usize,
     /// Pull mode: a batched attempt stops taking events once its handlers have run this long
     /// (the events claimed for it and not run yet go back to `pending`, uncounted), which

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use outbox_persistence::{BeatOutcome, Fence, OutboxRepository};
+use outbox_persistence::{BeatOutcome, EventStatus, Fence, OutboxRepository};
 use tokio::sync::{Mutex, MutexGuard, Notify, OwnedMutexGuard};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -24,6 +24,12 @@ use crate::attempt::AttemptEnv;
 pub(crate) struct FenceState {
     pub fence: Fence,
     pub lost: bool,
+    /// A beat failed since the last one that landed: its `COMMIT` may have landed with the
+    /// reply lost (a cut connection), moving the row past `fence`.
+    unsure: bool,
+    /// The claim's `RetryCount`: a reclaim always raises it, so a row still `processing` with
+    /// this count and a later `LastModifiedDate` can only carry this worker's own beat.
+    retry_count: i32,
 }
 
 /// The fence shared by the heartbeat and the attempt, with a copy of the latest value that
@@ -32,9 +38,14 @@ pub(crate) struct FenceState {
 pub(crate) struct FenceCell(Arc<Mutex<FenceState>>, Arc<std::sync::Mutex<Fence>>);
 
 impl FenceCell {
-    pub fn new(fence: Fence) -> Self {
+    pub fn new(fence: Fence, retry_count: i32) -> Self {
         Self(
-            Arc::new(Mutex::new(FenceState { fence, lost: false })),
+            Arc::new(Mutex::new(FenceState {
+                fence,
+                lost: false,
+                unsure: false,
+                retry_count,
+            })),
             Arc::new(std::sync::Mutex::new(fence)),
         )
     }
@@ -62,6 +73,23 @@ impl FenceCell {
     /// The fence's lock if nobody holds it (a beat of many claims skips a held one).
     fn try_lock_owned(&self) -> Option<tokio::sync::OwnedMutexGuard<FenceState>> {
         self.0.clone().try_lock_owned().ok()
+    }
+
+    /// A beat landed: `next` is the claim's fence now.
+    fn beaten(&self, state: &mut FenceState, next: Fence) {
+        state.fence = next;
+        state.unsure = false;
+        self.set_latest(next);
+    }
+
+    /// Before a fenced write: after a failed beat, the fence this worker holds may be behind
+    /// its own beat that landed (see [`own_beat_landed`]); the row is read back and its value
+    /// taken when it is still this claim.
+    pub(crate) async fn confirm(&self, repo: &Arc<dyn OutboxRepository>, state: &mut FenceState) {
+        if let Some(landed) = own_beat_landed(repo, state).await {
+            self.beaten(state, landed);
+        }
+        state.unsure = false;
     }
 
     fn lost(state: &mut FenceState, lost: &CancellationToken) {
@@ -219,21 +247,46 @@ async fn beat_once(
     }
     match repo.heartbeat(state.fence).await {
         Ok(Some(next)) => {
-            state.fence = next;
-            fence.set_latest(next);
+            fence.beaten(&mut state, next);
             true
         }
         Ok(None) => {
+            if let Some(landed) = own_beat_landed(repo, &state).await {
+                fence.beaten(&mut state, landed);
+                return true;
+            }
             FenceCell::lost(&mut state, lost);
             false
         }
         Err(e) => {
             // A missed beat is not a lost claim: the row stays ours until stale-after passes
             // without a successful beat.
+            state.unsure = true;
             tracing::warn!(event_id = %state.fence.id, error = %e.chain(), "heartbeat failed; retrying at the next interval");
             true
         }
     }
+}
+
+/// After a failed beat, a beat that finds the claim lost may only have found the failed
+/// beat's own write (its `COMMIT` landed, its reply did not): the row read back still
+/// `processing` with the claim's `RetryCount` (a reclaim always raises it) and a later
+/// `LastModifiedDate` is still this worker's claim, fenced by that value.
+async fn own_beat_landed(repo: &Arc<dyn OutboxRepository>, state: &FenceState) -> Option<Fence> {
+    if !state.unsure {
+        return None;
+    }
+    let row = repo.get_event(state.fence.id).await.ok().flatten()?;
+    let ours = row.status == EventStatus::Processing
+        && row.retry_count == state.retry_count
+        && row.last_modified_date > state.fence.last_written;
+    ours.then(|| {
+        tracing::info!(event_id = %state.fence.id, "a beat whose reply was lost had landed; the claim is still this worker's");
+        Fence {
+            id: state.fence.id,
+            last_written: row.last_modified_date,
+        }
+    })
 }
 
 impl Drop for HeartbeatGuard {
@@ -377,6 +430,9 @@ impl GroupInner {
             Ok(outcomes) => outcomes,
             Err(e) => {
                 // A missed beat is not a lost claim (as for one claim's heartbeat).
+                for state in running.iter_mut().filter_map(|m| m.state.as_mut()) {
+                    state.unsure = true;
+                }
                 tracing::warn!(error = %e.chain(), claims = fences.len(), "heartbeat of the worker's claims failed; retrying soon");
                 return false;
             }
@@ -386,11 +442,11 @@ impl GroupInner {
                 continue;
             };
             match outcome {
-                BeatOutcome::Beaten(next) => {
-                    state.fence = next;
-                    member.cell.set_latest(next);
-                }
-                BeatOutcome::Lost => FenceCell::lost(state, &member.lost),
+                BeatOutcome::Beaten(next) => member.cell.beaten(state, next),
+                BeatOutcome::Lost => match own_beat_landed(&self.repo, state).await {
+                    Some(landed) => member.cell.beaten(state, landed),
+                    None => FenceCell::lost(state, &member.lost),
+                },
                 BeatOutcome::Busy => {
                     tracing::debug!(event_id = %state.fence.id, "the claim's row is locked by another transaction; beating it at the next interval");
                 }

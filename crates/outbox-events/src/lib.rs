@@ -102,9 +102,13 @@ pub mod mock {
     //! a worker does. The repository's mock always needs `serializes_writers` and
     //! `begin_attempt` (returning `Ok(Some(Box::new(attempt)))` with the [`MockAttempt`]
     //! below); `heartbeat` and `note_alive` once the attempt outlasts a heartbeat interval
-    //! (`WorkerConfig::heartbeat_interval`, 2 s by default) or its begin is retried; and
-    //! `get_event`, `increment_retry`, `update_status` or `release_claim` on the detached paths
-    //! below. What the attempt must expect, by the handler's result:
+    //! (`WorkerConfig::heartbeat_interval`, 2 s by default) or its begin is retried;
+    //! `get_event` before the outcome's fenced write when a heartbeat failed (a beat whose reply
+    //! was lost may have landed); and `get_event`, `increment_retry`, `update_status` or
+    //! `release_claim` on the detached paths below. Several claims run together (a dispatcher's
+    //! batched attempts) need `begin_batch_attempt` instead, and the attempt's `savepoint` (after a handler that used
+    //! the transaction) and `mark_processed_many` (the settle). What the attempt must expect for
+    //! one claim, by the handler's result:
     //!
     //! | handler | the attempt's calls, in order |
     //! |---|---|

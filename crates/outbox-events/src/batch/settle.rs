@@ -14,9 +14,10 @@ use crate::heartbeat::FenceState;
 type Held = (usize, Decision, OwnedMutexGuard<FenceState>);
 
 impl Batch<'_> {
-    /// Writes every decided outcome, fenced, in the transaction. A write that finds its claim
-    /// lost, or hits a lock timeout or conflict, stops the batch as a give-back (its event's
-    /// effects cannot be undone alone); any other error is the transaction dying.
+    /// Writes every decided outcome, fenced, in the transaction. A claim found lost writes
+    /// nothing; if its effects are in the transaction (they cannot be undone alone), the batch
+    /// stops as a give-back, as it does on a lock timeout or conflict; any other error is the
+    /// transaction dying.
     pub(super) async fn settle(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
         let mut held: Vec<Held> = Vec::new();
         for i in 0..self.steps.len() {
@@ -25,13 +26,22 @@ impl Batch<'_> {
                 self.steps[i] = step;
                 continue;
             };
-            let fence = self.members[i].1.fence.lock_owned().await;
+            let cell = &self.members[i].1.fence;
+            let mut fence = cell.lock_owned().await;
+            cell.confirm(&self.env.repo, &mut fence).await;
             if fence.lost {
                 drop(fence);
-                self.undecided(held);
-                return Err(self.lost_at_settle(i));
+                if decision.kept_effects {
+                    self.undecided(held);
+                    return Err(self.lost_at_settle(i));
+                }
+                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                continue;
             }
             held.push((i, decision, fence));
+        }
+        if held.is_empty() {
+            return Ok(());
         }
         let outcomes = match write_all(tx, &held).await {
             Ok(outcomes) => outcomes,
@@ -50,14 +60,25 @@ impl Batch<'_> {
                 });
             }
         };
-        if let Some(lost) = outcomes.iter().position(|o| *o == FenceOutcome::Lost) {
-            let i = held[lost].0;
+        let taken_back = held
+            .iter()
+            .zip(&outcomes)
+            .find(|((_, decision, _), outcome)| {
+                **outcome == FenceOutcome::Lost && decision.kept_effects
+            })
+            .map(|((i, _, _), _)| *i);
+        if let Some(i) = taken_back {
             let others = held.into_iter().filter(|(j, _, _)| *j != i).collect();
             self.undecided(others);
             return Err(self.lost_at_settle(i));
         }
-        for (i, decision, fence) in held {
-            self.steps[i] = Step::Written(decision, Some(fence));
+        for ((i, decision, fence), outcome) in held.into_iter().zip(outcomes) {
+            // A lost claim without effects here (given back, failed and rolled back, or a
+            // handler that never used the transaction) wrote nothing: it alone ends lost.
+            self.steps[i] = match outcome {
+                FenceOutcome::Written => Step::Written(decision, Some(fence)),
+                FenceOutcome::Lost => Step::Done(AttemptOutcome::LostClaim),
+            };
         }
         Ok(())
     }
@@ -70,7 +91,8 @@ impl Batch<'_> {
     }
 
     /// Event `i`'s claim turned out lost at the settle (reclaimed after its beats failed for
-    /// `stale_after`): its effects sit under later events' work, so the batch gives back all.
+    /// `stale_after`) with its effects in the transaction, under later events' work: the batch
+    /// gives back all.
     fn lost_at_settle(&mut self, i: usize) -> Stop {
         tracing::warn!(
             event_id = %self.members[i].0.event.id,
