@@ -210,3 +210,25 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
         result
     }
 }
+
+/// Caps an error text before it is stored in `LastError`.
+pub fn clip_error(error: &str) -> String {
+    const MAX: usize = 2000;
+    // PostgreSQL text cannot hold NUL; an error that echoes payload bytes must still be storable,
+    // or the failure could never be recorded.
+    let cleaned;
+    let error = if error.contains('\0') {
+        cleaned = error.replace('\0', "\u{FFFD}");
+        cleaned.as_str()
+    } else {
+        error
+    };
+    if error.len() <= MAX {
+        return error.to_string();
+    }
+    let mut end = MAX;
+    while !error.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &error[..end])
+}

@@ -42,6 +42,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, SubsecRound, Utc};
 
+pub use attempt::clip_error;
 /// The `mockall` version the mocks are generated with (feature `mock`), for its `Sequence`
 /// and `predicate` in tests that use [`MockOutboxRepository`] and [`MockAttempt`].
 #[cfg(feature = "mock")]
@@ -475,13 +476,7 @@ pub trait Attempt: Send {
 
     /// `processed` for several claims, in this transaction, each fenced: one outcome per
     /// fence, in order (PostgreSQL: one statement; a batched attempt's settle).
-    async fn mark_processed_many(&mut self, fences: Vec<Fence>) -> Result<Vec<FenceOutcome>> {
-        let mut outcomes = Vec::with_capacity(fences.len());
-        for fence in fences {
-            outcomes.push(self.mark_processed(fence).await?);
-        }
-        Ok(outcomes)
-    }
+    async fn mark_processed_many(&mut self, fences: Vec<Fence>) -> Result<Vec<FenceOutcome>>;
 
     /// Retry or failed state, in this transaction, fenced.
     async fn record_failure(
@@ -497,28 +492,6 @@ pub trait Attempt: Send {
     /// Rolls the attempt back (abandoned: the claim stays for its holder or for stale
     /// reclaim).
     async fn rollback(&mut self) -> Result<()>;
-}
-
-/// Caps an error text before it is stored in `LastError`.
-pub fn clip_error(error: &str) -> String {
-    const MAX: usize = 2000;
-    // PostgreSQL text cannot hold NUL; an error that echoes payload bytes must still be storable,
-    // or the failure could never be recorded.
-    let cleaned;
-    let error = if error.contains('\0') {
-        cleaned = error.replace('\0', "\u{FFFD}");
-        cleaned.as_str()
-    } else {
-        error
-    };
-    if error.len() <= MAX {
-        return error.to_string();
-    }
-    let mut end = MAX;
-    while !error.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &error[..end])
 }
 
 /// Runs `body` with `$conn` bound to the connection of a [`Tx`], on either backend. Write the

@@ -108,17 +108,13 @@ fn parse(args: &[String]) -> Result<Options> {
 pub fn run(args: &[String]) -> Result<()> {
     let options = parse(args)?;
     let profile = if options.quick { QUICK } else { FULL };
+    let backends: Vec<&str> = options.backends.iter().map(|b| b.name()).collect();
     println!(
         "fault suite ({} profile, seed {}, up to {} events per attempt), backends: {}",
         profile.name,
         options.seed,
         options.batch_max_events.max(1),
-        options
-            .backends
-            .iter()
-            .map(|b| b.name())
-            .collect::<Vec<_>>()
-            .join(", ")
+        backends.join(", ")
     );
     let skew = skew::prepare(is_ci())?;
     match &skew {
