@@ -1,8 +1,10 @@
 //! Batched attempts: the events a pull worker claimed together, run in one attempt transaction,
 //! each under a savepoint of its own, with one `COMMIT` (see `docs/state-machine.md`, "Batched
 //! attempts"). Every event keeps the single attempt's rules (its fence, its heartbeat, its
-//! outcome written right after its handler, effects and state committed together); a row that
-//! failed before or was reclaimed runs in an attempt of its own.
+//! effects and fenced outcome committed together); the outcomes are decided after each handler
+//! and written together at the settle before the `COMMIT`, so no claimed row is locked by the
+//! transaction while handlers run; a row that failed before or was reclaimed runs in an
+//! attempt of its own.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
