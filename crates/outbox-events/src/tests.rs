@@ -1002,3 +1002,62 @@ async fn a_claim_lost_before_it_ran_does_not_take_the_batch_back() {
     );
     assert_eq!(metrics.released + metrics.not_run, 0, "{metrics:?}");
 }
+
+/// A lock timeout on the settle's `processed` write is no event's fault: the batch rolls back
+/// whole and gives every event back uncounted, on the side (`Released`: their handlers ran),
+/// instead of committing some of them or counting a failure.
+#[tokio::test(start_paused = true)]
+async fn a_lock_timeout_at_the_settle_gives_the_batch_back_uncounted() {
+    let claims: Vec<Claim> = (0..3)
+        .map(|i| {
+            let mut c = claim("t", 0);
+            c.event.record_key = Some(outbox_persistence::RecordKey::from_stored(format!(
+                "Lead:{i}"
+            )));
+            c
+        })
+        .collect();
+    let fences: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
+    repo.expect_backend_name().return_const("mock");
+    repo.expect_serializes_writers().return_const(false);
+    repo.expect_release_claim()
+        .times(3)
+        .withf(move |fence, _| fences.contains(fence))
+        .returning(|_, _| Ok(FenceOutcome::Written));
+    repo.expect_increment_retry().never();
+    // The releases on the side keep the claims beaten while they land.
+    repo.expect_heartbeat_many()
+        .returning(|fences: Vec<Fence>| {
+            Ok(fences
+                .into_iter()
+                .map(outbox_persistence::BeatOutcome::Beaten)
+                .collect())
+        });
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed_many()
+        .times(1)
+        .returning(|_| Err(lock_timeout()));
+    attempt.expect_rollback().times(1).returning(|| Ok(()));
+    attempt.expect_commit().never();
+    repo.expect_begin_batch_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok((Box::new(attempt) as Box<dyn Attempt>, Vec::new())));
+    let config = config().with_batches(32, Duration::from_secs(60));
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::from_millis(1), || Ok(())),
+        config,
+    );
+    let (_, ran) = runner.run_batch(claims).await;
+    assert_eq!(ran, 3);
+    let metrics = runner.metrics().snapshot();
+    assert_eq!(
+        (metrics.processed, metrics.released, metrics.retried),
+        (0, 3, 0),
+        "{metrics:?}"
+    );
+    assert_eq!(metrics.lock_timeouts, 1, "{metrics:?}");
+}
