@@ -178,6 +178,18 @@ impl Handler for Acting {
     }
 }
 
+/// Waits (20 s at most) until a handler has set `flag`: it runs and waits for the test.
+async fn until_running(flag: &std::sync::atomic::AtomicBool, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !flag.load(Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the {what} handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 fn config() -> WorkerConfig {
     WorkerConfig::default()
         .with_mode(DispatchMode::Pull)
@@ -542,14 +554,7 @@ async fn a_claim_taken_over_inside_a_live_batch_writes_nothing(db: TestDb) {
         .with_stale_after(Duration::from_millis(1_500));
     WAITING.store(false, std::sync::atomic::Ordering::SeqCst);
     let handle = start(&repo, config).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !WAITING.load(std::sync::atomic::Ordering::SeqCst) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the wait handler never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_running(&WAITING, "wait").await;
     // B1 waits its turn in the live batch: move its fence, as a reclaim by another worker would.
     db.execute(
         "UPDATE _System_OutboxEvent SET LastModifiedDate = LastModifiedDate + interval '1 second'
@@ -596,14 +601,7 @@ async fn a_batch_keeps_its_claims_fresh_while_a_later_handler_runs_long(db: Test
         .with_stale_after(Duration::from_millis(1_000));
     HOLDING.store(false, std::sync::atomic::Ordering::SeqCst);
     let handle = start(&repo, config).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !HOLDING.load(std::sync::atomic::Ordering::SeqCst) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the hold handler never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_running(&HOLDING, "hold").await;
     // Twice stale-after into the wait: B0 ran before it in the same batch, and its claim must
     // look as alive as B1's to any other claimer.
     tokio::time::sleep(Duration::from_millis(2_000)).await;
@@ -660,16 +658,10 @@ async fn a_stopping_worker_gives_back_what_it_has_not_started(db: TestDb) {
         &[event(0, "pause"), event(1, "effect"), event(2, "effect")],
     )
     .await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !PAUSING.load(Ordering::SeqCst) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the pause handler never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_running(&PAUSING, "pause").await;
+    // The graceful stop begins (what `shutdown` does first) before the handler goes on.
+    handle.stop_token().cancel();
     let stopping = tokio::spawn(handle.shutdown());
-    tokio::time::sleep(Duration::from_millis(100)).await;
     UNPAUSE.notify_one();
     let report = stopping.await.unwrap();
     assert!(report.graceful, "{report:?}");

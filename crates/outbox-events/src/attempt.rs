@@ -394,8 +394,7 @@ async fn finish_success(
     mut tx: Box<dyn Attempt>,
 ) -> AttemptOutcome {
     let fence = beat.fence.clone();
-    let mut state = fence.lock().await;
-    fence.confirm(&env.repo, &mut state).await;
+    let state = fence.lock_for_write(&env.repo).await;
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;
@@ -453,8 +452,7 @@ async fn finish_failure(
         rollback_quietly(tx.as_mut()).await;
         return detached(env, claim, beat, failure, None).await;
     }
-    let mut state = fence.lock().await;
-    fence.confirm(&env.repo, &mut state).await;
+    let state = fence.lock_for_write(&env.repo).await;
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;

@@ -18,8 +18,7 @@ pub(crate) async fn release(env: &AttemptEnv, beat: &Beat<'_>, message: &str) ->
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for try_number in 1..=DETACHED_MAX_TRIES {
         {
-            let mut state = fence.lock().await;
-            fence.confirm(&env.repo, &mut state).await;
+            let state = fence.lock_for_write(&env.repo).await;
             if state.lost {
                 return AttemptOutcome::LostClaim;
             }
@@ -119,8 +118,7 @@ pub(crate) async fn detached(
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for attempt in 1..=DETACHED_MAX_TRIES {
         {
-            let mut state = fence.lock().await;
-            fence.confirm(&env.repo, &mut state).await;
+            let state = fence.lock_for_write(&env.repo).await;
             if state.lost {
                 return lost_or_landed(env, claim, &failure, landed).await;
             }

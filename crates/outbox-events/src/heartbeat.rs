@@ -82,14 +82,19 @@ impl FenceCell {
         self.set_latest(next);
     }
 
-    /// Before a fenced write: after a failed beat, the fence this worker holds may be behind
-    /// its own beat that landed (see [`own_beat_landed`]); the row is read back and its value
-    /// taken when it is still this claim.
-    pub(crate) async fn confirm(&self, repo: &Arc<dyn OutboxRepository>, state: &mut FenceState) {
-        if let Some(landed) = own_beat_landed(repo, state).await {
-            self.beaten(state, landed);
+    /// Locks the fence for a fenced write of the claim's outcome. After a failed beat, the
+    /// fence this worker holds may be behind its own beat that landed (see
+    /// [`own_beat_landed`]): the row is read back first and its value taken when it is still
+    /// this claim (no read otherwise).
+    pub(crate) async fn lock_for_write(
+        &self,
+        repo: &Arc<dyn OutboxRepository>,
+    ) -> OwnedMutexGuard<FenceState> {
+        let mut state = self.lock_owned().await;
+        if let Some(landed) = own_beat_landed(repo, &state).await {
+            self.beaten(&mut state, landed);
         }
-        state.unsure = false;
+        state
     }
 
     fn lost(state: &mut FenceState, lost: &CancellationToken) {

@@ -96,10 +96,7 @@ fn unavailable() -> Error {
 
 /// A repository whose heartbeats always succeed, logging each one in `log`.
 fn repo_with(attempt: MockAttempt, log: Arc<Mutex<Vec<&'static str>>>) -> MockOutboxRepository {
-    let mut repo = MockOutboxRepository::new();
-    repo.expect_note_alive().returning(|_| ());
-    repo.expect_backend_name().return_const("mock");
-    repo.expect_serializes_writers().return_const(false);
+    let mut repo = mock_repo();
     repo.expect_begin_attempt()
         .times(1)
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
@@ -669,10 +666,7 @@ async fn final_write_uses_the_fence_the_last_heartbeat_wrote() {
     let c = claim("t", 0);
     let claimed = c.fence;
     let beats = Arc::new(Mutex::new(Vec::new()));
-    let mut repo = MockOutboxRepository::new();
-    repo.expect_note_alive().returning(|_| ());
-    repo.expect_backend_name().return_const("mock");
-    repo.expect_serializes_writers().return_const(false);
+    let mut repo = mock_repo();
     let b = Arc::clone(&beats);
     repo.expect_heartbeat().returning(move |fence: Fence| {
         let next = Fence {
@@ -810,12 +804,9 @@ async fn decide_rides_out_a_database_that_is_briefly_away() {
     assert!(started.elapsed() >= crate::DECIDE_RETRY_FOR - Duration::from_secs(6));
 }
 
-/// A batch's claims beat together: one `heartbeat_many` per interval for every running claim,
-/// never one heartbeat per claim, and the settle's one `processed` statement uses each fence
-/// its last group beat wrote.
-#[tokio::test(start_paused = true)]
-async fn a_batch_beats_its_claims_with_one_statement_per_interval() {
-    let claims: Vec<Claim> = (0..4)
+/// `n` first-attempt claims of distinct records, claimed together (a batch's).
+fn batch_claims(n: usize) -> Vec<Claim> {
+    (0..n)
         .map(|i| {
             let mut c = claim("t", 0);
             c.event.record_key = Some(outbox_persistence::RecordKey::from_stored(format!(
@@ -823,13 +814,78 @@ async fn a_batch_beats_its_claims_with_one_statement_per_interval() {
             )));
             c
         })
-        .collect();
-    let claimed: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
-    let beats: Arc<Mutex<Vec<Vec<Fence>>>> = Arc::default();
+        .collect()
+}
+
+/// The mocked repository most unit tests start from: liveness notes taken, a backend whose
+/// writers run side by side.
+fn mock_repo() -> MockOutboxRepository {
     let mut repo = MockOutboxRepository::new();
     repo.expect_note_alive().returning(|_| ());
     repo.expect_backend_name().return_const("mock");
     repo.expect_serializes_writers().return_const(false);
+    repo
+}
+
+/// A beat that failed may have landed (its reply lost): the next beat then finds the row moved
+/// past the fence it holds. The row read back is still `processing` with the claim's
+/// `RetryCount`, so it is this worker's own beat: its value becomes the fence, the claim is not
+/// lost, and the outcome is written under it.
+#[tokio::test(start_paused = true)]
+async fn a_beat_whose_reply_was_lost_is_not_a_lost_claim() {
+    let c = claim("t", 0);
+    let landed = Fence {
+        id: c.fence.id,
+        last_written: c.fence.last_written + chrono::Duration::seconds(1),
+    };
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .withf(move |fence| *fence == landed)
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt.expect_commit().times(1).returning(|| Ok(()));
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
+    repo.expect_serializes_writers().return_const(false);
+    repo.expect_begin_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
+    let mut seq = mockall::Sequence::new();
+    // The first beat lands but its reply is lost; the second finds the row moved on.
+    repo.expect_heartbeat()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_| Err(unavailable()));
+    repo.expect_heartbeat()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_| Ok(None));
+    repo.expect_get_event().times(1).returning(move |id| {
+        let mut moved = row(id, EventStatus::Processing, 0);
+        moved.last_modified_date = landed.last_written;
+        Ok(Some(moved))
+    });
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::from_millis(2500), || Ok(())),
+        c,
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Processed);
+    assert_eq!(metrics.snapshot().lost_claims, 0);
+}
+
+/// A batch's claims beat together: one `heartbeat_many` per interval for every running claim,
+/// never one heartbeat per claim, and the settle's one `processed` statement uses each fence
+/// its last group beat wrote.
+#[tokio::test(start_paused = true)]
+async fn a_batch_beats_its_claims_with_one_statement_per_interval() {
+    let claims = batch_claims(4);
+    let claimed: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
+    let beats: Arc<Mutex<Vec<Vec<Fence>>>> = Arc::default();
+    let mut repo = mock_repo();
     repo.expect_heartbeat().never();
     let b = Arc::clone(&beats);
     repo.expect_heartbeat_many()
@@ -892,21 +948,10 @@ async fn a_batch_beats_its_claims_with_one_statement_per_interval() {
 /// transaction has not locked its row and the beat keeps its claim fresh (rule 4).
 #[tokio::test(start_paused = true)]
 async fn a_decided_event_is_beaten_while_later_handlers_run_and_written_at_the_settle() {
-    let claims: Vec<Claim> = (0..2)
-        .map(|i| {
-            let mut c = claim("t", 0);
-            c.event.record_key = Some(outbox_persistence::RecordKey::from_stored(format!(
-                "Lead:{i}"
-            )));
-            c
-        })
-        .collect();
+    let claims = batch_claims(2);
     let first = claims[0].event.id;
     let beats: Arc<Mutex<Vec<Vec<Fence>>>> = Arc::default();
-    let mut repo = MockOutboxRepository::new();
-    repo.expect_note_alive().returning(|_| ());
-    repo.expect_backend_name().return_const("mock");
-    repo.expect_serializes_writers().return_const(false);
+    let mut repo = mock_repo();
     let b = Arc::clone(&beats);
     repo.expect_heartbeat_many()
         .returning(move |fences: Vec<Fence>| {
@@ -955,20 +1000,9 @@ async fn a_decided_event_is_beaten_while_later_handlers_run_and_written_at_the_s
 /// the others' outcomes are written and committed (no give-back of the batch).
 #[tokio::test(start_paused = true)]
 async fn a_claim_lost_before_it_ran_does_not_take_the_batch_back() {
-    let claims: Vec<Claim> = (0..3)
-        .map(|i| {
-            let mut c = claim("t", 0);
-            c.event.record_key = Some(outbox_persistence::RecordKey::from_stored(format!(
-                "Lead:{i}"
-            )));
-            c
-        })
-        .collect();
+    let claims = batch_claims(3);
     let lost = claims[1].fence;
-    let mut repo = MockOutboxRepository::new();
-    repo.expect_note_alive().returning(|_| ());
-    repo.expect_backend_name().return_const("mock");
-    repo.expect_serializes_writers().return_const(false);
+    let mut repo = mock_repo();
     repo.expect_release_claim().never();
     let mut attempt = MockAttempt::new();
     attempt
@@ -1008,20 +1042,9 @@ async fn a_claim_lost_before_it_ran_does_not_take_the_batch_back() {
 /// instead of committing some of them or counting a failure.
 #[tokio::test(start_paused = true)]
 async fn a_lock_timeout_at_the_settle_gives_the_batch_back_uncounted() {
-    let claims: Vec<Claim> = (0..3)
-        .map(|i| {
-            let mut c = claim("t", 0);
-            c.event.record_key = Some(outbox_persistence::RecordKey::from_stored(format!(
-                "Lead:{i}"
-            )));
-            c
-        })
-        .collect();
+    let claims = batch_claims(3);
     let fences: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
-    let mut repo = MockOutboxRepository::new();
-    repo.expect_note_alive().returning(|_| ());
-    repo.expect_backend_name().return_const("mock");
-    repo.expect_serializes_writers().return_const(false);
+    let mut repo = mock_repo();
     repo.expect_release_claim()
         .times(3)
         .withf(move |fence, _| fences.contains(fence))

@@ -27,8 +27,7 @@ impl Batch<'_> {
                 continue;
             };
             let cell = &self.members[i].1.fence;
-            let mut fence = cell.lock_owned().await;
-            cell.confirm(&self.env.repo, &mut fence).await;
+            let fence = cell.lock_for_write(&self.env.repo).await;
             if fence.lost {
                 drop(fence);
                 if decision.kept_effects {
