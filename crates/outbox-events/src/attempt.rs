@@ -28,6 +28,9 @@ use crate::handler::{AttemptContext, HandlerError, Handlers};
 use crate::heartbeat::{Beat, FenceCell};
 use crate::metrics::{Ended, Metrics};
 
+/// Why a claim is given back unrun when its worker is stopping.
+pub(crate) const STOPPING: &str = "not run: its worker is shutting down";
+
 /// How an attempt ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttemptOutcome {
@@ -323,11 +326,16 @@ async fn begin(
             _ = tokio::time::sleep(backoff) => {}
             _ = beat.lost.cancelled() => return Err(AttemptOutcome::LostClaim),
             _ = env.hard_stop.cancelled() => return Err(AttemptOutcome::Cancelled),
+            // A graceful shutdown: the claim goes back (uncounted) rather than waiting out the
+            // retries; its handler never ran.
+            _ = env.stop.cancelled() => {
+                return Err(crate::detached::give_back(env, beat, STOPPING).await);
+            }
         }
         backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
     }
     tracing::error!(
-        "giving up on beginning the attempt; the row goes stale and will be reclaimed uncounted"
+        "giving up on beginning the attempt; the row goes stale and its reclaim counts an attempt"
     );
     Err(AttemptOutcome::Abandoned)
 }
@@ -394,13 +402,17 @@ async fn finish_success(
     mut tx: Box<dyn Attempt>,
 ) -> AttemptOutcome {
     let fence = beat.fence.clone();
-    let state = fence.lock_for_write(&env.repo).await;
+    let mut state = fence.lock_for_write(&env.repo).await;
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;
         return AttemptOutcome::LostClaim;
     }
     let written = tx.mark_processed(state.fence).await;
+    if matches!(written, Ok(FenceOutcome::Written)) {
+        // The `COMMIT` below carries the outcome: once sent, it may land with its reply lost.
+        state.sending_outcome();
+    }
     match written {
         Ok(FenceOutcome::Written) => match tx.commit().await {
             Ok(()) => AttemptOutcome::Processed,
@@ -452,7 +464,7 @@ async fn finish_failure(
         rollback_quietly(tx.as_mut()).await;
         return detached(env, claim, beat, failure, None).await;
     }
-    let state = fence.lock_for_write(&env.repo).await;
+    let mut state = fence.lock_for_write(&env.repo).await;
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;
@@ -461,6 +473,10 @@ async fn finish_failure(
     let written = tx
         .record_failure(state.fence, failure.bookkeeping, &failure.message)
         .await;
+    if matches!(written, Ok(FenceOutcome::Written)) {
+        // The `COMMIT` below carries the outcome: once sent, it may land with its reply lost.
+        state.sending_outcome();
+    }
     match written {
         Ok(FenceOutcome::Written) => match tx.commit().await {
             Ok(()) => failure_outcome(&failure),

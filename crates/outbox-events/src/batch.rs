@@ -15,14 +15,17 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::attempt::{
-    self, AttemptEnv, AttemptOutcome, CatchPanic, Failure, failure_outcome, rollback_quietly,
+    self, AttemptEnv, AttemptOutcome, CatchPanic, Failure, STOPPING, failure_outcome,
+    rollback_quietly,
 };
 use crate::detached::{DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed};
 
 mod died;
 mod settle;
+mod slow;
 use crate::handler::{AttemptContext, HandlerError};
 use crate::heartbeat::{Beat, BeatGroup, FenceCell, FenceState};
+use slow::Unstarted;
 
 /// Why events still claimed for a batch are given back unrun.
 const BUDGET_SPENT: &str = "not run: the batched attempt reached its time budget";
@@ -30,7 +33,6 @@ const OLDER_FAILED: &str = "not run: an older event of its record did not succee
 const BATCH_DIED: &str = "not run: the batched attempt's transaction failed first";
 const WAITS_FOR_OLDER: &str =
     "not run: an older row of its record became non-terminal after the claim";
-const STOPPING: &str = "not run: its worker is shutting down";
 
 /// Whether a claim may share an attempt transaction: a row that failed before, or was
 /// reclaimed from a dead worker, runs alone (rule 1), so that an event that kills transactions
@@ -41,8 +43,9 @@ pub(crate) fn may_share(claim: &Claim) -> bool {
 
 /// Runs `claims` (claimed together for this worker): those that may share one transaction in
 /// a batch, the others each in an attempt of its own, every claim beating from one heartbeat
-/// interval after the claim, all of them in one statement per interval. Returns the handlers'
-/// total time and how many ran.
+/// interval after the claim, all of them in one statement per interval. A handler that runs
+/// long gives the worker's claims not started yet back for other workers (rule 8). Returns the
+/// handlers' total time and how many ran.
 pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usize) {
     let claimed_at = Instant::now();
     // One heartbeat task and one statement per interval for all of them (rule 7).
@@ -58,6 +61,7 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
             )
         })
         .collect();
+    let unstarted = Unstarted::new(env, &beats);
     let body = async {
         let (shared, alone): (Vec<usize>, Vec<usize>) =
             (0..claims.len()).partition(|&i| may_share(&claims[i]));
@@ -67,9 +71,15 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
             // unrun, also from the batches after this one.
             let mut blocked = HashSet::new();
             for chunk in shared.chunks(env.config.batch_events().max(1)) {
-                let members: Vec<(&Claim, &Beat<'_>)> =
-                    chunk.iter().map(|&i| (&claims[i], &beats[i])).collect();
-                let (time, ran) = Batch::new(env, members, claimed_at, &mut blocked)
+                let members: Vec<Member<'_>> = chunk
+                    .iter()
+                    .map(|&i| Member {
+                        claim: &claims[i],
+                        beat: &beats[i],
+                        index: i,
+                    })
+                    .collect();
+                let (time, ran) = Batch::new(env, members, claimed_at, &mut blocked, &unstarted)
                     .run()
                     .await;
                 took = (took.0 + time, took.1 + ran);
@@ -81,20 +91,26 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
             Vec::new()
         };
         for i in singles.into_iter().chain(alone) {
-            if env.stop.is_cancelled() {
+            let given_back = if env.stop.is_cancelled() {
                 // A graceful shutdown: given back unrun (uncounted), for other workers now.
+                Some(crate::detached::give_back(env, &beats[i], STOPPING).await)
+            } else if unstarted.start(i) {
+                None
+            } else {
+                // Given back while an earlier handler ran long (rule 8).
+                Some(unstarted.outcome(i))
+            };
+            if let Some(outcome) = given_back {
                 env.metrics
                     .claimed(&claims[i].event.event_type, claims[i].reclaimed);
-                let outcome = match crate::detached::release(env, &beats[i], STOPPING).await {
-                    AttemptOutcome::Released => AttemptOutcome::NotRun,
-                    other => other,
-                };
                 beats[i].stop();
                 let _span = attempt::attempt_span(&claims[i]).entered();
                 attempt::ended(env, &claims[i], &outcome, claimed_at);
                 continue;
             }
-            let (_, handler_time) = attempt::one(env, &claims[i], &beats[i], claimed_at).await;
+            let (_, handler_time) = unstarted
+                .while_running(attempt::one(env, &claims[i], &beats[i], claimed_at))
+                .await;
             // An attempt whose handler never ran (its claim lost, its begin given up) is no
             // sample of the handlers' time: counted, it would pull the batch sizer's mean to 0.
             if handler_time > Duration::ZERO {
@@ -114,6 +130,14 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
             body.await
         }
     }
+}
+
+/// One claim of a batch: the claim, its beat, and its index among the worker's claims.
+#[derive(Clone, Copy)]
+struct Member<'a> {
+    claim: &'a Claim,
+    beat: &'a Beat<'a>,
+    index: usize,
 }
 
 /// Where one event of a batch stands.
@@ -188,8 +212,8 @@ impl Decision {
 enum Stop {
     /// The transaction failed (the error's text); the detached path accounts for the batch.
     Died(String),
-    /// A write at the settle could not land for a reason that is no event's fault (its claim
-    /// was lost, a lock timeout, a conflict): rolled back whole, every event given back (rule 3).
+    /// A write at the settle could not land for a reason that is no event's fault (a lock
+    /// timeout, a conflict): rolled back whole, every event given back (rule 3).
     GiveBack(String),
     /// A hard shutdown: rolled back, left to stale reclaim.
     Cancelled,
@@ -197,10 +221,12 @@ enum Stop {
 
 struct Batch<'a> {
     env: &'a AttemptEnv,
-    members: Vec<(&'a Claim, &'a Beat<'a>)>,
+    members: Vec<Member<'a>>,
     /// Records with a row that did not succeed in this worker's batches: their later rows
     /// are given back unrun.
     blocked: &'a mut HashSet<RecordKey>,
+    /// The worker's claims not started yet: a handler that runs long gives them back.
+    unstarted: &'a Unstarted<'a>,
     steps: Vec<Step>,
     /// Members the begin's check says may not run now: given back before any event runs.
     recheck: Vec<usize>,
@@ -209,18 +235,30 @@ struct Batch<'a> {
     ran: usize,
 }
 
+/// How a segment of the batch (one transaction) ended its events.
+#[derive(Debug, PartialEq, Eq)]
+enum Segment {
+    /// Every event ran or was given back.
+    Done,
+    /// A handler kept effects in the transaction: the segment settles and commits before
+    /// another handler runs (rule 2), so the transaction never holds two handlers' locks.
+    Effects,
+}
+
 impl<'a> Batch<'a> {
     fn new(
         env: &'a AttemptEnv,
-        members: Vec<(&'a Claim, &'a Beat<'a>)>,
+        members: Vec<Member<'a>>,
         claimed_at: Instant,
         blocked: &'a mut HashSet<RecordKey>,
+        unstarted: &'a Unstarted<'a>,
     ) -> Self {
         let steps = members.iter().map(|_| Step::Waiting).collect();
         Self {
             env,
             members,
             blocked,
+            unstarted,
             steps,
             recheck: Vec::new(),
             claimed_at,
@@ -230,48 +268,78 @@ impl<'a> Batch<'a> {
     }
 
     async fn run(mut self) -> (Duration, usize) {
-        for (claim, _) in &self.members {
+        for member in &self.members {
             self.env
                 .metrics
-                .claimed(&claim.event.event_type, claim.reclaimed);
+                .claimed(&member.claim.event.event_type, member.claim.reclaimed);
         }
-        match self.begin().await {
-            Ok(mut tx) => {
-                let settled = match self.events(tx.as_mut()).await {
-                    Ok(()) => self.settle(tx.as_mut()).await,
-                    Err(stop) => Err(stop),
-                };
-                let ended = match settled {
-                    Ok(()) => match tx.commit().await {
+        // One transaction per segment: the events up to a handler that kept effects in it
+        // (rule 2). Events whose handlers never ask for the transaction share one.
+        loop {
+            self.take_given_back();
+            if !self.steps.iter().any(|s| matches!(s, Step::Waiting)) {
+                break;
+            }
+            let mut tx = match self.begin().await {
+                Ok(tx) => tx,
+                Err(Begun::Stopping) => {
+                    self.release_waiting(STOPPING).await;
+                    break;
+                }
+                Err(Begun::Ended(outcome)) => {
+                    self.end_waiting(outcome);
+                    break;
+                }
+            };
+            let (settled, more) = match self.events(tx.as_mut()).await {
+                Ok(segment) => (self.settle(tx.as_mut()).await, segment == Segment::Effects),
+                Err(stop) => (Err(stop), false),
+            };
+            let ended = match settled {
+                Ok(()) => {
+                    self.sending_outcomes();
+                    match tx.commit().await {
                         Ok(()) => Ok(()),
                         Err(e) => Err((Stop::Died(format!("commit failed: {}", e.chain())), true)),
-                    },
-                    Err(stop) => {
-                        rollback_quietly(tx.as_mut()).await;
-                        Err((stop, false))
                     }
-                };
-                match ended {
-                    Ok(()) => self.committed(),
-                    Err((Stop::Cancelled, _)) => self.cancelled(),
-                    Err((Stop::Died(error), commit)) => self.died(&error, commit).await,
-                    Err((Stop::GiveBack(why), _)) => self.gave_back(&why).await,
+                }
+                Err(stop) => {
+                    rollback_quietly(tx.as_mut()).await;
+                    Err((stop, false))
+                }
+            };
+            match ended {
+                Ok(()) => self.committed(),
+                Err((Stop::Cancelled, _)) => {
+                    self.cancelled();
+                    break;
+                }
+                Err((Stop::Died(error), commit)) => {
+                    self.died(&error, commit).await;
+                    break;
+                }
+                Err((Stop::GiveBack(why), _)) => {
+                    self.gave_back(&why).await;
+                    break;
                 }
             }
-            Err(outcome) => self.end_waiting(outcome),
+            if !more {
+                break;
+            }
         }
+        self.take_given_back();
         if self.ran > 1 {
             self.env.metrics.batch();
         }
-        for (_, beat) in &self.members {
+        for member in &self.members {
             // Ended: a beat started by a later batch's first interval would only find it gone.
-            beat.stop();
+            member.beat.stop();
         }
         for (i, step) in self.steps.iter().enumerate() {
             let Step::Done(outcome) = step else {
                 continue;
             };
-            let (claim, _) = self.members[i];
+            let claim = self.members[i].claim;
             if *outcome != AttemptOutcome::Processed
                 && let Some(key) = &claim.event.record_key
             {
@@ -283,9 +351,29 @@ impl<'a> Batch<'a> {
         (self.handler_time, self.ran)
     }
 
-    /// Opens the batch's transaction, retried with backoff while the beats keep the claims (as
-    /// a single attempt's begin is): nothing counted, no handler run.
-    async fn begin(&mut self) -> Result<Box<dyn Attempt>, AttemptOutcome> {
+    /// Members given back while an earlier handler ran long (rule 8) end as their release did.
+    fn take_given_back(&mut self) {
+        for (i, member) in self.members.iter().enumerate() {
+            if matches!(self.steps[i], Step::Waiting) && self.unstarted.is_given_back(member.index)
+            {
+                self.steps[i] = Step::Done(self.unstarted.outcome(member.index));
+            }
+        }
+    }
+
+    /// The `COMMIT` is about to carry every written outcome: each may land with its reply lost,
+    /// so none of these claims is read back as this worker's own again (`FenceState::ending`).
+    fn sending_outcomes(&mut self) {
+        for step in &mut self.steps {
+            if let Step::Written(_, Some(fence)) = step {
+                fence.sending_outcome();
+            }
+        }
+    }
+
+    /// Opens a transaction for the batch's waiting events, retried with backoff while the
+    /// beats keep the claims (as a single attempt's begin is): nothing counted, no handler run.
+    async fn begin(&mut self) -> Result<Box<dyn Attempt>, Begun> {
         let env = self.env;
         let members = self.members.clone();
         let mut backoff = DETACHED_FIRST_BACKOFF;
@@ -295,22 +383,23 @@ impl<'a> Batch<'a> {
             // while holding a fence the batch needs.
             let (held, begun) = {
                 let mut held = Vec::new();
-                for (i, (_, beat)) in members.iter().enumerate() {
+                let mut fences = Vec::new();
+                for (i, member) in members.iter().enumerate() {
                     if !matches!(self.steps[i], Step::Waiting) {
                         continue;
                     }
-                    let state = beat.fence.lock().await;
+                    let state = member.beat.fence.lock().await;
                     if state.lost {
                         self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
                         self.block(i);
                     } else {
-                        held.push(state);
+                        fences.push(state.fence);
+                        held.push((i, state));
                     }
                 }
                 if held.is_empty() {
-                    return Err(AttemptOutcome::LostClaim);
+                    return Err(Begun::Ended(AttemptOutcome::LostClaim));
                 }
-                let fences = held.iter().map(|state| state.fence).collect();
                 let begun = env
                     .repo
                     .begin_batch_attempt(env.config.lock_timeout, fences)
@@ -319,8 +408,9 @@ impl<'a> Batch<'a> {
             };
             match begun {
                 Ok((mut tx, lost)) => {
-                    for (i, (claim, beat)) in members.iter().enumerate() {
-                        if lost.contains(&claim.event.id) {
+                    for &(i, _) in &held {
+                        let member = members[i];
+                        if lost.contains(&member.claim.event.id) {
                             // Lost, or waiting for an older row of its record outside the
                             // batch: given back first thing (a lost claim's release finds it
                             // lost), and its record's later rows with it.
@@ -331,65 +421,66 @@ impl<'a> Batch<'a> {
                             // The batch holds the only write lock: nobody can reclaim a row
                             // until it commits, and a beat (also of a row given back at the
                             // settle) would only wait for it, holding a fence the settle needs.
-                            beat.stop();
+                            member.beat.stop();
                         }
                     }
                     drop(held);
                     if !self.steps.iter().any(|s| matches!(s, Step::Waiting)) {
                         rollback_quietly(tx.as_mut()).await;
-                        return Err(AttemptOutcome::LostClaim);
+                        return Err(Begun::Ended(AttemptOutcome::LostClaim));
                     }
                     return Ok(tx);
                 }
                 Err(e) => {
                     drop(held);
                     if e.is_lock_timeout() {
-                        env.metrics.lock_timeout(&members[0].0.event.event_type);
+                        env.metrics.lock_timeout(&members[0].claim.event.event_type);
                     }
                     tracing::warn!(error = %e.chain(), try_number, "could not begin the batched attempt; the claims are kept while it retries");
-                    for (_, beat) in &members {
-                        beat.ensure_running(true);
+                    for member in &members {
+                        member.beat.ensure_running(true);
                     }
                 }
             }
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => {}
-                _ = env.hard_stop.cancelled() => return Err(AttemptOutcome::Cancelled),
+                _ = env.hard_stop.cancelled() => return Err(Begun::Ended(AttemptOutcome::Cancelled)),
+                // A graceful shutdown: the claims go back for other workers (or this process's
+                // next start) rather than waiting out the retries.
+                _ = env.stop.cancelled() => return Err(Begun::Stopping),
             }
             backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
         }
         tracing::error!(
-            "giving up on beginning the batched attempt; its rows go stale and will be reclaimed uncounted"
+            "giving up on beginning the batched attempt; its rows go stale and their reclaim counts an attempt each"
         );
-        Err(AttemptOutcome::Abandoned)
+        Err(Begun::Ended(AttemptOutcome::Abandoned))
     }
 
-    /// Runs the waiting events in claim order, each after a savepoint of its own, until the
-    /// time budget is spent (the rest given back), deciding each one's outcome (rule 2).
-    async fn events(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
+    /// Runs the waiting events in claim order, under the segment's savepoint, until the time
+    /// budget is spent (the rest given back) or a handler keeps effects in the transaction
+    /// (the segment ends there), deciding each one's outcome (rule 2).
+    async fn events(&mut self, tx: &mut dyn Attempt) -> Result<Segment, Stop> {
         for i in std::mem::take(&mut self.recheck) {
             self.decide(i, Decision::not_run(WAITS_FOR_OLDER));
         }
-        // The begin's savepoint is fresh, and a rolled-back event leaves its savepoint in
-        // place: a new one is needed only after a handler that succeeded with effects in the
-        // transaction, which the next event's rollback must not undo.
-        let mut kept_effects = false;
         for i in 0..self.members.len() {
             if !matches!(self.steps[i], Step::Waiting) {
                 continue;
             }
             if self.ran > 0 && self.handler_time >= self.env.config.batch_budget {
                 self.give_back(i, |_| true, BUDGET_SPENT);
-                return Ok(());
+                return Ok(Segment::Done);
             }
             if self.env.stop.is_cancelled() {
                 // A graceful shutdown: what has not started goes back for other workers now,
                 // rather than running past the shutdown timeout.
                 self.give_back(i, |_| true, STOPPING);
-                return Ok(());
+                return Ok(Segment::Done);
             }
-            let (claim, _) = self.members[i];
-            if claim
+            let member = self.members[i];
+            if member
+                .claim
                 .event
                 .record_key
                 .as_ref()
@@ -398,31 +489,34 @@ impl<'a> Batch<'a> {
                 self.decide(i, Decision::not_run(OLDER_FAILED));
                 continue;
             }
-            if std::mem::take(&mut kept_effects) {
-                tx.savepoint()
-                    .await
-                    .map_err(|e| Stop::Died(format!("savepoint failed: {}", e.chain())))?;
+            if !self.unstarted.start(member.index) {
+                // Given back while an earlier handler ran long (rule 8).
+                self.steps[i] = Step::Done(self.unstarted.outcome(member.index));
+                continue;
             }
-            let span = attempt::attempt_span(claim);
-            kept_effects = self.event(tx, i).instrument(span).await?;
+            let span = attempt::attempt_span(member.claim);
+            let kept_effects = self.event(tx, i).instrument(span).await?;
             if !matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
                 // A record's later events wait for this one: none of them runs in this batch.
-                let key = claim.event.record_key.clone();
+                let key = member.claim.event.record_key.clone();
                 if key.is_some() {
                     let members = self.members.clone();
-                    let same = move |j: usize| members[j].0.event.record_key == key;
+                    let same = move |j: usize| members[j].claim.event.record_key == key;
                     self.give_back(i + 1, same, OLDER_FAILED);
                 }
                 self.block(i);
             }
+            if kept_effects {
+                return Ok(Segment::Effects);
+            }
         }
-        Ok(())
+        Ok(Segment::Done)
     }
 
     /// Member `i` did not succeed: its record's later rows, in this batch and the worker's next
     /// ones, are given back unrun.
     fn block(&mut self, i: usize) {
-        if let Some(key) = &self.members[i].0.event.record_key {
+        if let Some(key) = &self.members[i].claim.event.record_key {
             self.blocked.insert(key.clone());
         }
     }
@@ -436,16 +530,23 @@ impl<'a> Batch<'a> {
         }
     }
 
-    /// Event `i`'s outcome is decided; written at the settle.
+    /// Event `i`'s outcome is decided; written at the settle. One given back meanwhile (rule
+    /// 8) ends as its release did instead.
     fn decide(&mut self, i: usize, decision: Decision) {
-        self.steps[i] = Step::Decided(decision);
+        let index = self.members[i].index;
+        self.steps[i] = if self.unstarted.start(index) {
+            Step::Decided(decision)
+        } else {
+            Step::Done(self.unstarted.outcome(index))
+        };
     }
 
-    /// One event: its handler, then its outcome decided. Returns whether the handler used the
-    /// transaction: effects that a later event's rollback must not undo, if it succeeded.
+    /// One event: its handler (the worker's claims not started yet given back if it runs
+    /// long), then its outcome decided. Returns whether its effects stay in the transaction
+    /// (its handler succeeded and used it): the segment then ends.
     async fn event(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<bool, Stop> {
         let env = self.env;
-        let (claim, beat) = self.members[i];
+        let Member { claim, beat, .. } = self.members[i];
         self.ran += 1;
         self.steps[i] = Step::Ran(None);
         let handler = env.handlers.get(&claim.event.event_type).cloned();
@@ -460,12 +561,17 @@ impl<'a> Batch<'a> {
             Some(handler) => {
                 let mut ctx = AttemptContext::for_attempt(tx);
                 let started = Instant::now();
-                let result = tokio::select! {
-                    biased;
-                    _ = beat.lost.cancelled() => Err(AttemptOutcome::LostClaim),
-                    _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
-                    result = CatchPanic(handler.handle(&claim.event, &mut ctx)) => Ok(result),
-                };
+                let result = self
+                    .unstarted
+                    .while_running(async {
+                        tokio::select! {
+                            biased;
+                            _ = beat.lost.cancelled() => Err(AttemptOutcome::LostClaim),
+                            _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
+                            result = CatchPanic(handler.handle(&claim.event, &mut ctx)) => Ok(result),
+                        }
+                    })
+                    .await;
                 let took = started.elapsed();
                 self.handler_time += took;
                 env.metrics.handler_ran(&claim.event.event_type, took);
@@ -515,7 +621,18 @@ impl<'a> Batch<'a> {
         }
     }
 
-    /// The batch committed: every written outcome stands.
+    /// Gives back, on the side, every event still waiting (the batch cannot begin, and its
+    /// worker is stopping).
+    async fn release_waiting(&mut self, why: &'static str) {
+        for i in 0..self.members.len() {
+            if matches!(self.steps[i], Step::Waiting) {
+                let outcome = crate::detached::give_back(self.env, self.members[i].beat, why).await;
+                self.steps[i] = Step::Done(outcome);
+            }
+        }
+    }
+
+    /// The segment committed: every written outcome stands.
     fn committed(&mut self) {
         for step in &mut self.steps {
             if let Step::Written(decision, _) = step {
@@ -534,7 +651,7 @@ impl<'a> Batch<'a> {
         }
     }
 
-    /// Every event not ended yet ends as `outcome` (the batch never began).
+    /// Every event not ended yet ends as `outcome` (its transaction never began).
     fn end_waiting(&mut self, outcome: AttemptOutcome) {
         for step in &mut self.steps {
             if matches!(step, Step::Waiting) {
@@ -542,6 +659,14 @@ impl<'a> Batch<'a> {
             }
         }
     }
+}
+
+/// Why a batch's transaction did not begin.
+enum Begun {
+    /// Its waiting events end so (their claims lost, a hard shutdown, given up).
+    Ended(AttemptOutcome),
+    /// A graceful shutdown began while it retried: its waiting events are given back.
+    Stopping,
 }
 
 /// Undoes the running event's effects: rolls back to its savepoint, unless its handler never
@@ -554,7 +679,7 @@ async fn undo(tx: &mut dyn Attempt, touched: bool) -> Result<(), Stop> {
     }
 }
 
-/// Rolls back to the running event's savepoint; a failure there is the transaction dying.
+/// Rolls back to the segment's savepoint; a failure there is the transaction dying.
 async fn rolled_back(tx: &mut dyn Attempt) -> Result<(), Stop> {
     tx.rollback_to_savepoint()
         .await

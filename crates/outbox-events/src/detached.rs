@@ -18,10 +18,11 @@ pub(crate) async fn release(env: &AttemptEnv, beat: &Beat<'_>, message: &str) ->
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for try_number in 1..=DETACHED_MAX_TRIES {
         {
-            let state = fence.lock_for_write(&env.repo).await;
+            let mut state = fence.lock_for_write(&env.repo).await;
             if state.lost {
                 return AttemptOutcome::LostClaim;
             }
+            state.sending_outcome();
             match env.repo.release_claim(state.fence, message).await {
                 Ok(FenceOutcome::Written) => return AttemptOutcome::Released,
                 Ok(FenceOutcome::Lost) => return AttemptOutcome::LostClaim,
@@ -41,6 +42,15 @@ pub(crate) async fn release(env: &AttemptEnv, beat: &Beat<'_>, message: &str) ->
     }
     tracing::error!("giving up on releasing the claim; the row goes stale and will be reclaimed");
     AttemptOutcome::Abandoned
+}
+
+/// Gives back a claim whose handler never ran (uncounted, on a connection of its own): a
+/// release that lands is [`AttemptOutcome::NotRun`].
+pub(crate) async fn give_back(env: &AttemptEnv, beat: &Beat<'_>, why: &str) -> AttemptOutcome {
+    match release(env, beat, why).await {
+        AttemptOutcome::Released => AttemptOutcome::NotRun,
+        other => other,
+    }
 }
 
 /// How often, and how long, the detached bookkeeping is tried before the worker gives up.
@@ -118,10 +128,11 @@ pub(crate) async fn detached(
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for attempt in 1..=DETACHED_MAX_TRIES {
         {
-            let state = fence.lock_for_write(&env.repo).await;
+            let mut state = fence.lock_for_write(&env.repo).await;
             if state.lost {
                 return lost_or_landed(env, claim, &failure, landed).await;
             }
+            state.sending_outcome();
             let written = match failure.bookkeeping {
                 FailureBookkeeping::Retry { extra_delay } => {
                     env.repo

@@ -28,8 +28,24 @@ pub(crate) struct FenceState {
     /// reply lost (a cut connection), moving the row past `fence`.
     unsure: bool,
     /// The claim's `RetryCount`: a reclaim always raises it, so a row still `processing` with
-    /// this count and a later `LastModifiedDate` can only carry this worker's own beat.
+    /// this count and a later `LastModifiedDate` can only carry this worker's own beat, as long
+    /// as this worker never sent a write that gives the row up (see `ending`).
     retry_count: i32,
+    /// An outcome write of this claim was sent outside a transaction that is sure to roll
+    /// back (a release, the detached bookkeeping, or an attempt's `COMMIT` with its outcome in
+    /// it): it may have landed with its reply lost. A release keeps `RetryCount`, so another
+    /// worker's fresh claim of the released row would then look exactly like this worker's own
+    /// landed beat: from here on the row is never read back as this worker's (finding 4 of
+    /// the batched-attempts review, `../shared/repro/batches/f2_readback_adopts_foreign_claim.sh`).
+    ending: bool,
+}
+
+impl FenceState {
+    /// An outcome write under this fence is about to be sent where it may land (see
+    /// `ending`): a failed beat is never again read back as this worker's own.
+    pub(crate) fn sending_outcome(&mut self) {
+        self.ending = true;
+    }
 }
 
 /// The fence shared by the heartbeat and the attempt, with a copy of the latest value that
@@ -45,6 +61,7 @@ impl FenceCell {
                 lost: false,
                 unsure: false,
                 retry_count,
+                ending: false,
             })),
             Arc::new(std::sync::Mutex::new(fence)),
         )
@@ -276,9 +293,12 @@ async fn beat_once(
 /// After a failed beat, a beat that finds the claim lost may only have found the failed
 /// beat's own write (its `COMMIT` landed, its reply did not): the row read back still
 /// `processing` with the claim's `RetryCount` (a reclaim always raises it) and a later
-/// `LastModifiedDate` is still this worker's claim, fenced by that value.
+/// `LastModifiedDate` is still this worker's claim, fenced by that value. Only while this
+/// worker has sent no write that may have given the row up (`FenceState::ending`): after an
+/// uncounted release that landed, another worker's fresh claim carries the same `RetryCount`
+/// and a later `LastModifiedDate` too, and adopting it would release that worker's live claim.
 async fn own_beat_landed(repo: &Arc<dyn OutboxRepository>, state: &FenceState) -> Option<Fence> {
-    if !state.unsure {
+    if !state.unsure || state.ending {
         return None;
     }
     let row = repo.get_event(state.fence.id).await.ok().flatten()?;

@@ -7,7 +7,7 @@ use outbox_persistence::Claim;
 
 use super::{BATCH_DIED, Batch, Step};
 use crate::attempt::{AttemptOutcome, Failure};
-use crate::detached::{Landed, detached, release};
+use crate::detached::{Landed, detached, give_back, release};
 use crate::heartbeat::Beat;
 
 /// Why the events of a batch rolled back at its settle are given back.
@@ -57,6 +57,8 @@ impl Batch<'_> {
 
     /// Accounts on the side for every event the rolled-back transaction did not end.
     async fn account(&mut self, ending: Ending<'_>) {
+        // Claims given back meanwhile (rule 8) are not released twice.
+        self.take_given_back();
         // Every fence held for the settle is let go first: the bookkeeping below takes each in
         // turn, and the heartbeats of those waiting their turn must beat meanwhile.
         for step in &mut self.steps {
@@ -65,12 +67,12 @@ impl Batch<'_> {
             }
         }
         for (i, step) in std::mem::take(&mut self.steps).into_iter().enumerate() {
-            let (claim, beat) = self.members[i];
+            let (claim, beat) = (self.members[i].claim, self.members[i].beat);
             let outcome = match step {
                 Step::Done(outcome) => outcome,
-                Step::Waiting => not_run(release(self.env, beat, ending.why()).await),
+                Step::Waiting => give_back(self.env, beat, ending.why()).await,
                 Step::Decided(d) | Step::Written(d, _) if d.release.is_some() => {
-                    not_run(release(self.env, beat, ending.why()).await)
+                    give_back(self.env, beat, ending.why()).await
                 }
                 Step::Written(d, _) => {
                     let landed = match ending {
@@ -116,13 +118,5 @@ impl Batch<'_> {
             true,
             format!("the batched attempt's transaction failed: {error}"),
         )
-    }
-}
-
-/// A release of a claim whose handler never ran is a claim given back unrun.
-fn not_run(outcome: AttemptOutcome) -> AttemptOutcome {
-    match outcome {
-        AttemptOutcome::Released => AttemptOutcome::NotRun,
-        other => other,
     }
 }

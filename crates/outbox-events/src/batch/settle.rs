@@ -1,85 +1,152 @@
-//! The settle of a batched attempt (docs/state-machine.md, "Batched attempts", rules 2 and 3):
-//! once its events ran, every decided outcome is written in the transaction, each under its
-//! fence, held until the batch ends: the `processed` writes in one statement, then each retry,
-//! `failed` or release.
+//! The settle of a batched attempt's segment (docs/state-machine.md, "Batched attempts", rules 2
+//! and 3): once its events ran, every decided outcome is written in the transaction, each under
+//! its fence, held until the segment ends: the `processed` writes in one statement, then each
+//! retry, `failed` or release. A claim found lost never lets a later event of its record end
+//! before it: that event is given back instead, its writes (and the segment's one handler's
+//! effects, if they are its) rolled back to the segment's savepoint.
 
-use outbox_persistence::{Attempt, Error, Fence, FenceOutcome};
+use outbox_persistence::{Attempt, Error, Fence, FenceOutcome, RecordKey};
 use tokio::sync::OwnedMutexGuard;
 
 use super::{Batch, Decision, Step, Stop};
 use crate::attempt::AttemptOutcome;
 use crate::heartbeat::FenceState;
 
+/// Why an event is given back at the settle when an older event of its record was lost there.
+const OLDER_LOST: &str =
+    "not run to its end: an older event of its record lost its claim at the batch's settle";
+/// Why an event whose handler's effects were rolled back at the settle is given back.
+const EFFECTS_ROLLED_BACK: &str =
+    "given back: its effects were rolled back at the batch's settle (another claim was lost)";
+
 /// A decided event at the settle: its index, its decision and its fence, held.
 type Held = (usize, Decision, OwnedMutexGuard<FenceState>);
 
 impl Batch<'_> {
     /// Writes every decided outcome, fenced, in the transaction. A claim found lost writes
-    /// nothing; if its effects are in the transaction (they cannot be undone alone), the batch
-    /// stops as a give-back, as it does on a lock timeout or conflict; any other error is the
-    /// transaction dying.
+    /// nothing and ends lost alone, except that the later events of its record in the segment
+    /// are given back (uncounted) instead of ending before it: when one of them was written, or
+    /// a lost or given-back event's effects are in the transaction, the segment rolls back to
+    /// its savepoint first (undoing its writes and its one handler's effects; that handler's
+    /// event, if it is not the lost one, is given back too) and writes again. A lock timeout or
+    /// conflict on a write gives the segment back; any other error is the transaction dying.
     pub(super) async fn settle(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
         let mut held: Vec<Held> = Vec::new();
+        // Records with a claim lost at this settle, and the claim order of the first one.
+        let mut lost: Vec<(usize, RecordKey)> = Vec::new();
+        let mut effects_lost = false;
         for i in 0..self.steps.len() {
             let step = std::mem::replace(&mut self.steps[i], Step::Waiting);
             let Step::Decided(decision) = step else {
                 self.steps[i] = step;
                 continue;
             };
-            let cell = &self.members[i].1.fence;
+            let cell = &self.members[i].beat.fence;
             let fence = cell.lock_for_write(&self.env.repo).await;
             if fence.lost {
                 drop(fence);
-                if decision.kept_effects {
-                    self.undecided(held);
-                    return Err(self.lost_at_settle(i));
-                }
-                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+                effects_lost |= decision.kept_effects;
+                self.lost_here(i, &mut lost);
                 continue;
             }
             held.push((i, decision, fence));
         }
-        if held.is_empty() {
+        loop {
+            // The later events of a record whose claim was lost here are given back.
+            let mut undo = effects_lost;
+            for (i, decision, _) in &mut held {
+                if self.after_lost(*i, &lost) && decision.release.is_none() {
+                    undo |= decision.kept_effects;
+                    *decision = Decision::not_run(OLDER_LOST);
+                }
+            }
+            if undo {
+                // No effects are left in the segment after this: a later round has none to undo.
+                rolled_back_to_savepoint(tx).await?;
+                for (_, decision, _) in &mut held {
+                    if decision.kept_effects {
+                        *decision = Decision::not_run(EFFECTS_ROLLED_BACK);
+                    }
+                }
+            }
+            if held.is_empty() {
+                return Ok(());
+            }
+            let outcomes = match write_all(tx, &held).await {
+                Ok(outcomes) => outcomes,
+                Err(e) => {
+                    let (i, _, _) = &held[0];
+                    if e.is_lock_timeout() {
+                        let claim = self.members[*i].claim;
+                        self.env.metrics.lock_timeout(&claim.event.event_type);
+                    }
+                    let error = format!("writing the outcomes failed: {}", e.chain());
+                    self.undecided(held);
+                    return Err(if e.is_lock_timeout() || e.is_conflict() {
+                        Stop::GiveBack(error)
+                    } else {
+                        Stop::Died(error)
+                    });
+                }
+            };
+            let mut kept = Vec::with_capacity(held.len());
+            let mut found_lost = false;
+            for ((i, decision, fence), outcome) in held.into_iter().zip(outcomes) {
+                if outcome == FenceOutcome::Lost {
+                    drop(fence);
+                    effects_lost |= decision.kept_effects;
+                    found_lost = true;
+                    self.lost_here(i, &mut lost);
+                } else {
+                    kept.push((i, decision, fence));
+                }
+            }
+            held = kept;
+            let written_after_lost = held.iter().any(|(i, _, _)| self.after_lost(*i, &lost));
+            if found_lost && (effects_lost || written_after_lost) {
+                // Something written must not stand (a later event of a lost claim's record,
+                // or effects of a lost claim): undo every write of this settle and write
+                // again. Each round ends one more claim lost, so this ends.
+                rolled_back_to_savepoint(tx).await?;
+                for (_, decision, _) in &mut held {
+                    if decision.kept_effects {
+                        *decision = Decision::not_run(EFFECTS_ROLLED_BACK);
+                    }
+                }
+                effects_lost = false;
+                continue;
+            }
+            for (i, decision, fence) in held {
+                self.steps[i] = Step::Written(decision, Some(fence));
+            }
             return Ok(());
         }
-        let outcomes = match write_all(tx, &held).await {
-            Ok(outcomes) => outcomes,
-            Err(e) => {
-                let (i, _, _) = &held[0];
-                if e.is_lock_timeout() {
-                    let claim = self.members[*i].0;
-                    self.env.metrics.lock_timeout(&claim.event.event_type);
-                }
-                let error = format!("writing the outcomes failed: {}", e.chain());
-                self.undecided(held);
-                return Err(if e.is_lock_timeout() || e.is_conflict() {
-                    Stop::GiveBack(error)
-                } else {
-                    Stop::Died(error)
-                });
-            }
-        };
-        let taken_back = held
-            .iter()
-            .zip(&outcomes)
-            .find(|((_, decision, _), outcome)| {
-                **outcome == FenceOutcome::Lost && decision.kept_effects
-            })
-            .map(|((i, _, _), _)| *i);
-        if let Some(i) = taken_back {
-            let others = held.into_iter().filter(|(j, _, _)| *j != i).collect();
-            self.undecided(others);
-            return Err(self.lost_at_settle(i));
+    }
+
+    /// Event `i`'s claim turned out lost at the settle: it ends lost, and its record's later
+    /// events (here and in the worker's next batches) must not end before it.
+    fn lost_here(&mut self, i: usize, lost: &mut Vec<(usize, RecordKey)>) {
+        tracing::warn!(
+            event_id = %self.members[i].claim.event.id,
+            "a claim of the batch was lost before its outcome was written; it writes nothing"
+        );
+        self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+        self.block(i);
+        if let Some(key) = &self.members[i].claim.event.record_key
+            && !lost.iter().any(|(_, k)| k == key)
+        {
+            lost.push((i, key.clone()));
         }
-        for ((i, decision, fence), outcome) in held.into_iter().zip(outcomes) {
-            // A lost claim without effects here (given back, failed and rolled back, or a
-            // handler that never used the transaction) wrote nothing: it alone ends lost.
-            self.steps[i] = match outcome {
-                FenceOutcome::Written => Step::Written(decision, Some(fence)),
-                FenceOutcome::Lost => Step::Done(AttemptOutcome::LostClaim),
-            };
-        }
-        Ok(())
+    }
+
+    /// Whether event `i` follows, in claim order, a claim of its record lost at this settle.
+    fn after_lost(&self, i: usize, lost: &[(usize, RecordKey)]) -> bool {
+        self.members[i]
+            .claim
+            .event
+            .record_key
+            .as_ref()
+            .is_some_and(|key| lost.iter().any(|(j, k)| k == key && *j < i))
     }
 
     /// The settle stopped: these events' outcomes are decided, not written (fences let go).
@@ -88,18 +155,17 @@ impl Batch<'_> {
             self.steps[i] = Step::Decided(decision);
         }
     }
+}
 
-    /// Event `i`'s claim turned out lost at the settle (reclaimed after its beats failed for
-    /// `stale_after`) with its effects in the transaction, under later events' work: the batch
-    /// gives back all.
-    fn lost_at_settle(&mut self, i: usize) -> Stop {
-        tracing::warn!(
-            event_id = %self.members[i].0.event.id,
-            "a claim of the batch was lost before its outcome was written; rolling the batch back and giving its events back"
-        );
-        self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-        Stop::GiveBack("a claim of the batch was lost before its outcome was written".into())
-    }
+/// Rolls the segment back to its savepoint (taken before its one handler with effects);
+/// a failure is the transaction dying.
+async fn rolled_back_to_savepoint(tx: &mut dyn Attempt) -> Result<(), Stop> {
+    tx.rollback_to_savepoint().await.map_err(|e| {
+        Stop::Died(format!(
+            "rollback to the savepoint at the settle failed: {}",
+            e.chain()
+        ))
+    })
 }
 
 /// Writes every held decision: the `processed` ones in one statement (several) or one, then
