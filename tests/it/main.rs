@@ -3,6 +3,7 @@
 
 mod adopter;
 mod batch;
+mod batch_safety;
 mod batched;
 mod create_action;
 mod embedding;

@@ -1,0 +1,376 @@
+//! Batched attempts that cost the application nothing (docs/state-machine.md, "Batched
+//! attempts", rules 2, 3 and 8), on real databases with the default batch configuration:
+//! application transactions that write the handlers' rows beside 8 workers never fail; a claim
+//! lost at the settle never lets a later row of its record end before it
+//! (`../shared/repro/batches/f1_chain_commits_past_lost_head.sh`); a handler that runs long
+//! gives its worker's unstarted claims back for idle workers. Invariants are read back from the
+//! database.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_events::{
+    AttemptContext, DispatchMode, Dispatcher, DispatcherHandle, Handler, HandlerError, Handlers,
+    OutboxEvent, WorkerConfig,
+};
+use outbox_persistence::{NewEvent, OutboxRepository, statement, with_tx};
+use outbox_tests::{Backend, TestDb, backend_tests, drain};
+use record_key::EventEnvelope;
+
+const EVENT_TYPE: &str = "safety.test";
+
+/// Rows the application and the handlers both write.
+const APP_ROWS: u64 = 30;
+
+/// The default pull configuration (batches of 32, a 10 ms budget), `workers` workers, quick
+/// polls; the gate is skipped (no consumers are declared here).
+fn config(workers: usize) -> WorkerConfig {
+    WorkerConfig::default()
+        .with_mode(DispatchMode::Pull)
+        .dangerously_skip_rollout_gate("batch safety under test")
+        .with_workers(workers)
+        .with_poll_interval(Duration::from_millis(20))
+        .with_retry_delay(Duration::from_millis(20))
+        .with_max_retry_delay(Duration::from_millis(50))
+}
+
+fn payload(record: &str, what: &str, row: u64) -> String {
+    format!(
+        r#"{{"object":"Account","record_id":"{record}","snapshot":{{"do":"{what}","row":{row}}}}}"#
+    )
+}
+
+fn event(record: &str, what: &str, row: u64) -> NewEvent {
+    NewEvent::new(EVENT_TYPE, payload(record, what, row))
+}
+
+async fn enqueue(repo: &Arc<dyn OutboxRepository>, events: &[NewEvent]) {
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, events).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn start(
+    repo: &Arc<dyn OutboxRepository>,
+    handler: impl Handler,
+    config: WorkerConfig,
+) -> DispatcherHandle {
+    let handlers = Handlers::new().register(EVENT_TYPE, handler);
+    Dispatcher::new(repo.clone(), handlers, config)
+        .start()
+        .await
+        .unwrap()
+}
+
+/// What the handler is asked to do, and the application row it touches.
+fn act(event: &OutboxEvent) -> (String, u64) {
+    let envelope = EventEnvelope::parse(&event.payload).expect("a test payload");
+    let what = envelope.snapshot["do"].as_str().unwrap_or("").to_string();
+    let row = envelope.snapshot["row"].as_u64().unwrap_or(0);
+    (what, row)
+}
+
+/// The handlers of these tests: `touch` updates its application row in the attempt
+/// transaction (as a CRM's after-save capture does), `noop` succeeds without the transaction,
+/// `hold` waits (without the transaction) until the test lets it go, the first time it runs.
+#[derive(Default)]
+struct Acting {
+    held: Arc<AtomicBool>,
+    go_on: Arc<tokio::sync::Notify>,
+    runs: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl Handler for Acting {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        let (what, row) = act(event);
+        match what.as_str() {
+            "touch" => {
+                with_tx!(ctx.tx(), |conn| statement::query(
+                    "UPDATE app_row SET seen = seen + 1 WHERE id = $1"
+                )
+                .bind(row as i64)
+                .execute(conn)
+                .await
+                .map(|_| ()))?;
+            }
+            "hold" if !self.held.swap(true, Ordering::SeqCst) => {
+                self.go_on.notified().await;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// A small deterministic generator (no test depends on a seed it cannot print).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 33) % below
+    }
+}
+
+/// One application transaction: upserts `rows` (ascending, so two applications never deadlock
+/// with each other) and enqueues an event for each, as a CRM saves records and their triggers.
+async fn application_transaction(
+    repo: &Arc<dyn OutboxRepository>,
+    rows: &[u64],
+) -> Result<(), String> {
+    let mut tx = repo.begin().await.map_err(|e| e.chain())?;
+    for &row in rows {
+        with_tx!(&mut tx, |conn| statement::query(
+            "INSERT INTO app_row (id, n, seen) VALUES ($1, 1, 0)
+             ON CONFLICT (id) DO UPDATE SET n = app_row.n + 1"
+        )
+        .bind(row as i64)
+        .execute(conn)
+        .await
+        .map(|_| ()))
+        .map_err(|e| e.to_string())?;
+    }
+    let events: Vec<NewEvent> = rows
+        .iter()
+        .map(|&row| event(&format!("R{row}"), "touch", row))
+        .collect();
+    repo.enqueue(&mut tx, &events)
+        .await
+        .map_err(|e| e.chain())?;
+    tx.commit().await.map_err(|e| e.chain())
+}
+
+/// Finding 1 of the batched-attempts review: an application's transactions that write the rows
+/// the handlers write, repeated beside 8 pull workers with the default batches, never fail
+/// because of the workers (no deadlock victim, no lock timeout). With a batch holding up to 32
+/// handlers' row locks to one `COMMIT`, the application's upserts deadlocked with it; a batch
+/// now commits after each handler that kept effects, so it never holds two handlers' locks.
+async fn application_transactions_beside_batches_never_fail(db: TestDb) {
+    db.execute(
+        "CREATE TABLE app_row (id BIGINT PRIMARY KEY, n BIGINT NOT NULL, seen BIGINT NOT NULL)",
+    )
+    .await;
+    let repo = db.repository();
+    let rows: Vec<u64> = (0..APP_ROWS).collect();
+    application_transaction(&repo, &rows).await.unwrap();
+    let handle = start(&repo, Acting::default(), config(8)).await;
+    let mut applications = Vec::new();
+    for seed in 1..=2u64 {
+        let repo = repo.clone();
+        applications.push(tokio::spawn(async move {
+            let mut random = Lcg(seed * 7_919);
+            let mut failures = Vec::new();
+            for _ in 0..60 {
+                let mut rows: Vec<u64> = (0..8).map(|_| random.next(APP_ROWS)).collect();
+                rows.sort_unstable();
+                rows.dedup();
+                if let Err(e) = application_transaction(&repo, &rows).await {
+                    failures.push(e);
+                }
+            }
+            failures
+        }));
+    }
+    let mut failures = Vec::new();
+    for application in applications {
+        failures.extend(application.await.unwrap());
+    }
+    drain(&repo, Duration::from_secs(120)).await;
+    let metrics = handle.shutdown().await.metrics;
+    assert!(
+        failures.is_empty(),
+        "{} application transactions failed beside the workers: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(3)]
+    );
+    // Every event ran its effect once, and none was counted as a failure (no worker was a
+    // deadlock victim or timed out on a lock either).
+    let events = db
+        .count(&format!(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE EventType = '{EVENT_TYPE}'"
+        ))
+        .await;
+    assert_eq!(
+        db.count("SELECT CAST(sum(seen) AS BIGINT) FROM app_row")
+            .await,
+        events
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE Status <> 'processed' OR RetryCount > 0"
+        )
+        .await,
+        0,
+        "{metrics:?}"
+    );
+    assert!(metrics.batches > 0, "batches ran: {metrics:?}");
+}
+
+/// Waits (20 s at most) until `sql` counts `want`.
+async fn until_count(db: &TestDb, sql: &str, want: i64, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if db.count(sql).await == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: never reached {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Status of the row of `record` with `seq` (its place in its record), as text.
+async fn status(db: &TestDb, record: &str, row: u64) -> String {
+    let code = db
+        .count(&format!(
+            "SELECT CAST(CASE Status WHEN 'processed' THEN 1 WHEN 'failed' THEN 2
+                 WHEN 'processing' THEN 3 ELSE 0 END AS BIGINT)
+             FROM _System_OutboxEvent WHERE RecordKey = 'account:{record}' AND Payload LIKE '%\"row\":{row}}}%'"
+        ))
+        .await;
+    ["pending", "processed", "failed", "processing"][code as usize].to_string()
+}
+
+/// Finding 3 (`f1_chain_commits_past_lost_head.sh`): a worker holds the chain [r1, r2] of one
+/// record; r1's handler succeeded without the transaction, then r1's claim is taken over (as a
+/// reclaim by another worker after the beats failed for stale-after) while r2's handler runs.
+/// At the settle r1 is lost: r2 must not be written `processed` while the older r1 is still in
+/// flight elsewhere. It is given back, and runs after r1.
+async fn a_claim_lost_at_the_settle_never_lets_its_record_run_ahead(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return; // SQLite's batch holds the write lock: nobody can take a claim over meanwhile.
+    }
+    let repo = db.repository();
+    let handler = Acting::default();
+    let (held, go_on) = (handler.held.clone(), handler.go_on.clone());
+    let handle = start(&repo, handler, config(1)).await;
+    // The first claim runs alone (the worker has not timed its handlers yet): a warm-up.
+    enqueue(&repo, &[event("W", "noop", 0)]).await;
+    drain(&repo, Duration::from_secs(20)).await;
+    enqueue(&repo, &[event("C", "noop", 1), event("C", "hold", 2)]).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !held.load(Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hold handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        status(&db, "C", 2).await,
+        "processing",
+        "r2 runs in r1's batch"
+    );
+    // r1 ran and waits for the settle: another worker reclaims it (counted, a new fence).
+    db.execute(
+        "UPDATE _System_OutboxEvent SET RetryCount = RetryCount + 1,
+             LastModifiedDate = clock_timestamp()
+         WHERE RecordKey = 'account:C' AND Payload LIKE '%\"row\":1}%'",
+    )
+    .await;
+    go_on.notify_one();
+    // The batch settles: r2 goes back to pending (uncounted), never processed before r1.
+    until_count(
+        &db,
+        "SELECT count(*) FROM _System_OutboxEvent WHERE RecordKey = 'account:C' AND Status = 'pending'",
+        1,
+        "r2 given back",
+    )
+    .await;
+    assert_eq!(status(&db, "C", 1).await, "processing");
+    assert_eq!(status(&db, "C", 2).await, "pending");
+    // The "other worker" dies: r1 goes stale, is reclaimed and runs, then r2.
+    db.execute(
+        "UPDATE _System_OutboxEvent SET LastModifiedDate = LastModifiedDate - interval '1 hour'
+         WHERE RecordKey = 'account:C' AND Payload LIKE '%\"row\":1}%'",
+    )
+    .await;
+    drain(&repo, Duration::from_secs(60)).await;
+    let metrics = handle.shutdown().await.metrics;
+    assert_eq!(status(&db, "C", 1).await, "processed");
+    assert_eq!(status(&db, "C", 2).await, "processed");
+    assert!(metrics.lost_claims >= 1, "{metrics:?}");
+}
+
+/// Finding 2: a handler that runs long gives back its worker's claims that have not started
+/// (they are untouched by its transaction), so an idle worker runs them while it still runs;
+/// before, they waited for it in the same worker.
+async fn a_long_handler_gives_its_workers_unstarted_claims_to_idle_workers(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return; // SQLite runs one attempt at a time: no other worker could run them meanwhile.
+    }
+    let repo = db.repository();
+    let slow = Acting::default();
+    let (held, go_on) = (slow.held.clone(), slow.go_on.clone());
+    let first = start(&repo, slow, config(1)).await;
+    // A warm-up: the worker then asks for batches.
+    enqueue(&repo, &[event("W", "noop", 0)]).await;
+    drain(&repo, Duration::from_secs(20)).await;
+    enqueue(
+        &repo,
+        &[
+            event("S", "hold", 1),
+            event("A", "noop", 2),
+            event("B", "noop", 3),
+            event("C", "noop", 4),
+        ],
+    )
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !held.load(Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hold handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Another worker (another process's, say) is idle: it gets the rows the slow one held.
+    let idle = Acting::default();
+    let idle_runs = idle.runs.clone();
+    let second = start(&repo, idle, config(1)).await;
+    until_count(
+        &db,
+        "SELECT count(*) FROM _System_OutboxEvent
+         WHERE Status = 'processed' AND RecordKey IN ('account:A', 'account:B', 'account:C')",
+        3,
+        "the slow worker's other claims run elsewhere while it runs",
+    )
+    .await;
+    assert_eq!(
+        status(&db, "S", 1).await,
+        "processing",
+        "the slow handler still runs"
+    );
+    assert_eq!(idle_runs.load(Ordering::SeqCst), 3);
+    go_on.notify_one();
+    drain(&repo, Duration::from_secs(20)).await;
+    first.shutdown().await;
+    second.shutdown().await;
+    // Given back uncounted.
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE Status <> 'processed' OR RetryCount > 0"
+        )
+        .await,
+        0
+    );
+}
+
+backend_tests!(
+    application_transactions_beside_batches_never_fail,
+    a_claim_lost_at_the_settle_never_lets_its_record_run_ahead,
+    a_long_handler_gives_its_workers_unstarted_claims_to_idle_workers,
+);
