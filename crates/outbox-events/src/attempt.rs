@@ -168,6 +168,13 @@ impl ClaimRunner {
         self
     }
 
+    /// Cancelling `stop` begins a graceful stop: a running handler finishes, and claims whose
+    /// handlers have not started (or whose attempt cannot begin yet) are given back uncounted.
+    pub fn with_stop(mut self, stop: CancellationToken) -> Self {
+        self.env.stop = stop;
+        self
+    }
+
     /// The counters.
     pub fn metrics(&self) -> Arc<Metrics> {
         self.env.metrics.clone()
@@ -178,9 +185,11 @@ impl ClaimRunner {
         run(&self.env, claim).await
     }
 
-    /// Runs `claims`, claimed together, as a pull worker does (batched where they may share).
-    #[cfg(test)]
-    pub(crate) async fn run_batch(&self, claims: Vec<Claim>) -> (Duration, usize) {
+    /// Runs `claims`, claimed together (`OutboxRepository::claim_batch`), as a pull worker
+    /// does: batched where they may share a transaction (docs/state-machine.md, "Batched
+    /// attempts"), the others each in an attempt of its own. Call it as soon as the claims are
+    /// made. Returns the handlers' total time and how many handlers ran.
+    pub async fn run_batch(&self, claims: Vec<Claim>) -> (Duration, usize) {
         crate::batch::run(&self.env, claims).await
     }
 }

@@ -1084,3 +1084,163 @@ async fn a_lock_timeout_at_the_settle_gives_the_batch_back_uncounted() {
     );
     assert_eq!(metrics.lock_timeouts, 1, "{metrics:?}");
 }
+
+/// Finding 4 of the batched-attempts review (`f2_readback_adopts_foreign_claim.sh`): a release
+/// whose reply was lost may have landed, and another worker may then have claimed the row
+/// afresh, with the same `RetryCount` (a release does not count) and a later
+/// `LastModifiedDate`. After a failed beat, the retried release must not read that row back as
+/// this worker's own landed beat and release the other worker's live claim with its fence.
+#[tokio::test(start_paused = true)]
+async fn a_release_whose_reply_was_lost_never_adopts_the_next_claim() {
+    let c = claim("t", 0);
+    let ours = c.fence;
+    let theirs = Fence {
+        id: ours.id,
+        last_written: ours.last_written + chrono::Duration::seconds(1),
+    };
+    let mut attempt = MockAttempt::new();
+    // The handler succeeded; its `processed` hits a lock timeout: released uncounted.
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_| Err(lock_timeout()));
+    attempt.expect_rollback().times(1).returning(|| Ok(()));
+    let mut repo = mock_repo();
+    repo.expect_begin_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
+    // Every beat fails (the connection is flapping): the worker cannot tell whether one landed.
+    repo.expect_heartbeat().returning(|_| Err(unavailable()));
+    let released: Arc<Mutex<Vec<Fence>>> = Arc::default();
+    let r = Arc::clone(&released);
+    let mut seq = mockall::Sequence::new();
+    // The first release lands, its reply lost; the row is then another worker's claim.
+    repo.expect_release_claim()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(move |fence, _| {
+            r.lock().unwrap().push(fence);
+            Err(unavailable())
+        });
+    let r = Arc::clone(&released);
+    repo.expect_release_claim()
+        .in_sequence(&mut seq)
+        .returning(move |fence, _| {
+            r.lock().unwrap().push(fence);
+            Ok(if fence == theirs {
+                FenceOutcome::Written
+            } else {
+                FenceOutcome::Lost
+            })
+        });
+    repo.expect_get_event().returning(move |id| {
+        let mut claimed = row(id, EventStatus::Processing, 0);
+        claimed.last_modified_date = theirs.last_written;
+        Ok(Some(claimed))
+    });
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || Ok(())),
+        c,
+        CancellationToken::new(),
+    )
+    .await;
+    let released = released.lock().unwrap().clone();
+    assert!(
+        released.iter().all(|fence| *fence == ours),
+        "a release used another worker's fence: {released:?}"
+    );
+    assert_eq!(outcome, AttemptOutcome::LostClaim);
+}
+
+/// Finding 2: rows reclaimed together from a dead worker run in attempts of their own; when
+/// the first one's handler runs long, the others are given back (uncounted, on the side) at
+/// once for idle workers instead of waiting for it in this worker, one after another.
+#[tokio::test(start_paused = true)]
+async fn a_long_handler_gives_back_its_workers_reclaimed_rows() {
+    let mut claims = batch_claims(3);
+    for c in &mut claims {
+        c.reclaimed = true;
+        c.event.retry_count = 1;
+    }
+    let first = claims[0].fence;
+    let others: Vec<Fence> = claims[1..].iter().map(|c| c.fence).collect();
+    let mut repo = mock_repo();
+    repo.expect_heartbeat_many()
+        .returning(|fences: Vec<Fence>| {
+            Ok(fences
+                .into_iter()
+                .map(outbox_persistence::BeatOutcome::Beaten)
+                .collect())
+        });
+    let started = tokio::time::Instant::now();
+    let given_back: Arc<Mutex<Vec<(Fence, Duration)>>> = Arc::default();
+    let g = Arc::clone(&given_back);
+    repo.expect_release_claim()
+        .times(2)
+        .returning(move |fence, why| {
+            assert!(why.contains("ran long"), "{why}");
+            g.lock().unwrap().push((fence, started.elapsed()));
+            Ok(FenceOutcome::Written)
+        });
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .withf(move |fence| fence.id == first.id)
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt.expect_commit().times(1).returning(|| Ok(()));
+    repo.expect_begin_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::from_secs(30), || Ok(())),
+        config(),
+    );
+    let (_, ran) = runner.run_batch(claims).await;
+    assert_eq!(ran, 1, "only the first handler ran here");
+    let given_back = given_back.lock().unwrap().clone();
+    assert_eq!(
+        given_back.iter().map(|(f, _)| *f).collect::<Vec<_>>(),
+        others
+    );
+    assert!(
+        given_back
+            .iter()
+            .all(|(_, at)| *at < Duration::from_secs(1)),
+        "given back within a heartbeat interval of the slow handler's start: {given_back:?}"
+    );
+    let metrics = runner.metrics().snapshot();
+    assert_eq!((metrics.processed, metrics.not_run), (1, 2), "{metrics:?}");
+}
+
+/// Finding 5: a graceful stop while an attempt cannot begin (the database is away) gives the
+/// claim back uncounted at once instead of retrying past the shutdown.
+#[tokio::test(start_paused = true)]
+async fn a_graceful_stop_while_beginning_gives_the_claim_back() {
+    let mut repo = mock_repo();
+    repo.expect_begin_attempt()
+        .returning(|_, _| Err(unavailable()));
+    repo.expect_heartbeat()
+        .returning(|fence: Fence| Ok(Some(fence)));
+    repo.expect_release_claim().times(1).returning(|_, why| {
+        assert!(why.contains("shutting down"), "{why}");
+        Ok(FenceOutcome::Written)
+    });
+    let stop = CancellationToken::new();
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::ZERO, || Ok(())),
+        config(),
+    )
+    .with_stop(stop.clone());
+    let started = tokio::time::Instant::now();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        stop.cancel();
+    });
+    let outcome = runner.run(claim("t", 0)).await;
+    assert_eq!(outcome, AttemptOutcome::NotRun);
+    assert!(started.elapsed() < Duration::from_secs(3));
+}
