@@ -80,6 +80,8 @@ struct Acting {
     held: Arc<AtomicBool>,
     go_on: Arc<tokio::sync::Notify>,
     runs: Arc<AtomicU64>,
+    /// The record of every handler run, in order.
+    log: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 #[async_trait]
@@ -90,9 +92,17 @@ impl Handler for Acting {
         ctx: &mut AttemptContext<'_>,
     ) -> Result<(), HandlerError> {
         self.runs.fetch_add(1, Ordering::SeqCst);
+        let envelope = EventEnvelope::parse(&event.payload).expect("a test payload");
+        self.log
+            .lock()
+            .unwrap()
+            .push(envelope.record_id.clone().unwrap_or_default());
         let (what, row) = act(event);
+        if what == "hold_touch" && !self.held.swap(true, Ordering::SeqCst) {
+            self.go_on.notified().await;
+        }
         match what.as_str() {
-            "touch" => {
+            "touch" | "hold_touch" => {
                 with_tx!(ctx.tx(), |conn| statement::query(
                     "UPDATE app_row SET seen = seen + 1 WHERE id = $1"
                 )
@@ -369,7 +379,93 @@ async fn a_long_handler_gives_its_workers_unstarted_claims_to_idle_workers(db: T
     );
 }
 
+/// Finding 6: a claim lost at the settle whose handler kept effects in the transaction costs
+/// only its own event: the segment rolls back to its savepoint (the lost event's effects alone:
+/// a batch holds one handler's effects at a time) and the other events' outcomes commit. Before,
+/// the whole batch rolled back and its other events ran again.
+async fn a_claim_lost_at_the_settle_costs_only_its_own_event(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return; // SQLite's batch holds the write lock: nobody can take a claim over meanwhile.
+    }
+    db.execute(
+        "CREATE TABLE app_row (id BIGINT PRIMARY KEY, n BIGINT NOT NULL, seen BIGINT NOT NULL)",
+    )
+    .await;
+    db.execute("INSERT INTO app_row (id, n, seen) VALUES (7, 0, 0)")
+        .await;
+    let repo = db.repository();
+    let handler = Acting::default();
+    let (held, go_on, log) = (
+        handler.held.clone(),
+        handler.go_on.clone(),
+        handler.log.clone(),
+    );
+    let handle = start(&repo, handler, config(1)).await;
+    enqueue(&repo, &[event("W", "noop", 0)]).await;
+    drain(&repo, Duration::from_secs(20)).await;
+    enqueue(
+        &repo,
+        &[
+            event("A", "noop", 1),
+            event("B", "noop", 2),
+            event("L", "hold_touch", 7),
+        ],
+    )
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !held.load(Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hold handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // L's claim is taken over while its handler runs (its effects then go in the transaction).
+    db.execute(
+        "UPDATE _System_OutboxEvent SET RetryCount = RetryCount + 1,
+             LastModifiedDate = clock_timestamp()
+         WHERE RecordKey = 'account:L'",
+    )
+    .await;
+    go_on.notify_one();
+    until_count(
+        &db,
+        "SELECT count(*) FROM _System_OutboxEvent WHERE RecordKey IN ('account:A', 'account:B') AND Status = 'processed'",
+        2,
+        "the others commit",
+    )
+    .await;
+    assert_eq!(
+        status(&db, "L", 7).await,
+        "processing",
+        "L is the other worker's"
+    );
+    assert_eq!(
+        db.count("SELECT seen FROM app_row WHERE id = 7").await,
+        0,
+        "the lost claim's effects rolled back"
+    );
+    // The other worker dies; L is reclaimed here and runs once more.
+    db.execute(
+        "UPDATE _System_OutboxEvent SET LastModifiedDate = LastModifiedDate - interval '1 hour'
+         WHERE RecordKey = 'account:L'",
+    )
+    .await;
+    drain(&repo, Duration::from_secs(60)).await;
+    handle.shutdown().await;
+    let log = log.lock().unwrap().clone();
+    let runs = |record: &str| log.iter().filter(|r| *r == record).count();
+    assert_eq!((runs("A"), runs("B"), runs("L")), (1, 1, 2), "{log:?}");
+    assert_eq!(db.count("SELECT seen FROM app_row WHERE id = 7").await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEvent WHERE Status <> 'processed'")
+            .await,
+        0
+    );
+}
+
 backend_tests!(
+    a_claim_lost_at_the_settle_costs_only_its_own_event,
     application_transactions_beside_batches_never_fail,
     a_claim_lost_at_the_settle_never_lets_its_record_run_ahead,
     a_long_handler_gives_its_workers_unstarted_claims_to_idle_workers,
