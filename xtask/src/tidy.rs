@@ -26,7 +26,10 @@
 //!    first `.await`: behind a transaction pooler a statement sqlx names and caches
 //!    collides with other clients' (docs/deployment.md), so each one says whether it may be
 //!    cached. `sqlx::raw_sql` prepares nothing and needs no mark.
+//! 8. The attempt machine of `outbox-events` is laid in floors with no circle: a module names
+//!    only modules of lower floors and foundations ([`floors::FLOORS`]).
 
+mod floors;
 mod scan;
 
 use std::collections::BTreeSet;
@@ -219,6 +222,7 @@ fn check(files: &[SourceFile]) -> Vec<Violation> {
             check_missing_docs(file, &mut violations);
         }
     }
+    floors::check(files, &mut violations);
     violations.sort();
     violations
 }

@@ -13,186 +13,19 @@
 //! 6. a claim found lost (reclaimed, or finished elsewhere) is abandoned: roll back, write
 //!    nothing.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_persistence::{Attempt, Claim, FailureBookkeeping, FenceOutcome, OutboxRepository};
+use outbox_persistence::{Attempt, Claim, FenceOutcome};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
-use crate::config::WorkerConfig;
 use crate::detached::{
     DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed, detached, release,
 };
-use crate::handler::{AttemptContext, HandlerError, Handlers};
+use crate::env::{AttemptEnv, AttemptOutcome, Failure, STOPPING, failure_outcome};
+use crate::handler::{AttemptContext, HandlerError};
 use crate::heartbeat::{Beat, FenceCell};
-use crate::metrics::{Ended, Metrics};
-
-/// Why a claim is given back unrun when its worker is stopping.
-pub(crate) const STOPPING: &str = "not run: its worker is shutting down";
-
-/// How an attempt ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AttemptOutcome {
-    /// `processed`, committed with the handler's effects.
-    Processed,
-    /// Back to `pending` for another attempt.
-    Retried,
-    /// `failed`: a permanent error or the last allowed attempt.
-    Failed,
-    /// The claim was no longer this worker's; nothing was written.
-    LostClaim,
-    /// A hard shutdown cancelled the attempt; rolled back and left to stale reclaim.
-    Cancelled,
-    /// The attempt could not begin, or its detached bookkeeping could not land; the row will go
-    /// stale and be reclaimed.
-    Abandoned,
-    /// The handler succeeded but the outbox could not write `processed` (a lock timeout, a
-    /// serialization failure or deadlock on its own statement): the effects rolled back and
-    /// the row went back to `pending` without counting the attempt.
-    Released,
-    /// A batched attempt gave the claim back before running it (its time budget was spent, an
-    /// older event of the record failed, or the batch's transaction died first): back to
-    /// `pending`, not counted.
-    NotRun,
-}
-
-impl AttemptOutcome {
-    pub(crate) fn as_str(&self) -> &'static str {
-        match self {
-            AttemptOutcome::Processed => "processed",
-            AttemptOutcome::Retried => "retried",
-            AttemptOutcome::Failed => "failed",
-            AttemptOutcome::LostClaim => "lost_claim",
-            AttemptOutcome::Cancelled => "cancelled",
-            AttemptOutcome::Abandoned => "abandoned",
-            AttemptOutcome::Released => "released",
-            AttemptOutcome::NotRun => "not_run",
-        }
-    }
-}
-
-/// What the worker needs to run attempts.
-pub(crate) struct AttemptEnv {
-    pub repo: Arc<dyn OutboxRepository>,
-    pub handlers: Handlers,
-    pub config: WorkerConfig,
-    pub metrics: Arc<Metrics>,
-    /// Cancelled at hard shutdown: in-flight attempts roll back.
-    pub hard_stop: CancellationToken,
-    /// Cancelled when a graceful shutdown begins: running handlers finish, but a worker's
-    /// claims whose handlers have not started are given back unrun rather than run.
-    pub stop: CancellationToken,
-    /// One permit per worker: a pull worker or a legacy slot holds one from its claim to the
-    /// end of the attempt, so that at most `workers` claims and attempts run at once across
-    /// both paths (pull mode runs the legacy dispatcher beside the pull workers for excluded
-    /// event types), each on one connection: the pool of `workers + 3` holds them.
-    pub attempts: Arc<tokio::sync::Semaphore>,
-    /// The paused event types, as this process last read them.
-    pub paused: crate::pause::Paused,
-}
-
-impl AttemptEnv {
-    /// Waits for an attempt permit, or for `stop` (`None`).
-    pub(crate) async fn attempt_permit(
-        &self,
-        stop: &CancellationToken,
-    ) -> Option<tokio::sync::SemaphorePermit<'_>> {
-        tokio::select! {
-            _ = stop.cancelled() => None,
-            permit = self.attempts.acquire() => Some(permit.expect("the attempt semaphore is never closed")),
-        }
-    }
-}
-
-/// The failure to record, decided from the handler's error and the row's retry count.
-pub(crate) struct Failure {
-    pub(crate) bookkeeping: FailureBookkeeping,
-    pub(crate) message: String,
-}
-
-impl AttemptEnv {
-    pub(crate) fn failure(&self, claim: &Claim, retryable: bool, message: String) -> Failure {
-        let failures = claim.event.retry_count.saturating_add(1);
-        let bookkeeping = if retryable && failures < self.config.max_retry_attempts {
-            FailureBookkeeping::Retry {
-                extra_delay: self.config.extra_retry_delay(failures),
-            }
-        } else {
-            FailureBookkeeping::Fail
-        };
-        Failure {
-            bookkeeping,
-            message,
-        }
-    }
-}
-
-/// Runs the attempt of one claimed row to its end, as a dispatcher's worker does: for an
-/// application that claims rows itself (`OutboxRepository::claim_next`), and for tests of the
-/// attempt state machine over mocked repositories (the expectations each path needs are
-/// listed in `outbox_events::mock`, feature `mock`).
-pub struct ClaimRunner {
-    env: AttemptEnv,
-}
-
-impl ClaimRunner {
-    /// A runner over `repo` with `handlers` and `config`, its own counters, and no hard stop.
-    pub fn new(repo: Arc<dyn OutboxRepository>, handlers: Handlers, config: WorkerConfig) -> Self {
-        Self {
-            env: AttemptEnv {
-                repo,
-                handlers,
-                config,
-                metrics: Arc::default(),
-                hard_stop: CancellationToken::new(),
-                stop: CancellationToken::new(),
-                attempts: Arc::new(tokio::sync::Semaphore::new(
-                    tokio::sync::Semaphore::MAX_PERMITS,
-                )),
-                paused: crate::pause::Paused::default(),
-            },
-        }
-    }
-
-    /// Counts into `metrics` (for example a dispatcher's).
-    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
-        self.env.metrics = metrics;
-        self
-    }
-
-    /// Cancelling `hard_stop` rolls the running attempt back and leaves its row to stale
-    /// reclaim (a hard shutdown).
-    pub fn with_hard_stop(mut self, hard_stop: CancellationToken) -> Self {
-        self.env.hard_stop = hard_stop;
-        self
-    }
-
-    /// Cancelling `stop` begins a graceful stop: a running handler finishes, and claims whose
-    /// handlers have not started (or whose attempt cannot begin yet) are given back uncounted.
-    pub fn with_stop(mut self, stop: CancellationToken) -> Self {
-        self.env.stop = stop;
-        self
-    }
-
-    /// The counters.
-    pub fn metrics(&self) -> Arc<Metrics> {
-        self.env.metrics.clone()
-    }
-
-    /// Runs `claim`'s attempt to its end.
-    pub async fn run(&self, claim: Claim) -> AttemptOutcome {
-        run(&self.env, claim).await
-    }
-
-    /// Runs `claims`, claimed together (`OutboxRepository::claim_batch`), as a pull worker
-    /// does: batched where they may share a transaction (docs/state-machine.md, "Batched
-    /// attempts"), the others each in an attempt of its own. Call it as soon as the claims are
-    /// made. Returns the handlers' total time and how many handlers ran.
-    pub async fn run_batch(&self, claims: Vec<Claim>) -> (Duration, usize) {
-        crate::batch::run(&self.env, claims).await
-    }
-}
+use crate::metrics::Ended;
 
 pub(crate) async fn run(env: &AttemptEnv, claim: Claim) -> AttemptOutcome {
     run_timed(env, claim).await.0
@@ -506,13 +339,6 @@ async fn finish_failure(
             rollback_quietly(tx.as_mut()).await;
             detached(env, claim, beat, failure, None).await
         }
-    }
-}
-
-pub(crate) fn failure_outcome(failure: &Failure) -> AttemptOutcome {
-    match failure.bookkeeping {
-        FailureBookkeeping::Retry { .. } => AttemptOutcome::Retried,
-        FailureBookkeeping::Fail => AttemptOutcome::Failed,
     }
 }
 

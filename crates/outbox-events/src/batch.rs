@@ -14,16 +14,16 @@ use tokio::sync::OwnedMutexGuard;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::attempt::{
-    self, AttemptEnv, AttemptOutcome, CatchPanic, Failure, STOPPING, failure_outcome,
-    rollback_quietly,
-};
-use crate::detached::{DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed};
+use crate::attempt::{self, rollback_quietly};
+use crate::detached::Landed;
+use crate::env::{AttemptEnv, AttemptOutcome, Failure, STOPPING, failure_outcome};
+use begin::Begun;
 
+mod begin;
 mod died;
+mod event;
 mod settle;
 mod slow;
-use crate::handler::{AttemptContext, HandlerError};
 use crate::heartbeat::{Beat, BeatGroup, FenceCell, FenceState};
 use slow::Unstarted;
 
@@ -90,34 +90,16 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
         } else {
             Vec::new()
         };
-        for i in singles.into_iter().chain(alone) {
-            let given_back = if env.stop.is_cancelled() {
-                // A graceful shutdown: given back unrun (uncounted), for other workers now.
-                Some(crate::detached::give_back(env, &beats[i], STOPPING).await)
-            } else if unstarted.start(i) {
-                None
-            } else {
-                // Given back while an earlier handler ran long (rule 8).
-                Some(unstarted.outcome(i))
-            };
-            if let Some(outcome) = given_back {
-                env.metrics
-                    .claimed(&claims[i].event.event_type, claims[i].reclaimed);
-                beats[i].stop();
-                let _span = attempt::attempt_span(&claims[i]).entered();
-                attempt::ended(env, &claims[i], &outcome, claimed_at);
-                continue;
-            }
-            let (_, handler_time) = unstarted
-                .while_running(attempt::one(env, &claims[i], &beats[i], claimed_at))
-                .await;
-            // An attempt whose handler never ran (its claim lost, its begin given up) is no
-            // sample of the handlers' time: counted, it would pull the batch sizer's mean to 0.
-            if handler_time > Duration::ZERO {
-                took = (took.0 + handler_time, took.1 + 1);
-            }
-        }
-        took
+        let (time, ran) = run_alone(
+            env,
+            &claims,
+            &beats,
+            &unstarted,
+            singles.into_iter().chain(alone),
+            claimed_at,
+        )
+        .await;
+        (took.0 + time, took.1 + ran)
     };
     tokio::pin!(body);
     tokio::select! {
@@ -130,6 +112,47 @@ pub(crate) async fn run(env: &AttemptEnv, claims: Vec<Claim>) -> (Duration, usiz
             body.await
         }
     }
+}
+
+/// Runs each of `which` of the worker's claims in an attempt of its own (a row that may not
+/// share, or a lone one), unless it was given back meanwhile or the worker is stopping.
+async fn run_alone(
+    env: &AttemptEnv,
+    claims: &[Claim],
+    beats: &[Beat<'_>],
+    unstarted: &Unstarted<'_>,
+    which: impl Iterator<Item = usize>,
+    claimed_at: Instant,
+) -> (Duration, usize) {
+    let mut took = (Duration::ZERO, 0);
+    for i in which {
+        let given_back = if !unstarted.start(i) {
+            // Given back while an earlier handler ran long (rule 8).
+            Some(unstarted.outcome(i))
+        } else if env.stop.is_cancelled() {
+            // A graceful shutdown: given back unrun (uncounted), for other workers now.
+            Some(crate::detached::give_back(env, &beats[i], STOPPING).await)
+        } else {
+            None
+        };
+        if let Some(outcome) = given_back {
+            env.metrics
+                .claimed(&claims[i].event.event_type, claims[i].reclaimed);
+            beats[i].stop();
+            let _span = attempt::attempt_span(&claims[i]).entered();
+            attempt::ended(env, &claims[i], &outcome, claimed_at);
+            continue;
+        }
+        let (_, handler_time) = unstarted
+            .while_running(attempt::one(env, &claims[i], &beats[i], claimed_at))
+            .await;
+        // An attempt whose handler never ran (its claim lost, its begin given up) is no
+        // sample of the handlers' time: counted, it would pull the batch sizer's mean to 0.
+        if handler_time > Duration::ZERO {
+            took = (took.0 + handler_time, took.1 + 1);
+        }
+    }
+    took
 }
 
 /// One claim of a batch: the claim, its beat, and its index among the worker's claims.
@@ -328,6 +351,13 @@ impl<'a> Batch<'a> {
             }
         }
         self.take_given_back();
+        self.account_ended();
+        (self.handler_time, self.ran)
+    }
+
+    /// Counts how every event of the batch ended; a record whose event did not succeed keeps
+    /// its later rows out of the worker's next batches.
+    fn account_ended(&mut self) {
         if self.ran > 1 {
             self.env.metrics.batch();
         }
@@ -348,7 +378,6 @@ impl<'a> Batch<'a> {
             let _span = attempt::attempt_span(claim).entered();
             attempt::ended(self.env, claim, outcome, self.claimed_at);
         }
-        (self.handler_time, self.ran)
     }
 
     /// Members given back while an earlier handler ran long (rule 8) end as their release did.
@@ -369,92 +398,6 @@ impl<'a> Batch<'a> {
                 fence.sending_outcome();
             }
         }
-    }
-
-    /// Opens a transaction for the batch's waiting events, retried with backoff while the
-    /// beats keep the claims (as a single attempt's begin is): nothing counted, no handler run.
-    async fn begin(&mut self) -> Result<Box<dyn Attempt>, Begun> {
-        let env = self.env;
-        let members = self.members.clone();
-        let mut backoff = DETACHED_FIRST_BACKOFF;
-        for try_number in 1..=DETACHED_MAX_TRIES {
-            // The fences stay held until the beats of a backend whose batch excludes other
-            // writers are stopped: a beat taken meanwhile would wait for the batch's write lock
-            // while holding a fence the batch needs.
-            let (held, begun) = {
-                let mut held = Vec::new();
-                let mut fences = Vec::new();
-                for (i, member) in members.iter().enumerate() {
-                    if !matches!(self.steps[i], Step::Waiting) {
-                        continue;
-                    }
-                    let state = member.beat.fence.lock().await;
-                    if state.lost {
-                        self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-                        self.block(i);
-                    } else {
-                        fences.push(state.fence);
-                        held.push((i, state));
-                    }
-                }
-                if held.is_empty() {
-                    return Err(Begun::Ended(AttemptOutcome::LostClaim));
-                }
-                let begun = env
-                    .repo
-                    .begin_batch_attempt(env.config.lock_timeout, fences)
-                    .await;
-                (held, begun)
-            };
-            match begun {
-                Ok((mut tx, lost)) => {
-                    for &(i, _) in &held {
-                        let member = members[i];
-                        if lost.contains(&member.claim.event.id) {
-                            // Lost, or waiting for an older row of its record outside the
-                            // batch: given back first thing (a lost claim's release finds it
-                            // lost), and its record's later rows with it.
-                            self.recheck.push(i);
-                            self.block(i);
-                        }
-                        if env.repo.serializes_writers() {
-                            // The batch holds the only write lock: nobody can reclaim a row
-                            // until it commits, and a beat (also of a row given back at the
-                            // settle) would only wait for it, holding a fence the settle needs.
-                            member.beat.stop();
-                        }
-                    }
-                    drop(held);
-                    if !self.steps.iter().any(|s| matches!(s, Step::Waiting)) {
-                        rollback_quietly(tx.as_mut()).await;
-                        return Err(Begun::Ended(AttemptOutcome::LostClaim));
-                    }
-                    return Ok(tx);
-                }
-                Err(e) => {
-                    drop(held);
-                    if e.is_lock_timeout() {
-                        env.metrics.lock_timeout(&members[0].claim.event.event_type);
-                    }
-                    tracing::warn!(error = %e.chain(), try_number, "could not begin the batched attempt; the claims are kept while it retries");
-                    for member in &members {
-                        member.beat.ensure_running(true);
-                    }
-                }
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
-                _ = env.hard_stop.cancelled() => return Err(Begun::Ended(AttemptOutcome::Cancelled)),
-                // A graceful shutdown: the claims go back for other workers (or this process's
-                // next start) rather than waiting out the retries.
-                _ = env.stop.cancelled() => return Err(Begun::Stopping),
-            }
-            backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
-        }
-        tracing::error!(
-            "giving up on beginning the batched attempt; its rows go stale and their reclaim counts an attempt each"
-        );
-        Err(Begun::Ended(AttemptOutcome::Abandoned))
     }
 
     /// Runs the waiting events in claim order, under the segment's savepoint, until the time
@@ -541,77 +484,6 @@ impl<'a> Batch<'a> {
         };
     }
 
-    /// One event: its handler (the worker's claims not started yet given back if it runs
-    /// long), then its outcome decided. Returns whether its effects stay in the transaction
-    /// (its handler succeeded and used it): the segment then ends.
-    async fn event(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<bool, Stop> {
-        let env = self.env;
-        let Member { claim, beat, .. } = self.members[i];
-        self.ran += 1;
-        self.steps[i] = Step::Ran(None);
-        let handler = env.handlers.get(&claim.event.event_type).cloned();
-        let (result, touched) = match handler {
-            None => (
-                Ok(Err(HandlerError::Permanent(format!(
-                    "no handler registered for event type {:?}",
-                    claim.event.event_type
-                )))),
-                false,
-            ),
-            Some(handler) => {
-                let mut ctx = AttemptContext::for_attempt(tx);
-                let started = Instant::now();
-                let result = self
-                    .unstarted
-                    .while_running(async {
-                        tokio::select! {
-                            biased;
-                            _ = beat.lost.cancelled() => Err(AttemptOutcome::LostClaim),
-                            _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
-                            result = CatchPanic(handler.handle(&claim.event, &mut ctx)) => Ok(result),
-                        }
-                    })
-                    .await;
-                let took = started.elapsed();
-                self.handler_time += took;
-                env.metrics.handler_ran(&claim.event.event_type, took);
-                (result, ctx.touched())
-            }
-        };
-        match result {
-            Err(AttemptOutcome::Cancelled) => Err(Stop::Cancelled),
-            // Lost (found by its beat while the handler ran, or as it ended): its effects must
-            // not commit, and nothing is written for it.
-            Err(_) => {
-                undo(tx, touched).await?;
-                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-                Ok(false)
-            }
-            Ok(Ok(())) if beat.lost.is_cancelled() => {
-                undo(tx, touched).await?;
-                self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-                Ok(false)
-            }
-            Ok(Ok(())) => {
-                self.decide(i, Decision::processed(touched));
-                Ok(touched)
-            }
-            Ok(Err(error)) => {
-                if error.is_lock_timeout() {
-                    env.metrics.lock_timeout(&claim.event.event_type);
-                }
-                let failure = env.failure(claim, error.is_retryable(), error.to_string());
-                tracing::info!(error = %failure.message, "handler failed");
-                if let Err(stop) = undo(tx, touched).await {
-                    self.steps[i] = Step::Ran(Some(failure));
-                    return Err(stop);
-                }
-                self.decide(i, Decision::failed(failure));
-                Ok(false)
-            }
-        }
-    }
-
     /// Gives back, unrun, the waiting events from `from` on that `which` selects.
     fn give_back(&mut self, from: usize, which: impl Fn(usize) -> bool, why: &'static str) {
         for j in from..self.members.len() {
@@ -659,29 +531,4 @@ impl<'a> Batch<'a> {
             }
         }
     }
-}
-
-/// Why a batch's transaction did not begin.
-enum Begun {
-    /// Its waiting events end so (their claims lost, a hard shutdown, given up).
-    Ended(AttemptOutcome),
-    /// A graceful shutdown began while it retried: its waiting events are given back.
-    Stopping,
-}
-
-/// Undoes the running event's effects: rolls back to its savepoint, unless its handler never
-/// asked for the transaction (nothing to undo).
-async fn undo(tx: &mut dyn Attempt, touched: bool) -> Result<(), Stop> {
-    if touched {
-        rolled_back(tx).await
-    } else {
-        Ok(())
-    }
-}
-
-/// Rolls back to the segment's savepoint; a failure there is the transaction dying.
-async fn rolled_back(tx: &mut dyn Attempt) -> Result<(), Stop> {
-    tx.rollback_to_savepoint()
-        .await
-        .map_err(|e| Stop::Died(format!("rollback to the savepoint failed: {}", e.chain())))
 }

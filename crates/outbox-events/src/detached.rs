@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use outbox_persistence::{Claim, EventStatus, FailureBookkeeping, FenceOutcome, Terminal};
 
-use crate::attempt::{AttemptEnv, AttemptOutcome, Failure, failure_outcome};
+use crate::env::{AttemptEnv, AttemptOutcome, Failure, failure_outcome};
 use crate::heartbeat::Beat;
 
 /// Releases the claim without counting the attempt (see [`AttemptOutcome::Released`]), on a

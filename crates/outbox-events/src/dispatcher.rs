@@ -9,20 +9,18 @@ use outbox_persistence::{ClaimPolicy, OutboxRepository, Scope};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::attempt::{self, AttemptEnv};
+use crate::attempt;
 use crate::batch;
 use crate::claims::{Claims, Reply};
 use crate::config::{DispatchMode, WorkerConfig};
+use crate::env::AttemptEnv;
 use crate::gate::ModeDecision;
 use crate::handler::Handlers;
 use crate::legacy;
 use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::pause::narrow;
+use crate::waits::{FIRST_ERROR_BACKOFF, FIRST_IDLE_WAIT, back_off, idle, policy};
 
-/// The first wait of a worker that found nothing to claim; it doubles up to the poll interval.
-const FIRST_IDLE_WAIT: Duration = Duration::from_millis(10);
-/// The first wait after a failed claim (database down); it doubles up to five seconds.
-const FIRST_ERROR_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
 /// How long [`Dispatcher::decide`] rides out a database that is away (unavailable, or a lock
 /// timeout) before it returns the error.
 pub const DECIDE_RETRY_FOR: Duration = Duration::from_secs(30);
@@ -242,55 +240,6 @@ fn spawn_background(tracker: &TaskTracker, env: &Arc<AttemptEnv>, stop: &Cancell
     if let Some(retention) = env.config.retention {
         tracker.spawn(crate::prune::run(env.repo.clone(), retention, stop.clone()));
     }
-}
-
-/// The event types both `scope` and `within` name.
-pub(crate) fn narrow(scope: &Scope, within: Scope) -> Scope {
-    let keep = |types: &[String], pred: &dyn Fn(&String) -> bool| -> Vec<String> {
-        types.iter().filter(|t| pred(t)).cloned().collect()
-    };
-    match (scope, within) {
-        (Scope::All, within) => within,
-        (Scope::Only(a), Scope::All) => Scope::Only(a.clone()),
-        (Scope::Only(a), Scope::Only(b)) => Scope::Only(keep(a, &|t| b.contains(t))),
-        (Scope::Only(a), Scope::Except(b)) => Scope::Only(keep(a, &|t| !b.contains(t))),
-        (Scope::Except(a), Scope::All) => Scope::Except(a.clone()),
-        (Scope::Except(a), Scope::Only(b)) => Scope::Only(keep(&b, &|t| !a.contains(t))),
-        (Scope::Except(a), Scope::Except(b)) => {
-            let extra = keep(a, &|t| !b.contains(t));
-            Scope::Except(b.into_iter().chain(extra).collect())
-        }
-    }
-}
-
-/// The claim rules of the configuration.
-pub(crate) fn policy(env: &AttemptEnv) -> ClaimPolicy {
-    env.config.claim_policy()
-}
-
-/// Waits for work or for `stop`, whichever comes first.
-pub(crate) async fn idle(env: &AttemptEnv, stop: &CancellationToken, wait: Duration) {
-    tokio::select! {
-        _ = stop.cancelled() => {}
-        result = env.repo.wait_for_work(wait) => {
-            if let Err(e) = result {
-                tracing::debug!(error = %e.chain(), "waiting for work failed");
-                tokio::select! {
-                    _ = stop.cancelled() => {}
-                    _ = tokio::time::sleep(wait) => {}
-                }
-            }
-        }
-    }
-}
-
-/// Sleeps after a failed claim, unless `stop` comes first.
-pub(crate) async fn back_off(stop: &CancellationToken, backoff: &mut Duration) {
-    tokio::select! {
-        _ = stop.cancelled() => {}
-        _ = tokio::time::sleep(*backoff) => {}
-    }
-    *backoff = (*backoff * 2).min(MAX_ERROR_BACKOFF);
 }
 
 async fn pull_worker(

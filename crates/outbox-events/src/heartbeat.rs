@@ -17,7 +17,7 @@ use tokio::sync::{Mutex, MutexGuard, Notify, OwnedMutexGuard};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::attempt::AttemptEnv;
+use crate::env::AttemptEnv;
 
 /// The claim's current fence, and whether it was lost.
 #[derive(Debug)]

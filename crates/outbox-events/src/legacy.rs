@@ -9,8 +9,9 @@ use outbox_persistence::{OutboxEvent, Scope};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::attempt::{self, AttemptEnv};
-use crate::dispatcher::{back_off, idle, policy};
+use crate::attempt;
+use crate::env::AttemptEnv;
+use crate::waits::{back_off, idle, policy};
 
 /// The slot of an event: a stable hash of its `RecordKey` (of its `Id` when it has none), so
 /// a record's events of one batch run in order in one slot.

@@ -23,6 +23,7 @@ mod config;
 mod consumer;
 mod detached;
 mod dispatcher;
+mod env;
 mod gate;
 mod gauges;
 mod handler;
@@ -32,9 +33,10 @@ mod legacy;
 mod metrics;
 mod pause;
 mod prune;
+mod runner;
 pub mod trace;
+mod waits;
 
-pub use attempt::{AttemptOutcome, ClaimRunner};
 pub use config::{
     DEFAULT_BATCH_BUDGET, DEFAULT_BATCH_MAX_EVENTS, DEFAULT_HEADS_REPAIR_EVERY,
     DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_RETRY_ATTEMPTS,
@@ -44,6 +46,7 @@ pub use config::{
 };
 pub use consumer::{Consumer, DeclaredEffect, EffectKind, ExternalKind, Safeguard, Verdict};
 pub use dispatcher::{DECIDE_RETRY_FOR, Dispatcher, DispatcherHandle, ShutdownReport, StartError};
+pub use env::AttemptOutcome;
 pub use gate::{GateReport, ModeDecision, evaluate_gate};
 pub use handler::{AttemptContext, BoxError, Handler, HandlerError, Handlers};
 pub use legacy::slot_for_event;
@@ -56,6 +59,7 @@ pub use prune::{
     DEFAULT_PRUNE_BATCH_PAUSE, DEFAULT_PRUNE_INTERVAL, DEFAULT_PRUNE_PAUSE_FACTOR, PrunePacing,
     RetentionConfig, prune_until_done,
 };
+pub use runner::ClaimRunner;
 pub use trace::{TraceParent, TraceParentError, enqueue};
 
 // What the signatures above need, so that a service depends on this crate alone to write,

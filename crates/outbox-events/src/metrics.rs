@@ -132,22 +132,6 @@ pub(crate) enum Ended {
     NotRun,
 }
 
-impl From<&crate::AttemptOutcome> for Ended {
-    fn from(outcome: &crate::AttemptOutcome) -> Self {
-        use crate::AttemptOutcome as O;
-        match outcome {
-            O::Processed => Ended::Processed,
-            O::Retried => Ended::Retried,
-            O::Failed => Ended::Failed,
-            O::LostClaim => Ended::LostClaim,
-            O::Cancelled => Ended::Cancelled,
-            O::Abandoned => Ended::Abandoned,
-            O::Released => Ended::Released,
-            O::NotRun => Ended::NotRun,
-        }
-    }
-}
-
 impl Ended {
     fn label(self) -> &'static str {
         match self {

@@ -11,8 +11,6 @@ use outbox_persistence::{OutboxRepository, Scope};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatcher::narrow;
-
 /// How often a dispatcher re-reads the paused event types: a pause or resume is seen by every
 /// process within this time (plus one claim already under way).
 pub const PAUSE_REFRESH: Duration = Duration::from_secs(1);
@@ -107,6 +105,25 @@ pub(crate) async fn run(repo: Arc<dyn OutboxRepository>, paused: Paused, stop: C
         tokio::select! {
             _ = tokio::time::sleep(PAUSE_REFRESH) => {}
             _ = stop.cancelled() => {}
+        }
+    }
+}
+
+/// The event types both `scope` and `within` name.
+pub(crate) fn narrow(scope: &Scope, within: Scope) -> Scope {
+    let keep = |types: &[String], pred: &dyn Fn(&String) -> bool| -> Vec<String> {
+        types.iter().filter(|t| pred(t)).cloned().collect()
+    };
+    match (scope, within) {
+        (Scope::All, within) => within,
+        (Scope::Only(a), Scope::All) => Scope::Only(a.clone()),
+        (Scope::Only(a), Scope::Only(b)) => Scope::Only(keep(a, &|t| b.contains(t))),
+        (Scope::Only(a), Scope::Except(b)) => Scope::Only(keep(a, &|t| !b.contains(t))),
+        (Scope::Except(a), Scope::All) => Scope::Except(a.clone()),
+        (Scope::Except(a), Scope::Only(b)) => Scope::Only(keep(&b, &|t| !a.contains(t))),
+        (Scope::Except(a), Scope::Except(b)) => {
+            let extra = keep(a, &|t| !b.contains(t));
+            Scope::Except(b.into_iter().chain(extra).collect())
         }
     }
 }

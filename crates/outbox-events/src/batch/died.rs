@@ -6,8 +6,8 @@
 use outbox_persistence::Claim;
 
 use super::{BATCH_DIED, Batch, Step};
-use crate::attempt::{AttemptOutcome, Failure};
 use crate::detached::{Landed, detached, give_back, release};
+use crate::env::{AttemptOutcome, Failure};
 use crate::heartbeat::Beat;
 
 /// Why the events of a batch rolled back at its settle are given back.

@@ -9,7 +9,7 @@ use outbox_persistence::{Attempt, Error, Fence, FenceOutcome, RecordKey};
 use tokio::sync::OwnedMutexGuard;
 
 use super::{Batch, Decision, Step, Stop};
-use crate::attempt::AttemptOutcome;
+use crate::env::AttemptOutcome;
 use crate::heartbeat::FenceState;
 
 /// Why an event is given back at the settle when an older event of its record was lost there.
@@ -31,26 +31,7 @@ impl Batch<'_> {
     /// event, if it is not the lost one, is given back too) and writes again. A lock timeout or
     /// conflict on a write gives the segment back; any other error is the transaction dying.
     pub(super) async fn settle(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
-        let mut held: Vec<Held> = Vec::new();
-        // Records with a claim lost at this settle, and the claim order of the first one.
-        let mut lost: Vec<(usize, RecordKey)> = Vec::new();
-        let mut effects_lost = false;
-        for i in 0..self.steps.len() {
-            let step = std::mem::replace(&mut self.steps[i], Step::Waiting);
-            let Step::Decided(decision) = step else {
-                self.steps[i] = step;
-                continue;
-            };
-            let cell = &self.members[i].beat.fence;
-            let fence = cell.lock_for_write(&self.env.repo).await;
-            if fence.lost {
-                drop(fence);
-                effects_lost |= decision.kept_effects;
-                self.lost_here(i, &mut lost);
-                continue;
-            }
-            held.push((i, decision, fence));
-        }
+        let (mut held, mut lost, mut effects_lost) = self.hold_decided().await;
         loop {
             // The later events of a record whose claim was lost here are given back.
             let mut undo = effects_lost;
@@ -121,6 +102,33 @@ impl Batch<'_> {
             }
             return Ok(());
         }
+    }
+
+    /// Takes every decided event's fence, in claim order (held until the segment ends): the
+    /// held ones, the records with a claim found lost (each ends lost), and whether a lost one
+    /// kept effects in the transaction.
+    async fn hold_decided(&mut self) -> (Vec<Held>, Vec<(usize, RecordKey)>, bool) {
+        let mut held: Vec<Held> = Vec::new();
+        // Records with a claim lost at this settle, and the claim order of the first one.
+        let mut lost: Vec<(usize, RecordKey)> = Vec::new();
+        let mut effects_lost = false;
+        for i in 0..self.steps.len() {
+            let step = std::mem::replace(&mut self.steps[i], Step::Waiting);
+            let Step::Decided(decision) = step else {
+                self.steps[i] = step;
+                continue;
+            };
+            let cell = &self.members[i].beat.fence;
+            let fence = cell.lock_for_write(&self.env.repo).await;
+            if fence.lost {
+                drop(fence);
+                effects_lost |= decision.kept_effects;
+                self.lost_here(i, &mut lost);
+                continue;
+            }
+            held.push((i, decision, fence));
+        }
+        (held, lost, effects_lost)
     }
 
     /// Event `i`'s claim turned out lost at the settle: it ends lost, and its record's later

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
-use crate::attempt::{AttemptEnv, AttemptOutcome};
+use crate::env::{AttemptEnv, AttemptOutcome};
 use crate::heartbeat::Beat;
 
 /// Why a claim is given back while another handler of its worker runs long.
