@@ -274,6 +274,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     }
     if wanted("slow") {
         slow::slow_handlers(db, &sizes, &mut report).await?;
+        slow::slow_among_fast(db, &mut report).await?;
     }
     if wanted("enqueue") {
         enqueue::enqueue_rate(db, &sizes, &mut report).await?;

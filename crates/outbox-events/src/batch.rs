@@ -504,10 +504,13 @@ impl<'a> Batch<'a> {
         }
     }
 
-    /// The segment committed: every written outcome stands.
+    /// The segment committed: every written outcome stands. Their beats stop before their
+    /// fences are let go: the batch's later segments may run long, and a beat of a row that is
+    /// no longer `processing` would only find it gone.
     fn committed(&mut self) {
-        for step in &mut self.steps {
+        for (i, step) in self.steps.iter_mut().enumerate() {
             if let Step::Written(decision, _) = step {
+                self.members[i].beat.stop();
                 *step = Step::Done(decision.outcome.clone());
             }
         }

@@ -139,6 +139,7 @@ impl Batch<'_> {
             "a claim of the batch was lost before its outcome was written; it writes nothing"
         );
         self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
+        self.members[i].beat.stop();
         self.block(i);
         if let Some(key) = &self.members[i].claim.event.record_key
             && !lost.iter().any(|(_, k)| k == key)
