@@ -82,6 +82,8 @@ struct Acting {
     runs: Arc<AtomicU64>,
     /// The record of every handler run, in order.
     log: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Set once a `fail_first` handler failed.
+    failed_once: Arc<AtomicBool>,
 }
 
 #[async_trait]
@@ -93,11 +95,14 @@ impl Handler for Acting {
     ) -> Result<(), HandlerError> {
         self.runs.fetch_add(1, Ordering::SeqCst);
         let envelope = EventEnvelope::parse(&event.payload).expect("a test payload");
-        self.log
-            .lock()
-            .unwrap()
-            .push(envelope.record_id.clone().unwrap_or_default());
         let (what, row) = act(event);
+        let record = envelope.record_id.clone().unwrap_or_default();
+        self.log.lock().unwrap().push(format!("{record}:{row}"));
+        if what == "fail_first" && !self.failed_once.swap(true, Ordering::SeqCst) {
+            return Err(HandlerError::Permanent(
+                "failing its first run on purpose".into(),
+            ));
+        }
         if what == "hold_touch" && !self.held.swap(true, Ordering::SeqCst) {
             self.go_on.notified().await;
         }
@@ -454,7 +459,11 @@ async fn a_claim_lost_at_the_settle_costs_only_its_own_event(db: TestDb) {
     drain(&repo, Duration::from_secs(60)).await;
     handle.shutdown().await;
     let log = log.lock().unwrap().clone();
-    let runs = |record: &str| log.iter().filter(|r| *r == record).count();
+    let runs = |record: &str| {
+        log.iter()
+            .filter(|r| r.split(':').next() == Some(record))
+            .count()
+    };
     assert_eq!((runs("A"), runs("B"), runs("L")), (1, 1, 2), "{log:?}");
     assert_eq!(db.count("SELECT seen FROM app_row WHERE id = 7").await, 1);
     assert_eq!(
@@ -464,7 +473,72 @@ async fn a_claim_lost_at_the_settle_costs_only_its_own_event(db: TestDb) {
     );
 }
 
+/// Finding 5: an operator retry of an older failed row, made while a worker's batch runs the
+/// record's later rows as a chain, is not overtaken by the chain's rows: the settle holds back
+/// the record's rows (an older row became non-terminal after the segment began) and gives them
+/// back; the retried row runs first, then they run again, in order.
+async fn an_operator_retry_mid_chain_is_not_overtaken(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return; // SQLite's retry waits for the batch's write lock: it cannot land mid-batch.
+    }
+    let repo = db.repository();
+    let handler = Acting::default();
+    let (held, go_on, log) = (
+        handler.held.clone(),
+        handler.go_on.clone(),
+        handler.log.clone(),
+    );
+    let handle = start(&repo, handler, config(1)).await;
+    enqueue(&repo, &[event("W", "noop", 0)]).await;
+    drain(&repo, Duration::from_secs(20)).await;
+    // r1 fails for good; r2 and r3 then run as a chain in one segment.
+    enqueue(&repo, &[event("K", "fail_first", 1)]).await;
+    drain(&repo, Duration::from_secs(20)).await;
+    assert_eq!(status(&db, "K", 1).await, "failed");
+    enqueue(&repo, &[event("K", "noop", 2), event("K", "hold", 3)]).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !held.load(Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hold handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // An operator retries r1 while r3's handler runs (r2's already ran in the chain).
+    let r1 = db
+        .count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE RecordKey = 'account:K' AND Status = 'failed'",
+        )
+        .await;
+    assert_eq!(r1, 1);
+    let retried = repo
+        .retry_failed(outbox_persistence::RetryFilter::Failed { event_type: None })
+        .await
+        .unwrap();
+    assert_eq!(retried, 1);
+    go_on.notify_one();
+    drain(&repo, Duration::from_secs(60)).await;
+    handle.shutdown().await;
+    let log: Vec<String> = log.lock().unwrap().clone();
+    let k: Vec<&str> = log
+        .iter()
+        .filter(|r| r.starts_with("K:"))
+        .map(String::as_str)
+        .collect();
+    // r1 failed; r2 and r3 ran in the chain; the retry held them back at the settle; then r1,
+    // r2, r3 in order. Before, the chain committed past the retried r1, which ran last.
+    assert_eq!(k, ["K:1", "K:2", "K:3", "K:1", "K:2", "K:3"], "{log:?}");
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE RecordKey = 'account:K' AND Status = 'processed'",
+        )
+        .await,
+        3
+    );
+}
+
 backend_tests!(
+    an_operator_retry_mid_chain_is_not_overtaken,
     a_claim_lost_at_the_settle_costs_only_its_own_event,
     application_transactions_beside_batches_never_fail,
     a_claim_lost_at_the_settle_never_lets_its_record_run_ahead,

@@ -5,7 +5,7 @@
 //! before it: that event is given back instead, its writes (and the segment's one handler's
 //! effects, if they are its) rolled back to the segment's savepoint.
 
-use outbox_persistence::{Attempt, Error, Fence, FenceOutcome, RecordKey};
+use outbox_persistence::{Attempt, Error, EventStatus, Fence, FenceOutcome, RecordKey};
 use tokio::sync::OwnedMutexGuard;
 
 use super::{Batch, Decision, Step, Stop};
@@ -15,6 +15,10 @@ use crate::heartbeat::FenceState;
 /// Why an event is given back at the settle when an older event of its record was lost there.
 const OLDER_LOST: &str =
     "not run to its end: an older event of its record lost its claim at the batch's settle";
+/// Why an event is given back at the settle when an older row of its record became
+/// non-terminal after its segment began (an operator retry, a row other code wrote).
+const OLDER_REOPENED: &str =
+    "not run to its end: an older row of its record became non-terminal while its batch ran";
 /// Why an event whose handler's effects were rolled back at the settle is given back.
 const EFFECTS_ROLLED_BACK: &str =
     "given back: its effects were rolled back at the batch's settle (another claim was lost)";
@@ -70,24 +74,16 @@ impl Batch<'_> {
                     });
                 }
             };
-            let mut kept = Vec::with_capacity(held.len());
-            let mut found_lost = false;
-            for ((i, decision, fence), outcome) in held.into_iter().zip(outcomes) {
-                if outcome == FenceOutcome::Lost {
-                    drop(fence);
-                    effects_lost |= decision.kept_effects;
-                    found_lost = true;
-                    self.lost_here(i, &mut lost);
-                } else {
-                    kept.push((i, decision, fence));
-                }
-            }
+            let (kept, unwritten, found_lost, waits_with_effects) = self
+                .classify(held, outcomes, &mut lost, &mut effects_lost)
+                .await;
             held = kept;
             let written_after_lost = held.iter().any(|(i, _, _)| self.after_lost(*i, &lost));
-            if found_lost && (effects_lost || written_after_lost) {
+            if (found_lost && (effects_lost || written_after_lost)) || waits_with_effects {
                 // Something written must not stand (a later event of a lost claim's record,
-                // or effects of a lost claim): undo every write of this settle and write
-                // again. Each round ends one more claim lost, so this ends.
+                // effects of a lost claim, or of an event that must wait for an older row):
+                // undo every write of this settle and write again. Each round ends one more
+                // claim lost or given back, so this ends.
                 rolled_back_to_savepoint(tx).await?;
                 for (_, decision, _) in &mut held {
                     if decision.kept_effects {
@@ -97,10 +93,76 @@ impl Batch<'_> {
                 effects_lost = false;
                 continue;
             }
+            // The events that must wait for an older row of their record: given back now.
+            for k in unwritten {
+                let (i, _, fence) = &held[k];
+                let outcome = tx
+                    .release(fence.fence, OLDER_REOPENED)
+                    .await
+                    .map_err(|e| Stop::Died(format!("writing a release failed: {}", e.chain())))?;
+                if outcome == FenceOutcome::Lost {
+                    let i = *i;
+                    self.lost_here(i, &mut lost);
+                }
+            }
+            held.retain(|(i, _, _)| !matches!(self.steps[*i], Step::Done(_)));
             for (i, decision, fence) in held {
                 self.steps[i] = Step::Written(decision, Some(fence));
             }
             return Ok(());
+        }
+    }
+
+    /// Sorts the settle's writes: a claim found lost ends lost (`lost`, `effects_lost` updated);
+    /// a `processed` write that found its row still under this worker's fence was held back
+    /// because an older row of its record became non-terminal after the segment began (an
+    /// operator retry, a row other code wrote): it is given back instead, unwritten so far.
+    /// Returns the held events, the indexes (among them) of those still to be written, whether
+    /// a claim was found lost, and whether one of those given back kept effects.
+    async fn classify(
+        &mut self,
+        held: Vec<Held>,
+        outcomes: Vec<FenceOutcome>,
+        lost: &mut Vec<(usize, RecordKey)>,
+        effects_lost: &mut bool,
+    ) -> (Vec<Held>, Vec<usize>, bool, bool) {
+        let mut kept = Vec::with_capacity(held.len());
+        let (mut unwritten, mut found_lost, mut waits_with_effects) = (Vec::new(), false, false);
+        for ((i, mut decision, fence), outcome) in held.into_iter().zip(outcomes) {
+            if outcome == FenceOutcome::Written {
+                kept.push((i, decision, fence));
+                continue;
+            }
+            if is_processed(&decision) && self.still_ours(&fence).await {
+                waits_with_effects |= decision.kept_effects;
+                decision = Decision::not_run(OLDER_REOPENED);
+                self.block(i);
+                unwritten.push(kept.len());
+                kept.push((i, decision, fence));
+                continue;
+            }
+            drop(fence);
+            *effects_lost |= decision.kept_effects;
+            found_lost = true;
+            self.lost_here(i, lost);
+        }
+        (kept, unwritten, found_lost, waits_with_effects)
+    }
+
+    /// Whether the row is still `processing` under `fence` (read on a connection of its own;
+    /// not written by this settle, so its committed state is its state). An error reads as
+    /// lost: the row then stays `processing` unbeaten and is reclaimed once stale.
+    async fn still_ours(&self, fence: &FenceState) -> bool {
+        match self.env.repo.get_event(fence.fence.id).await {
+            Ok(Some(row)) => {
+                row.status == EventStatus::Processing
+                    && row.last_modified_date == fence.fence.last_written
+            }
+            Ok(None) => false,
+            Err(e) => {
+                tracing::warn!(error = %e.chain(), "could not read a row back at the settle; taking its claim for lost");
+                false
+            }
         }
     }
 
@@ -185,10 +247,12 @@ async fn write_all(tx: &mut dyn Attempt, held: &[Held]) -> Result<Vec<FenceOutco
         .collect();
     let mut outcomes = vec![FenceOutcome::Written; held.len()];
     let fences: Vec<Fence> = processed.iter().map(|&k| held[k].2.fence).collect();
-    let written = match fences.as_slice() {
-        [] => Vec::new(),
-        [one] => vec![tx.mark_processed(*one).await?],
-        _ => tx.mark_processed_many(fences).await?,
+    // Always the statement for many, also for one: it holds back a row whose record has an
+    // older row that became non-terminal after the segment began (rule 3).
+    let written = if fences.is_empty() {
+        Vec::new()
+    } else {
+        tx.mark_processed_many(fences).await?
     };
     for (&k, outcome) in processed.iter().zip(written) {
         outcomes[k] = outcome;

@@ -92,9 +92,28 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
 
 /// `processed` for several claims (`$2`, fenced on `$3` in the same order): the ids written.
 /// The heads trigger runs per row after the statement, so a record chain's rows move its head
-/// once each, to the record's oldest row still open.
+/// once each, to the record's oldest row still open. No row of a record is written while an
+/// older row of the record outside the batch is not terminal (an operator retry of an older
+/// failed row, or a row other code wrote, that appeared after the segment's begin check): those
+/// rows are left `processing` under their fences, for the worker to give back (rule 3 of
+/// "Batched attempts"). One probe per record, from its oldest row in the batch.
 const MARK_PROCESSED_MANY: &str = concat!(
     "\
+WITH firsts AS (
+  SELECT DISTINCT ON (x.RecordKey) x.RecordKey AS k, x.CreatedDate AS c, x.Id AS i
+  FROM _System_OutboxEvent x
+  WHERE x.Id = ANY($2) AND x.RecordKey IS NOT NULL
+  ORDER BY x.RecordKey, x.CreatedDate, x.Id
+),
+waits AS (
+  SELECT fi.k FROM firsts fi
+  WHERE EXISTS (
+    SELECT 1 FROM _System_OutboxEvent older
+    WHERE older.RecordKey = fi.k
+      AND (older.CreatedDate, older.Id) < (fi.c, fi.i)
+      AND older.Status NOT IN ('processed', 'failed')
+      AND older.Id <> ALL($2))
+)
 UPDATE _System_OutboxEvent e
 SET Status = 'processed',
     LastModifiedDate = GREATEST(",
@@ -102,7 +121,8 @@ SET Status = 'processed',
     ", e.LastModifiedDate + interval '1 microsecond'),
     LastError = NULL
 FROM unnest($2::uuid[], $3::timestamptz[]) AS f(id, written)
-WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written",
+WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written
+  AND (e.RecordKey IS NULL OR e.RecordKey NOT IN (SELECT k FROM waits))",
     lock_guard!("4"),
     "
 RETURNING e.Id"
