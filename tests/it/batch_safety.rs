@@ -372,8 +372,10 @@ async fn a_long_handler_gives_its_workers_unstarted_claims_to_idle_workers(db: T
     assert_eq!(idle_runs.load(Ordering::SeqCst), 3);
     go_on.notify_one();
     drain(&repo, Duration::from_secs(20)).await;
-    first.shutdown().await;
+    let first = first.shutdown().await.metrics;
     second.shutdown().await;
+    // The slow worker held A, B and C (claimed with S) and gave them back unrun.
+    assert_eq!(first.not_run, 3, "{first:?}");
     // Given back uncounted.
     assert_eq!(
         db.count(
@@ -457,7 +459,11 @@ async fn a_claim_lost_at_the_settle_costs_only_its_own_event(db: TestDb) {
     )
     .await;
     drain(&repo, Duration::from_secs(60)).await;
-    handle.shutdown().await;
+    let metrics = handle.shutdown().await.metrics;
+    assert!(
+        metrics.batches >= 1,
+        "A, B and L ran in one batch: {metrics:?}"
+    );
     let log = log.lock().unwrap().clone();
     let runs = |record: &str| {
         log.iter()

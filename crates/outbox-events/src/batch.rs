@@ -332,7 +332,14 @@ impl<'a> Batch<'a> {
                 }
             };
             match ended {
-                Ok(()) => self.committed(),
+                Ok(()) => {
+                    self.committed();
+                    if self.env.repo.serializes_writers() {
+                        // The next segment's `BEGIN IMMEDIATE` may wait its turn behind other
+                        // workers: its claims must not look silent meanwhile.
+                        self.beat_waiting();
+                    }
+                }
                 Err((Stop::Cancelled, _)) => {
                     self.cancelled();
                     break;
@@ -377,6 +384,15 @@ impl<'a> Batch<'a> {
             }
             let _span = attempt::attempt_span(claim).entered();
             attempt::ended(self.env, claim, outcome, self.claimed_at);
+        }
+    }
+
+    /// Restarts the beats of the members still waiting (their begin stopped them).
+    pub(super) fn beat_waiting(&self) {
+        for (i, member) in self.members.iter().enumerate() {
+            if matches!(self.steps[i], Step::Waiting) {
+                member.beat.ensure_running(false);
+            }
         }
     }
 
@@ -496,8 +512,10 @@ impl<'a> Batch<'a> {
     /// Gives back, on the side, every event still waiting (the batch cannot begin, and its
     /// worker is stopping).
     async fn release_waiting(&mut self, why: &'static str) {
+        self.take_given_back();
         for i in 0..self.members.len() {
-            if matches!(self.steps[i], Step::Waiting) {
+            if matches!(self.steps[i], Step::Waiting) && self.unstarted.start(self.members[i].index)
+            {
                 let outcome = crate::detached::give_back(self.env, self.members[i].beat, why).await;
                 self.steps[i] = Step::Done(outcome);
             }
@@ -518,6 +536,7 @@ impl<'a> Batch<'a> {
 
     /// A hard shutdown rolled the batch back: what was not ended is left to stale reclaim.
     fn cancelled(&mut self) {
+        self.take_given_back();
         tracing::warn!("batched attempt cancelled by shutdown; its rows are left to stale reclaim");
         for step in &mut self.steps {
             if !matches!(step, Step::Done(_)) {

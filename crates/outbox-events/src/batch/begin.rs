@@ -94,8 +94,10 @@ impl<'a> Batch<'a> {
                         env.metrics.lock_timeout(&members[0].claim.event.event_type);
                     }
                     tracing::warn!(error = %e.chain(), try_number, "could not begin the batched attempt; the claims are kept while it retries");
-                    for member in &members {
-                        member.beat.ensure_running(true);
+                    for (i, member) in members.iter().enumerate() {
+                        if matches!(self.steps[i], Step::Waiting) {
+                            member.beat.ensure_running(true);
+                        }
                     }
                 }
             }

@@ -70,6 +70,9 @@ impl Batch<'_> {
             let (claim, beat) = (self.members[i].claim, self.members[i].beat);
             let outcome = match step {
                 Step::Done(outcome) => outcome,
+                Step::Waiting if !self.unstarted.start(self.members[i].index) => {
+                    self.unstarted.outcome(self.members[i].index)
+                }
                 Step::Waiting => give_back(self.env, beat, ending.why()).await,
                 Step::Decided(d) | Step::Written(d, _) if d.release.is_some() => {
                     give_back(self.env, beat, ending.why()).await

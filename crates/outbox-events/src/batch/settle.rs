@@ -78,7 +78,11 @@ impl Batch<'_> {
                 .classify(held, outcomes, &mut lost, &mut effects_lost)
                 .await;
             held = kept;
-            let written_after_lost = held.iter().any(|(i, _, _)| self.after_lost(*i, &lost));
+            // A release of a later event of a lost claim's record may stand (its row is
+            // `pending` again); a `processed` or a failure written for one may not.
+            let written_after_lost = held
+                .iter()
+                .any(|(i, d, _)| d.release.is_none() && self.after_lost(*i, &lost));
             if (found_lost && (effects_lost || written_after_lost)) || waits_with_effects {
                 // Something written must not stand (a later event of a lost claim's record,
                 // effects of a lost claim, or of an event that must wait for an older row):

@@ -10,6 +10,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
+use outbox_persistence::FenceOutcome;
+
 use crate::env::{AttemptEnv, AttemptOutcome};
 use crate::heartbeat::Beat;
 
@@ -104,6 +106,25 @@ impl<'a> Unstarted<'a> {
         out
     }
 
+    /// One fenced release of a claim, uncounted, tried once: `None` when it failed (it may
+    /// have landed: the claim is then not read back as this worker's again, and the worker's
+    /// own write under its fence finds it lost).
+    async fn release_once(&self, beat: &Beat<'_>) -> Option<AttemptOutcome> {
+        let mut state = beat.fence.lock_for_write(&self.env.repo).await;
+        if state.lost {
+            return Some(AttemptOutcome::LostClaim);
+        }
+        state.sending_outcome();
+        match self.env.repo.release_claim(state.fence, SLOW_HANDLER).await {
+            Ok(FenceOutcome::Written) => Some(AttemptOutcome::NotRun),
+            Ok(FenceOutcome::Lost) => Some(AttemptOutcome::LostClaim),
+            Err(e) => {
+                tracing::warn!(error = %e.chain(), "giving back a claim of a long handler's worker failed; the worker keeps it");
+                None
+            }
+        }
+    }
+
     /// After [`Unstarted::give_back_after`], releases every claim still unstarted.
     async fn give_back(&self, releasing: &AtomicBool) {
         tokio::time::sleep(Self::give_back_after(&self.env.config)).await;
@@ -116,7 +137,13 @@ impl<'a> Unstarted<'a> {
             {
                 continue;
             }
-            let outcome = crate::detached::give_back(self.env, beat, SLOW_HANDLER).await;
+            let Some(outcome) = self.release_once(beat).await else {
+                // The database is away: the claim stays this worker's to run, and the pass
+                // ends (each release here is tried once, so that the running handler's
+                // transaction never waits for a pass that retries).
+                self.state[i].store(UNSTARTED, Ordering::Release);
+                break;
+            };
             beat.stop();
             self.outcomes.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(outcome);
             count += 1;

@@ -96,10 +96,16 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
 /// older row of the record outside the batch is not terminal (an operator retry of an older
 /// failed row, or a row other code wrote, that appeared after the segment's begin check): those
 /// rows are left `processing` under their fences, for the worker to give back (rule 3 of
-/// "Batched attempts"). One probe per record, from its oldest row in the batch.
+/// "Batched attempts"). One probe per record, from its oldest row in the batch. The clock is
+/// read once, and each row's `processed` time follows its place in the claim order (a
+/// microsecond apart), so a record's rows written together keep their order in time whatever
+/// order the server updates them in.
 const MARK_PROCESSED_MANY: &str = concat!(
     "\
-WITH firsts AS (
+WITH clock AS (SELECT ",
+    db_now!(),
+    " AS now),
+firsts AS (
   SELECT DISTINCT ON (x.RecordKey) x.RecordKey AS k, x.CreatedDate AS c, x.Id AS i
   FROM _System_OutboxEvent x
   WHERE x.Id = ANY($2) AND x.RecordKey IS NOT NULL
@@ -116,11 +122,10 @@ waits AS (
 )
 UPDATE _System_OutboxEvent e
 SET Status = 'processed',
-    LastModifiedDate = GREATEST(",
-    db_now!(),
-    ", e.LastModifiedDate + interval '1 microsecond'),
+    LastModifiedDate = GREATEST((SELECT now FROM clock) + f.ord * interval '1 microsecond',
+                                e.LastModifiedDate + interval '1 microsecond'),
     LastError = NULL
-FROM unnest($2::uuid[], $3::timestamptz[]) AS f(id, written)
+FROM unnest($2::uuid[], $3::timestamptz[]) WITH ORDINALITY AS f(id, written, ord)
 WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written
   AND (e.RecordKey IS NULL OR e.RecordKey NOT IN (SELECT k FROM waits))",
     lock_guard!("4"),
