@@ -97,24 +97,36 @@ impl Batch<'_> {
                 effects_lost = false;
                 continue;
             }
-            // The events that must wait for an older row of their record: given back now.
-            for k in unwritten {
-                let (i, _, fence) = &held[k];
-                let outcome = tx
-                    .release(fence.fence, OLDER_REOPENED)
-                    .await
-                    .map_err(|e| Stop::Died(format!("writing a release failed: {}", e.chain())))?;
-                if outcome == FenceOutcome::Lost {
-                    let i = *i;
-                    self.lost_here(i, &mut lost);
-                }
-            }
+            self.release_unwritten(tx, &held, unwritten, &mut lost)
+                .await?;
             held.retain(|(i, _, _)| !matches!(self.steps[*i], Step::Done(_)));
             for (i, decision, fence) in held {
                 self.steps[i] = Step::Written(decision, Some(fence));
             }
             return Ok(());
         }
+    }
+
+    /// Writes the releases of the events that must wait for an older row of their record
+    /// (`unwritten`: their indexes in `held`); one found lost ends lost.
+    async fn release_unwritten(
+        &mut self,
+        tx: &mut dyn Attempt,
+        held: &[Held],
+        unwritten: Vec<usize>,
+        lost: &mut Vec<(usize, RecordKey)>,
+    ) -> Result<(), Stop> {
+        for k in unwritten {
+            let (i, _, fence) = &held[k];
+            let outcome = tx
+                .release(fence.fence, OLDER_REOPENED)
+                .await
+                .map_err(|e| Stop::Died(format!("writing a release failed: {}", e.chain())))?;
+            if outcome == FenceOutcome::Lost {
+                self.lost_here(*i, lost);
+            }
+        }
+        Ok(())
     }
 
     /// Sorts the settle's writes: a claim found lost ends lost (`lost`, `effects_lost` updated);
