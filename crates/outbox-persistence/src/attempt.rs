@@ -102,6 +102,15 @@ pub(crate) trait AttemptWrites: Send + Sync + 'static {
         Ok(outcomes)
     }
 
+    /// [`AttemptWrites::processed_many`] for a batch holding two or more rows of a record (a
+    /// chain): no row of a record is written while an older row of it outside `fences` is not
+    /// terminal (such rows read back as not written, still under their fences). The same as
+    /// `processed_many` where nothing can reopen an older row meanwhile (SQLite: the attempt
+    /// holds the write lock).
+    async fn processed_chains(&self, tx: &mut Tx, fences: &[Fence]) -> Result<Vec<FenceOutcome>> {
+        self.processed_many(tx, fences).await
+    }
+
     /// Called once, just before the transaction commits or rolls back.
     fn ending(&self) {}
 
@@ -185,6 +194,11 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
     async fn mark_processed_many(&mut self, fences: Vec<Fence>) -> Result<Vec<FenceOutcome>> {
         let (tx, writes) = self.open()?;
         writes.processed_many(tx, &fences).await
+    }
+
+    async fn mark_processed_chains(&mut self, fences: Vec<Fence>) -> Result<Vec<FenceOutcome>> {
+        let (tx, writes) = self.open()?;
+        writes.processed_chains(tx, &fences).await
     }
 
     async fn record_failure(

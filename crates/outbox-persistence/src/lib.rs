@@ -478,6 +478,15 @@ pub trait Attempt: Send {
     /// fence, in order (PostgreSQL: one statement; a batched attempt's settle).
     async fn mark_processed_many(&mut self, fences: Vec<Fence>) -> Result<Vec<FenceOutcome>>;
 
+    /// [`Attempt::mark_processed_many`] for a batch that holds two or more rows of a record (a
+    /// chain): no row of a record is written while an older row of it outside `fences` is not
+    /// terminal (an operator retry, or a row other code wrote, since the batch began); such a
+    /// row is reported [`FenceOutcome::Lost`] though it still carries its fence, for the
+    /// caller to read back (docs/state-machine.md, "Batched attempts", rule 3).
+    async fn mark_processed_chains(&mut self, fences: Vec<Fence>) -> Result<Vec<FenceOutcome>> {
+        self.mark_processed_many(fences).await
+    }
+
     /// Retry or failed state, in this transaction, fenced.
     async fn record_failure(
         &mut self,

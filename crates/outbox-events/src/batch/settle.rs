@@ -57,7 +57,8 @@ impl Batch<'_> {
             if held.is_empty() {
                 return Ok(());
             }
-            let outcomes = match write_all(tx, &held).await {
+            let chain = self.holds_chain(&held);
+            let outcomes = match write_all(tx, &held, chain).await {
                 Ok(outcomes) => outcomes,
                 Err(e) => {
                     let (i, _, _) = &held[0];
@@ -182,6 +183,17 @@ impl Batch<'_> {
         }
     }
 
+    /// Whether two or more of the held `processed` decisions share a record (a chain).
+    fn holds_chain(&self, held: &[Held]) -> bool {
+        let mut keys: Vec<&RecordKey> = held
+            .iter()
+            .filter(|(_, decision, _)| is_processed(decision))
+            .filter_map(|(i, _, _)| self.members[*i].claim.event.record_key.as_ref())
+            .collect();
+        keys.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
+        keys.windows(2).any(|pair| pair[0] == pair[1])
+    }
+
     /// Takes every decided event's fence, in claim order (held until the segment ends): the
     /// held ones, the records with a claim found lost (each ends lost), and whether a lost one
     /// kept effects in the transaction.
@@ -256,19 +268,26 @@ async fn rolled_back_to_savepoint(tx: &mut dyn Attempt) -> Result<(), Stop> {
 }
 
 /// Writes every held decision: the `processed` ones in one statement (several) or one, then
-/// each of the others. One outcome per held event, in order; the first error stops it.
-async fn write_all(tx: &mut dyn Attempt, held: &[Held]) -> Result<Vec<FenceOutcome>, Error> {
+/// each of the others (`chain`: two or more of the `processed` ones share a record). One
+/// outcome per held event, in order; the first error stops it.
+async fn write_all(
+    tx: &mut dyn Attempt,
+    held: &[Held],
+    chain: bool,
+) -> Result<Vec<FenceOutcome>, Error> {
     let processed: Vec<usize> = (0..held.len())
         .filter(|&k| is_processed(&held[k].1))
         .collect();
     let mut outcomes = vec![FenceOutcome::Written; held.len()];
     let fences: Vec<Fence> = processed.iter().map(|&k| held[k].2.fence).collect();
-    // Always the statement for many, also for one: it holds back a row whose record has an
-    // older row that became non-terminal after the segment began (rule 3).
-    let written = if fences.is_empty() {
-        Vec::new()
-    } else {
-        tx.mark_processed_many(fences).await?
+    let written = match fences.as_slice() {
+        [] => Vec::new(),
+        [one] => vec![tx.mark_processed(*one).await?],
+        // A chain: hold back a record's rows when an older row of it reopened after the
+        // segment began (rule 3). A record with one row here was in flight when it reopened,
+        // and the reopened row waits for it, as for any running row.
+        _ if chain => tx.mark_processed_chains(fences).await?,
+        _ => tx.mark_processed_many(fences).await?,
     };
     for (&k, outcome) in processed.iter().zip(written) {
         outcomes[k] = outcome;

@@ -92,6 +92,28 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
 
 /// `processed` for several claims (`$2`, fenced on `$3` in the same order): the ids written.
 /// The heads trigger runs per row after the statement, so a record chain's rows move its head
+/// once each, to the record's oldest row still open. The clock is read once, and each row's
+/// `processed` time follows its place in the claim order (a microsecond apart), so a record's
+/// rows written together keep their order in time whatever order the server updates them in.
+const MARK_PROCESSED_MANY: &str = concat!(
+    "\
+WITH clock AS (SELECT ",
+    db_now!(),
+    " AS now)
+UPDATE _System_OutboxEvent e
+SET Status = 'processed',
+    LastModifiedDate = GREATEST((SELECT now FROM clock) + f.ord * interval '1 microsecond',
+                                e.LastModifiedDate + interval '1 microsecond'),
+    LastError = NULL
+FROM unnest($2::uuid[], $3::timestamptz[]) WITH ORDINALITY AS f(id, written, ord)
+WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written",
+    lock_guard!("4"),
+    "
+RETURNING e.Id"
+);
+
+/// [`MARK_PROCESSED_MANY`] for a batch holding a chain: the ids written.
+/// The heads trigger runs per row after the statement, so a record chain's rows move its head
 /// once each, to the record's oldest row still open. No row of a record is written while an
 /// older row of the record outside the batch is not terminal (an operator retry of an older
 /// failed row, or a row other code wrote, that appeared after the segment's begin check): those
@@ -100,7 +122,7 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
 /// read once, and each row's `processed` time follows its place in the claim order (a
 /// microsecond apart), so a record's rows written together keep their order in time whatever
 /// order the server updates them in.
-const MARK_PROCESSED_MANY: &str = concat!(
+const MARK_PROCESSED_CHAINS: &str = concat!(
     "\
 WITH clock AS (SELECT ",
     db_now!(),
@@ -237,9 +259,25 @@ impl AttemptWrites for PgAttemptWrites {
     }
 
     async fn processed_many(&self, tx: &mut Tx, fences: &[Fence]) -> Result<Vec<FenceOutcome>> {
+        self.processed_by(MARK_PROCESSED_MANY, tx, fences).await
+    }
+
+    async fn processed_chains(&self, tx: &mut Tx, fences: &[Fence]) -> Result<Vec<FenceOutcome>> {
+        self.processed_by(MARK_PROCESSED_CHAINS, tx, fences).await
+    }
+}
+
+impl PgAttemptWrites {
+    /// `processed` for several claims with `statement` (the ids it returns are written).
+    async fn processed_by(
+        &self,
+        statement: &'static str,
+        tx: &mut Tx,
+        fences: &[Fence],
+    ) -> Result<Vec<FenceOutcome>> {
         let ids: Vec<EventId> = fences.iter().map(|f| f.id).collect();
         let written: Vec<DateTime<Utc>> = fences.iter().map(|f| f.last_written).collect();
-        let done: Vec<EventId> = sqlx::query_scalar(MARK_PROCESSED_MANY)
+        let done: Vec<EventId> = sqlx::query_scalar(statement)
             .persistent(self.cached)
             .bind(interval(self.shift.micros()))
             .bind(&ids)
