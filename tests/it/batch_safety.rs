@@ -232,6 +232,18 @@ async fn application_transactions_beside_batches_never_fail(db: TestDb) {
     assert!(metrics.batches > 0, "batches ran: {metrics:?}");
 }
 
+/// Waits (20 s at most) until a `hold` handler runs and waits for the test.
+async fn until_held(held: &AtomicBool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !held.load(Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hold handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Waits (20 s at most) until `sql` counts `want`.
 async fn until_count(db: &TestDb, sql: &str, want: i64, what: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -276,14 +288,7 @@ async fn a_claim_lost_at_the_settle_never_lets_its_record_run_ahead(db: TestDb) 
     enqueue(&repo, &[event("W", "noop", 0)]).await;
     drain(&repo, Duration::from_secs(20)).await;
     enqueue(&repo, &[event("C", "noop", 1), event("C", "hold", 2)]).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !held.load(Ordering::SeqCst) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the hold handler never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_held(&held).await;
     assert_eq!(
         status(&db, "C", 2).await,
         "processing",
@@ -344,14 +349,7 @@ async fn a_long_handler_gives_its_workers_unstarted_claims_to_idle_workers(db: T
         ],
     )
     .await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !held.load(Ordering::SeqCst) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the hold handler never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_held(&held).await;
     // Another worker (another process's, say) is idle: it gets the rows the slow one held.
     let idle = Acting::default();
     let idle_runs = idle.runs.clone();
@@ -419,14 +417,7 @@ async fn a_claim_lost_at_the_settle_costs_only_its_own_event(db: TestDb) {
         ],
     )
     .await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !held.load(Ordering::SeqCst) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the hold handler never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_held(&held).await;
     // L's claim is taken over while its handler runs (its effects then go in the transaction).
     db.execute(
         "UPDATE _System_OutboxEvent SET RetryCount = RetryCount + 1,
@@ -502,14 +493,7 @@ async fn an_operator_retry_mid_chain_is_not_overtaken(db: TestDb) {
     drain(&repo, Duration::from_secs(20)).await;
     assert_eq!(status(&db, "K", 1).await, "failed");
     enqueue(&repo, &[event("K", "noop", 2), event("K", "hold", 3)]).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !held.load(Ordering::SeqCst) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the hold handler never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_held(&held).await;
     // An operator retries r1 while r3's handler runs (r2's already ran in the chain).
     let r1 = db
         .count(

@@ -90,41 +90,43 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("4")
 );
 
-/// `processed` for several claims (`$2`, fenced on `$3` in the same order): the ids written.
-/// The heads trigger runs per row after the statement, so a record chain's rows move its head
-/// once each, to the record's oldest row still open. The clock is read once, and each row's
-/// `processed` time follows its place in the claim order (a microsecond apart), so a record's
-/// rows written together keep their order in time whatever order the server updates them in.
-const MARK_PROCESSED_MANY: &str = concat!(
-    "\
-WITH clock AS (SELECT ",
-    db_now!(),
-    " AS now)
+/// The `processed` write of several claims (`$2`, fenced on `$3` in the same order), after a
+/// `clock` CTE: the clock is read once, and each row's `processed` time follows its place in
+/// the claim order (a microsecond apart), so a record's rows written together keep their order
+/// in time whatever order the server updates them in.
+macro_rules! processed_in_claim_order {
+    () => {
+        "
 UPDATE _System_OutboxEvent e
 SET Status = 'processed',
     LastModifiedDate = GREATEST((SELECT now FROM clock) + f.ord * interval '1 microsecond',
                                 e.LastModifiedDate + interval '1 microsecond'),
     LastError = NULL
 FROM unnest($2::uuid[], $3::timestamptz[]) WITH ORDINALITY AS f(id, written, ord)
-WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written",
+WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written"
+    };
+}
+
+/// `processed` for several claims: the ids written. The heads trigger runs per row after the
+/// statement, so a record chain's rows move its head once each, to the record's oldest row
+/// still open.
+const MARK_PROCESSED_MANY: &str = concat!(
+    "WITH clock AS (SELECT ",
+    db_now!(),
+    " AS now)",
+    processed_in_claim_order!(),
     lock_guard!("4"),
     "
 RETURNING e.Id"
 );
 
-/// [`MARK_PROCESSED_MANY`] for a batch holding a chain: the ids written.
-/// The heads trigger runs per row after the statement, so a record chain's rows move its head
-/// once each, to the record's oldest row still open. No row of a record is written while an
+/// [`MARK_PROCESSED_MANY`] for a batch holding a chain: no row of a record is written while an
 /// older row of the record outside the batch is not terminal (an operator retry of an older
-/// failed row, or a row other code wrote, that appeared after the segment's begin check): those
-/// rows are left `processing` under their fences, for the worker to give back (rule 3 of
-/// "Batched attempts"). One probe per record, from its oldest row in the batch. The clock is
-/// read once, and each row's `processed` time follows its place in the claim order (a
-/// microsecond apart), so a record's rows written together keep their order in time whatever
-/// order the server updates them in.
+/// failed row, or a row other code wrote, that appeared after the segment's begin check):
+/// those rows are left `processing` under their fences, for the worker to give back (rule 3 of
+/// "Batched attempts"). One probe per record, from its oldest row in the batch.
 const MARK_PROCESSED_CHAINS: &str = concat!(
-    "\
-WITH clock AS (SELECT ",
+    "WITH clock AS (SELECT ",
     db_now!(),
     " AS now),
 firsts AS (
@@ -141,14 +143,9 @@ waits AS (
       AND (older.CreatedDate, older.Id) < (fi.c, fi.i)
       AND older.Status NOT IN ('processed', 'failed')
       AND older.Id <> ALL($2))
-)
-UPDATE _System_OutboxEvent e
-SET Status = 'processed',
-    LastModifiedDate = GREATEST((SELECT now FROM clock) + f.ord * interval '1 microsecond',
-                                e.LastModifiedDate + interval '1 microsecond'),
-    LastError = NULL
-FROM unnest($2::uuid[], $3::timestamptz[]) WITH ORDINALITY AS f(id, written, ord)
-WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written
+)",
+    processed_in_claim_order!(),
+    "
   AND (e.RecordKey IS NULL OR e.RecordKey NOT IN (SELECT k FROM waits))",
     lock_guard!("4"),
     "
