@@ -126,7 +126,7 @@ impl Claims {
         }
         let lead = Lead { claims: self };
         metrics.claim_statement();
-        lead.claim(repo, policy, scope, want).await
+        lead.claim(repo, metrics, policy, scope, want).await
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
@@ -181,6 +181,7 @@ impl Lead<'_> {
     async fn claim(
         &self,
         repo: &dyn OutboxRepository,
+        metrics: &Metrics,
         policy: ClaimPolicy,
         scope: &Scope,
         want: usize,
@@ -209,7 +210,9 @@ impl Lead<'_> {
         };
         match claimed {
             Ok(claims) => {
-                let mut dealt = deal(claims.into_iter(), &wants).into_iter();
+                let mut dealt = deal(claims.into_iter(), &wants);
+                release_beyond(repo, metrics, &mut dealt).await;
+                let mut dealt = dealt.hands.into_iter();
                 let mine = dealt.next().unwrap_or_default();
                 for (follower, claims) in followers.into_iter().zip(dealt) {
                     let reply = if claims.is_empty() {
@@ -243,13 +246,25 @@ impl Lead<'_> {
     }
 }
 
+/// What [`deal`] made of a claim: each worker's rows, and the rows no worker asked for.
+#[derive(Debug, Default)]
+struct Dealt {
+    hands: Vec<Vec<Claim>>,
+    /// Rows beyond every want, each with the worker that holds its record's older rows (none
+    /// when the whole record was left over): released unrun, or handed to that worker if the
+    /// release fails.
+    beyond: Vec<(Option<usize>, Claim)>,
+}
+
 /// Deals `claims` out to workers that want `wants[i]` rows each: one record's rows (its head
-/// and its chain, in order) to one worker, each record (or unkeyed row) to the next worker in
-/// turn that wants more, so that every worker has a record before any has two. A chain goes
-/// whole to its worker, which may then hold more rows than it asked for; rows beyond every
-/// worker's want are dealt all the same (none is dropped).
-fn deal(claims: impl Iterator<Item = Claim>, wants: &[usize]) -> Vec<Vec<Claim>> {
-    let mut units: Vec<Vec<Claim>> = Vec::new();
+/// and its chain, in order) to one worker, and a record (or unkeyed row) to each worker in
+/// turn, so that every worker has a record before any has two. A worker takes the first record
+/// that fits what it still wants, or else the first record cut to that size: no worker is
+/// dealt more than it asked for, so a worker whose handlers are slow (it asks for few) never
+/// holds a long chain. What is cut off, a chain's newer rows, is left for the leader to release
+/// (issue 36: a slow handler never holds rows another worker could run).
+fn deal(claims: impl Iterator<Item = Claim>, wants: &[usize]) -> Dealt {
+    let mut units: VecDeque<Vec<Claim>> = VecDeque::new();
     let mut unit_of: std::collections::HashMap<outbox_persistence::RecordKey, usize> =
         std::collections::HashMap::new();
     for claim in claims {
@@ -258,23 +273,66 @@ fn deal(claims: impl Iterator<Item = Claim>, wants: &[usize]) -> Vec<Vec<Claim>>
                 Some(&unit) => units[unit].push(claim),
                 None => {
                     unit_of.insert(key.clone(), units.len());
-                    units.push(vec![claim]);
+                    units.push_back(vec![claim]);
                 }
             },
-            None => units.push(vec![claim]),
+            None => units.push_back(vec![claim]),
         }
     }
-    let mut dealt: Vec<Vec<Claim>> = wants.iter().map(|_| Vec::new()).collect();
+    let mut dealt = Dealt {
+        hands: wants.iter().map(|_| Vec::new()).collect(),
+        beyond: Vec::new(),
+    };
+    let mut left = wants.to_vec();
     let mut next = 0;
-    for unit in units {
-        let worker = (0..wants.len())
+    while !units.is_empty() {
+        let Some(worker) = (0..wants.len())
             .map(|i| (next + i) % wants.len())
-            .find(|&i| dealt[i].len() < wants[i])
-            .unwrap_or(next % wants.len());
-        dealt[worker].extend(unit);
+            .find(|&i| left[i] > 0)
+        else {
+            break;
+        };
+        let fits = units.iter().position(|u| u.len() <= left[worker]);
+        let mut unit = units.remove(fits.unwrap_or(0)).expect("a unit");
+        if unit.len() > left[worker] {
+            let cut = unit.split_off(left[worker]);
+            dealt.beyond.extend(cut.into_iter().map(|c| (Some(worker), c)));
+        }
+        left[worker] -= unit.len();
+        dealt.hands[worker].extend(unit);
         next = worker + 1;
     }
     dealt
+        .beyond
+        .extend(units.into_iter().flatten().map(|c| (None, c)));
+    dealt
+}
+
+/// Why rows claimed beyond every want are released.
+const BEYOND_WANT: &str = "claimed beyond what its worker asked for: given back unrun";
+
+/// Releases the rows claimed beyond every want in one statement (uncounted: none ran). If the
+/// release fails they are dealt after all, each to the worker holding its record's older rows
+/// (or in turn), rather than left to go stale and be counted as a dead attempt.
+async fn release_beyond(repo: &dyn OutboxRepository, metrics: &Metrics, dealt: &mut Dealt) {
+    if dealt.beyond.is_empty() {
+        return;
+    }
+    let fences = dealt.beyond.iter().map(|(_, c)| c.fence).collect();
+    match repo.release_claims(fences, BEYOND_WANT).await {
+        Ok(_) => {
+            for (_, claim) in dealt.beyond.drain(..) {
+                metrics.beyond_want(&claim.event.event_type, claim.reclaimed);
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e.chain(), rows = dealt.beyond.len(), "releasing rows claimed beyond the workers' wants failed; dealing them after all");
+            let workers = dealt.hands.len();
+            for (n, (owner, claim)) in dealt.beyond.drain(..).enumerate() {
+                dealt.hands[owner.unwrap_or(n % workers)].push(claim);
+            }
+        }
+    }
 }
 
 impl Drop for Lead<'_> {
@@ -517,6 +575,7 @@ mod tests {
         let mine = lead
             .claim(
                 &repo,
+                &Metrics::default(),
                 ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(1), 5),
                 &scope,
                 1,
@@ -542,7 +601,7 @@ mod tests {
     async fn batches_are_dealt_one_row_to_each_worker_in_turn() {
         let wants = [4, 1, 3];
         let claims: Vec<Claim> = (0..5).map(claim).collect();
-        let dealt = deal(claims.clone().into_iter(), &wants);
+        let dealt = deal(claims.clone().into_iter(), &wants).hands;
         let sizes: Vec<usize> = dealt.iter().map(Vec::len).collect();
         assert_eq!(sizes, vec![2, 1, 2]);
         assert_eq!(
@@ -550,10 +609,11 @@ mod tests {
             "the leader's first row is the oldest"
         );
         let dealt = deal(claims.into_iter(), &[1, 1]);
-        assert_eq!(dealt.iter().map(Vec::len).sum::<usize>(), 5, "none dropped");
+        assert_eq!(dealt.hands.iter().map(Vec::len).sum::<usize>(), 2);
+        assert_eq!(dealt.beyond.len(), 3, "none dropped: left for release");
         // A record's rows go to one worker, in order.
         let chain: Vec<Claim> = (0..3).map(|_| claim(7)).collect();
-        let dealt = deal(chain.clone().into_iter().chain([claim(8)]), &[2, 2]);
+        let dealt = deal(chain.clone().into_iter().chain([claim(8)]), &[3, 2]).hands;
         assert_eq!(dealt[0], chain);
         assert_eq!(dealt[1].len(), 1);
 

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use outbox_persistence::{Claim, EventStatus, FailureBookkeeping, FenceOutcome, Terminal};
+use outbox_persistence::{
+    Claim, EventId, EventStatus, FailureBookkeeping, FenceOutcome, Terminal,
+};
 
 use crate::env::{AttemptEnv, AttemptOutcome, Failure, failure_outcome};
 use crate::heartbeat::Beat;
@@ -15,27 +17,40 @@ use crate::heartbeat::Beat;
 pub(crate) async fn release(env: &AttemptEnv, beat: &Beat<'_>, message: &str) -> AttemptOutcome {
     beat.ensure_running(true);
     let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
+    let (id, ours) = {
+        let state = fence.lock().await;
+        (state.fence.id, state.retry_count())
+    };
+    // A try that failed may have landed with its reply lost: the claim then turns out gone,
+    // and the row read back tells whether this release took it.
+    let mut unsure = false;
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for try_number in 1..=DETACHED_MAX_TRIES {
         {
             let mut state = fence.lock_for_write(&env.repo).await;
             if state.lost {
-                return AttemptOutcome::LostClaim;
+                return released_or_lost(env, id, ours, unsure).await;
             }
             state.sending_outcome();
             match env.repo.release_claim(state.fence, message).await {
                 Ok(FenceOutcome::Written) => return AttemptOutcome::Released,
-                Ok(FenceOutcome::Lost) => return AttemptOutcome::LostClaim,
-                Err(e) => tracing::warn!(
-                    error = %e.chain(),
-                    try_number,
-                    "releasing the claim failed; the heartbeat keeps it while it retries"
-                ),
+                Ok(FenceOutcome::Lost) => {
+                    drop(state);
+                    return released_or_lost(env, id, ours, unsure).await;
+                }
+                Err(e) => {
+                    unsure = true;
+                    tracing::warn!(
+                        error = %e.chain(),
+                        try_number,
+                        "releasing the claim failed; the heartbeat keeps it while it retries"
+                    )
+                }
             }
         }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
-            _ = lost.cancelled() => return AttemptOutcome::LostClaim,
+            _ = lost.cancelled() => return released_or_lost(env, id, ours, unsure).await,
             _ = env.hard_stop.cancelled() => return AttemptOutcome::Cancelled,
         }
         backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
@@ -44,11 +59,50 @@ pub(crate) async fn release(env: &AttemptEnv, beat: &Beat<'_>, message: &str) ->
     AttemptOutcome::Abandoned
 }
 
+/// The claim `id` (`RetryCount` `ours`) turned out gone during its release: when an earlier try
+/// failed (`unsure`: it may have landed with its reply lost), a row that still carries `ours`
+/// was released by that try (a reclaim always counts one more; another worker's fresh claim of
+/// the released row keeps it), so the release landed. Otherwise the claim was lost.
+async fn released_or_lost(env: &AttemptEnv, id: EventId, ours: i32, unsure: bool) -> AttemptOutcome {
+    if !unsure {
+        return AttemptOutcome::LostClaim;
+    }
+    match env.repo.get_event(id).await {
+        Ok(Some(row)) if row.retry_count == ours => {
+            tracing::info!("a release that reported an error had landed");
+            AttemptOutcome::Released
+        }
+        _ => AttemptOutcome::LostClaim,
+    }
+}
+
 /// Gives back a claim whose handler never ran (uncounted, on a connection of its own): a
 /// release that lands is [`AttemptOutcome::NotRun`].
 pub(crate) async fn give_back(env: &AttemptEnv, beat: &Beat<'_>, why: &str) -> AttemptOutcome {
     match release(env, beat, why).await {
         AttemptOutcome::Released => AttemptOutcome::NotRun,
+        other => other,
+    }
+}
+
+/// [`give_back`] of a claim whose release was written in a transaction whose `COMMIT` reported
+/// an error: a release that finds the claim gone reads the row back, and the claim's own
+/// `RetryCount` there means the lost commit released it after all (a reclaim always counts one
+/// more), so the event was given back, not lost.
+pub(crate) async fn give_back_landed(
+    env: &AttemptEnv,
+    claim: &Claim,
+    beat: &Beat<'_>,
+    why: &str,
+) -> AttemptOutcome {
+    match give_back(env, beat, why).await {
+        AttemptOutcome::LostClaim => match env.repo.get_event(claim.event.id).await {
+            Ok(Some(row)) if row.retry_count == claim.event.retry_count => {
+                tracing::info!("the commit reported an error but its release landed");
+                AttemptOutcome::NotRun
+            }
+            _ => AttemptOutcome::LostClaim,
+        },
         other => other,
     }
 }
@@ -126,6 +180,9 @@ pub(crate) async fn detached(
     beat.ensure_running(true);
     let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
     let mut backoff = DETACHED_FIRST_BACKOFF;
+    // Once a try failed it may have landed with its reply lost: a claim found gone after that
+    // is checked for this bookkeeping's own outcome.
+    let mut landed = landed;
     for attempt in 1..=DETACHED_MAX_TRIES {
         {
             let mut state = fence.lock_for_write(&env.repo).await;
@@ -151,16 +208,19 @@ pub(crate) async fn detached(
                     drop(state);
                     return lost_or_landed(env, claim, &failure, landed).await;
                 }
-                Err(e) => tracing::warn!(
-                    error = %e.chain(),
-                    try_number = attempt,
-                    "detached bookkeeping failed; the heartbeat keeps the claim while it retries"
-                ),
+                Err(e) => {
+                    landed.get_or_insert(Landed::Failure);
+                    tracing::warn!(
+                        error = %e.chain(),
+                        try_number = attempt,
+                        "detached bookkeeping failed; the heartbeat keeps the claim while it retries"
+                    )
+                }
             }
         }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
-            _ = lost.cancelled() => return AttemptOutcome::LostClaim,
+            _ = lost.cancelled() => return lost_or_landed(env, claim, &failure, landed).await,
             _ = env.hard_stop.cancelled() => return AttemptOutcome::Cancelled,
         }
         backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);

@@ -46,6 +46,11 @@ impl FenceState {
     pub(crate) fn sending_outcome(&mut self) {
         self.ending = true;
     }
+
+    /// The claim's `RetryCount`.
+    pub(crate) fn retry_count(&self) -> i32 {
+        self.retry_count
+    }
 }
 
 /// The fence shared by the heartbeat and the attempt, with a copy of the latest value that

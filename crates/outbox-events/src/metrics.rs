@@ -222,6 +222,13 @@ impl Metrics {
         counter!(names::LOCK_TIMEOUTS, "event_type" => event_type.to_owned()).increment(1);
     }
 
+    /// A row claimed beyond what its worker asked for, given back unrun at once: claimed, and
+    /// ended not run.
+    pub(crate) fn beyond_want(&self, event_type: &str, reclaimed: bool) {
+        self.claimed(event_type, reclaimed);
+        self.ended(event_type, Ended::NotRun, Duration::ZERO, None);
+    }
+
     /// An attempt transaction ran more than one event.
     pub(crate) fn batch(&self) {
         bump(&self.batches);

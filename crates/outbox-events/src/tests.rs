@@ -1150,7 +1150,10 @@ async fn a_release_whose_reply_was_lost_never_adopts_the_next_claim() {
         released.iter().all(|fence| *fence == ours),
         "a release used another worker's fence: {released:?}"
     );
-    assert_eq!(outcome, AttemptOutcome::LostClaim);
+    // The row still carries the claim's `RetryCount` (another worker's fresh claim keeps it; a
+    // reclaim would have counted one more): the first release landed, so the event was
+    // released, never a lost claim.
+    assert_eq!(outcome, AttemptOutcome::Released);
 }
 
 /// Finding 2: rows reclaimed together from a dead worker run in attempts of their own; when
@@ -1243,4 +1246,118 @@ async fn a_graceful_stop_while_beginning_gives_the_claim_back() {
     let outcome = runner.run(claim("t", 0)).await;
     assert_eq!(outcome, AttemptOutcome::NotRun);
     assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+/// A batch's COMMIT whose reply was lost after it landed (the fault suite's reply-loss proxy):
+/// the rows it wrote `processed` read back as processed, and the claim it gave back in the
+/// transaction (here one the begin found waiting for an older row) reads back `pending` with
+/// its own `RetryCount`, so its release on the side, which finds the claim gone, reports it
+/// given back, never a lost claim.
+#[tokio::test(start_paused = true)]
+async fn a_release_whose_commit_landed_despite_an_error_is_not_a_lost_claim() {
+    let claims = batch_claims(3);
+    let given_back = claims[1].fence;
+    let mut repo = mock_repo();
+    repo.expect_heartbeat_many().returning(|fences: Vec<Fence>| {
+        Ok(fences
+            .into_iter()
+            .map(outbox_persistence::BeatOutcome::Beaten)
+            .collect())
+    });
+    repo.expect_release_claim()
+        .times(1)
+        .withf(move |fence, _| *fence == given_back)
+        .returning(|_, _| Ok(FenceOutcome::Lost));
+    repo.expect_increment_retry().never();
+    repo.expect_get_event().returning(move |id| {
+        let status = if id == given_back.id {
+            EventStatus::Pending
+        } else {
+            EventStatus::Processed
+        };
+        Ok(Some(row(id, status, 0)))
+    });
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_release()
+        .times(1)
+        .withf(move |fence, _| *fence == given_back)
+        .returning(|_, _| Ok(FenceOutcome::Written));
+    attempt
+        .expect_mark_processed_many()
+        .times(1)
+        .returning(|fences| Ok(vec![FenceOutcome::Written; fences.len()]));
+    attempt.expect_commit().times(1).returning(|| Err(unavailable()));
+    repo.expect_begin_batch_attempt().times(1).return_once(move |_, _| {
+        Ok((
+            Box::new(attempt) as Box<dyn Attempt>,
+            vec![given_back.id],
+        ))
+    });
+    let config = config().with_batches(32, Duration::from_secs(60));
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::from_millis(1), || Ok(())),
+        config,
+    );
+    runner.run_batch(claims).await;
+    let metrics = runner.metrics().snapshot();
+    assert_eq!(
+        (metrics.processed, metrics.not_run, metrics.lost_claims),
+        (2, 1, 0),
+        "{metrics:?}"
+    );
+}
+
+/// A release on the side whose COMMIT reply was lost (the fault suite's reply-loss proxy)
+/// landed: its retry finds the claim gone, and the row read back still carries the claim's
+/// `RetryCount` (a reclaim would have counted one more), so the event was released, not lost.
+#[tokio::test(start_paused = true)]
+async fn a_release_retried_after_its_reply_was_lost_is_not_a_lost_claim() {
+    let claims = batch_claims(2);
+    let tries: Arc<Mutex<std::collections::HashMap<outbox_persistence::EventId, u32>>> = Arc::default();
+    let mut repo = mock_repo();
+    repo.expect_heartbeat_many().returning(|fences: Vec<Fence>| {
+        Ok(fences
+            .into_iter()
+            .map(outbox_persistence::BeatOutcome::Beaten)
+            .collect())
+    });
+    let t = Arc::clone(&tries);
+    repo.expect_release_claim().returning(move |fence, _| {
+        let mut tries = t.lock().unwrap();
+        let n = tries.entry(fence.id).or_default();
+        *n += 1;
+        // The first try lands with its reply lost; the second finds the row released.
+        if *n == 1 {
+            Err(unavailable())
+        } else {
+            Ok(FenceOutcome::Lost)
+        }
+    });
+    repo.expect_get_event()
+        .returning(|id| Ok(Some(row(id, EventStatus::Pending, 0))));
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed_many()
+        .times(1)
+        .returning(|_| Err(lock_timeout()));
+    attempt.expect_rollback().times(1).returning(|| Ok(()));
+    repo.expect_begin_batch_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok((Box::new(attempt) as Box<dyn Attempt>, Vec::new())));
+    let config = config().with_batches(32, Duration::from_secs(60));
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::from_millis(1), || Ok(())),
+        config,
+    );
+    runner.run_batch(claims).await;
+    let metrics = runner.metrics().snapshot();
+    assert_eq!(
+        (metrics.released, metrics.lost_claims),
+        (2, 0),
+        "{metrics:?}"
+    );
+    assert!(tries.lock().unwrap().values().all(|n| *n == 2));
 }

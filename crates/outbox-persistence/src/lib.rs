@@ -341,6 +341,17 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// `MaxRetryAttempts` is not charged.
     async fn release_claim(&self, fence: Fence, error: &str) -> Result<FenceOutcome>;
 
+    /// [`OutboxRepository::release_claim`] of several claims, in one statement where the
+    /// backend can: one outcome per fence, in order. Rows claimed beyond what a worker asked
+    /// for go back so, unrun. The default releases them one by one.
+    async fn release_claims(&self, fences: Vec<Fence>, error: &str) -> Result<Vec<FenceOutcome>> {
+        let mut outcomes = Vec::with_capacity(fences.len());
+        for fence in fences {
+            outcomes.push(self.release_claim(fence, error).await?);
+        }
+        Ok(outcomes)
+    }
+
     /// `UpdateStatus` on a connection of its own: a terminal status, fenced. `failed` also
     /// counts the failure in `RetryCount`.
     async fn update_status(

@@ -13,12 +13,17 @@ use anyhow::{Result, bail};
 use serde_json::Value;
 
 use super::Rng;
+use super::app::AppWrites;
 use super::profile::LOCK_TIMEOUT_MS;
 use super::queue::lock_hold_sql;
+use super::steps::{Step, claimed_rows_hold_sql, cut_at_step_sql};
 use super::suite::{Server, Suite};
 use super::workers::{KillWatch, Worker};
 use crate::cmd::format_duration;
 use crate::postgres;
+
+/// How many claimed outbox rows one outside hold locks.
+const CLAIMED_ROWS_HELD: usize = 6;
 
 /// How long a restarted PostgreSQL may take to accept connections again.
 const RESTART_LIMIT: Duration = Duration::from_secs(60);
@@ -45,6 +50,12 @@ pub(super) struct Chaos {
     pub(super) skewed_pids: Vec<u32>,
     pub(super) connections_cut: u64,
     pub(super) cut_rounds: u64,
+    /// Cuts aimed at a step of an attempt (`steps.rs`), in [`Step::ALL`]'s order: the rounds
+    /// tried, and those that found a connection at the step and cut it.
+    pub(super) step_rounds: [u64; 4],
+    pub(super) step_cuts: [u64; 4],
+    /// Outside holds on claimed outbox rows (the settle's lock timeout).
+    pub(super) claimed_holds: u64,
     pub(super) restarts: Vec<Duration>,
     pub(super) lock_holds: u64,
     pub(super) reclaim_ms: Vec<u64>,
@@ -57,6 +68,8 @@ pub(super) struct Chaos {
     /// The foreign writers' summary line (`outbox-demo foreign`), and the rows they committed.
     pub(super) foreign: Option<String>,
     pub(super) foreign_rows: u64,
+    /// The application's own transactions beside the workers (`app.rs`).
+    pub(super) app: AppWrites,
 }
 
 /// The state of the loop in [`Suite::chaos_loop`].
@@ -251,53 +264,78 @@ impl Run<'_, '_> {
         }
         self.holders
             .retain_mut(|h| h.try_wait().ok().flatten().is_none());
+        // The application writes while the foreign writers do, never across the restart.
+        let writing = self.start.elapsed() < Duration::from_secs(suite.profile.foreign_secs)
+            && !suite.near_restart(self.start, self.restarted);
+        self.chaos.app.step(suite, writing)?;
         self.progress();
         self.end_chaos_when_due();
         std::thread::sleep(Duration::from_millis(150));
         Ok(())
     }
 
-    /// Cuts about a quarter of the work processes' connections (`pg_terminate_backend`).
+    /// Cuts connections, one round in two each way: about a quarter of the work processes'
+    /// connections at random (`pg_terminate_backend`), or one connection at a step of an
+    /// attempt (`steps.rs`), the steps in turn.
     fn cut_connections(&mut self, now: Instant, server: &Server) {
         if now < self.next_cut || self.suite.near_restart(self.start, self.restarted) {
             return;
         }
-        let sql = format!(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-             WHERE datname = '{}' AND application_name LIKE 'outbox-work-%'
-               AND pid <> pg_backend_pid() AND random() < 0.25",
-            server.name
-        );
-        if let Ok(out) = postgres::psql(&server.admin, &sql) {
-            self.chaos.connections_cut += out.trim().parse::<u64>().unwrap_or(0);
-            self.chaos.cut_rounds += 1;
+        let round = self.chaos.cut_rounds + self.chaos.step_rounds.iter().sum::<u64>();
+        if round % 2 == 1 {
+            let index = (round / 2) as usize % Step::ALL.len();
+            let sql = cut_at_step_sql(&server.name, Step::ALL[index]);
+            if let Ok(out) = postgres::psql(&server.admin, &sql) {
+                self.chaos.step_rounds[index] += 1;
+                let cut = out.trim().parse::<u64>().unwrap_or(0);
+                self.chaos.step_cuts[index] += cut;
+                self.chaos.connections_cut += cut;
+            }
+        } else {
+            let sql = format!(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                 WHERE datname = '{}' AND application_name LIKE 'outbox-work-%'
+                   AND pid <> pg_backend_pid() AND random() < 0.25",
+                server.name
+            );
+            if let Ok(out) = postgres::psql(&server.admin, &sql) {
+                self.chaos.connections_cut += out.trim().parse::<u64>().unwrap_or(0);
+                self.chaos.cut_rounds += 1;
+            }
         }
-        self.next_cut = now + self.suite.profile.cut_every;
+        self.next_cut = Instant::now() + self.suite.profile.cut_every;
     }
 
-    /// Starts an outside `psql` session that locks a few demo accounts whose events are
-    /// pending, past the workers' lock timeout.
+    /// Starts an outside `psql` session that holds row locks past the workers' lock timeout,
+    /// in turn: a few demo accounts whose events are pending (the handlers' writes meet it), or
+    /// a few claimed outbox rows (the settles' and beats' writes meet it).
     fn hold_locks(&mut self, now: Instant) -> Result<()> {
         if now < self.next_lock || self.suite.near_restart(self.start, self.restarted) {
             return Ok(());
         }
         self.next_lock = now + self.suite.profile.lock_every;
-        // A lookup that fails (the server is busy coming back) skips this hold, as a hold that
-        // cannot connect would.
-        let Ok(accounts) = self.suite.accounts_to_lock(self.rng) else {
-            return Ok(());
+        let seconds = (LOCK_TIMEOUT_MS * 4) as f64 / 1000.0;
+        let hold = if self.chaos.lock_holds > self.chaos.claimed_holds * 2 {
+            self.chaos.claimed_holds += 1;
+            claimed_rows_hold_sql(CLAIMED_ROWS_HELD, seconds)
+        } else {
+            // A lookup that fails (the server is busy coming back) skips this hold, as a hold
+            // that cannot connect would.
+            let Ok(accounts) = self.suite.accounts_to_lock(self.rng) else {
+                return Ok(());
+            };
+            // Nothing to lock (no pending capture event that failed fewer than twice): no hold.
+            if accounts.is_empty() {
+                return Ok(());
+            }
+            self.chaos.lock_holds += 1;
+            lock_hold_sql(&accounts, seconds)
         };
-        // Nothing to lock (no pending capture event that failed fewer than twice): no hold.
-        if accounts.is_empty() {
-            return Ok(());
-        }
-        let hold = lock_hold_sql(&accounts, (LOCK_TIMEOUT_MS * 4) as f64 / 1000.0);
         let holder = postgres::psql_command(&self.suite.url, &hold)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()?;
         self.holders.push(holder);
-        self.chaos.lock_holds += 1;
         Ok(())
     }
 
@@ -366,7 +404,7 @@ impl Run<'_, '_> {
             .foreign
             .as_mut()
             .is_none_or(|c| c.try_wait().ok().flatten().is_some());
-        if !(calm && restart_done && foreign_done) {
+        if !(calm && restart_done && foreign_done && !self.chaos.app.busy()) {
             return;
         }
         println!(

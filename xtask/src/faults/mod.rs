@@ -20,11 +20,14 @@
 //! and the kills), `queue.rs` (the view of the queue), `skew.rs` (the skewed clock) and
 //! `report.rs` (the verdicts and the markdown).
 
+mod app;
 mod chaos;
 mod profile;
 mod queue;
+mod reply_loss;
 mod report;
 mod skew;
+mod steps;
 mod suite;
 mod workers;
 

@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use super::app::APP_EVENTS;
 use super::chaos::Chaos;
 use super::profile::{Backend, CLAIM_LOST_LOG, HEARTBEAT_MS, MAX_RETRY_ATTEMPTS};
 use super::skew::{SKEW_SECONDS, Skew};
+use super::steps::Step;
 use super::suite::{Suite, SuiteReport};
 use crate::cmd::format_duration;
 
@@ -244,18 +246,41 @@ impl Suite<'_> {
             covered &= !chaos.skewed_pids.is_empty();
         }
         if self.backend == Backend::Postgres {
+            let lost_replies = self.reply_loss.as_ref().map_or(0, |p| p.counts().2);
+            let step_cuts: u64 = chaos.step_cuts.iter().sum();
             write!(
                 coverage,
-                ", {} connections cut, {} restart(s), {} outside lock holds",
+                ", {} connections cut ({step_cuts} at a step of an attempt), {} restart(s), {} outside lock holds on accounts and {} on claimed rows, {lost_replies} COMMIT replies lost",
                 chaos.connections_cut,
                 chaos.restarts.len(),
-                chaos.lock_holds
+                chaos.lock_holds,
+                chaos.claimed_holds
             )
             .ok();
-            covered &=
-                chaos.connections_cut > 0 && chaos.restarts.len() == 1 && chaos.lock_holds > 0;
+            covered &= chaos.connections_cut > 0
+                && step_cuts > 0
+                && chaos.restarts.len() == 1
+                && chaos.lock_holds > 0
+                && chaos.claimed_holds > 0
+                && lost_replies > 0;
         }
+        write!(coverage, ", {} application transactions", chaos.app.committed).ok();
+        covered &= chaos.app.committed > 0;
         checks.push(("every fault was injected".into(), covered, coverage));
+        let app = &chaos.app;
+        checks.push((
+            "the application's transactions never fail because of the workers".into(),
+            app.failed.is_empty(),
+            format!(
+                "{} application transactions of {APP_EVENTS} events (upserting the accounts and leads the handlers write) committed beside the workers, {} failed with a lock conflict{}, {} lost their connection to the restart",
+                app.committed,
+                app.failed.len(),
+                app.failed
+                    .first()
+                    .map_or(String::new(), |e| format!(" (first: {e})")),
+                app.cut_by_restart
+            ),
+        ));
     }
 
     /// The measures table.
@@ -348,8 +373,37 @@ impl Suite<'_> {
             ));
             rows.push((
                 "outside row-lock holds (psql)",
-                chaos.lock_holds.to_string(),
+                format!(
+                    "{} on demo accounts (the handlers' writes), {} on claimed outbox rows (the settles' and beats' writes)",
+                    chaos.lock_holds, chaos.claimed_holds
+                ),
             ));
+            let steps: Vec<String> = Step::ALL
+                .iter()
+                .enumerate()
+                .map(|(i, step)| {
+                    format!(
+                        "{} {} of {}",
+                        step.name(),
+                        chaos.step_cuts[i],
+                        chaos.step_rounds[i]
+                    )
+                })
+                .collect();
+            rows.push((
+                "cuts at a step of an attempt (cut of rounds tried)",
+                steps.join(", "),
+            ));
+            if let Some(proxy) = &self.reply_loss {
+                let (connections, commits, lost) = proxy.counts();
+                rows.push((
+                    "COMMIT replies lost (every other chaos process through the proxy)",
+                    format!(
+                        "{lost} of {commits} COMMITs (one in {}) over {connections} connections",
+                        proxy.one_in
+                    ),
+                ));
+            }
         } else {
             rows.push((
                 "not applicable on SQLite",

@@ -10,10 +10,15 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use super::chaos::Chaos;
+use super::reply_loss::ReplyLoss;
 use super::profile::{Backend, HEARTBEAT_MS, Profile, STALE_AFTER_MS};
 use super::skew::Skew;
 use super::{Rng, unix_ms};
 use crate::postgres;
+
+/// The processes that go through the reply-loss proxy lose the reply of one COMMIT in this
+/// many.
+const COMMIT_REPLY_LOST_ONE_IN: u64 = 25;
 
 /// The PostgreSQL side of a run: the run's database on the server under test.
 pub(super) struct Server {
@@ -49,6 +54,9 @@ pub(super) struct Suite<'a> {
     pub(super) client_url: String,
     /// PostgreSQL only.
     pub(super) pg: Option<Server>,
+    /// PostgreSQL only: the proxy that loses COMMIT replies, which every other chaos process
+    /// goes through (see [`Suite::spawn_worker`]).
+    pub(super) reply_loss: Option<ReplyLoss>,
 }
 
 /// The run's outcome.
@@ -102,6 +110,14 @@ impl<'a> Suite<'a> {
             ),
             _ => url.clone(),
         };
+        let reply_loss = match pg {
+            Some(_) => Some(ReplyLoss::start(
+                &client_url,
+                COMMIT_REPLY_LOST_ONE_IN,
+                stamp as u64,
+            )?),
+            None => None,
+        };
         Ok(Self {
             backend,
             profile,
@@ -111,6 +127,7 @@ impl<'a> Suite<'a> {
             url,
             client_url,
             pg,
+            reply_loss,
         })
     }
 

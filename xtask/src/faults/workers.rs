@@ -181,10 +181,16 @@ impl Suite<'_> {
     ) -> Result<Worker> {
         chaos.spawned += 1;
         let number = chaos.spawned;
+        // Every other chaos process (never the skewed one) goes through the proxy that loses
+        // COMMIT replies.
+        let base = match &self.reply_loss {
+            Some(proxy) if faults && !skewed && number % 2 == 0 => &proxy.url,
+            _ => &self.client_url,
+        };
         // The connection cuts pick the work processes' connections by this name.
         let url = match self.backend {
             Backend::Postgres => postgres::with_parameter(
-                &self.client_url,
+                base,
                 "application_name",
                 &format!("outbox-work-{number}"),
             ),

@@ -6,7 +6,7 @@
 use outbox_persistence::Claim;
 
 use super::{BATCH_DIED, Batch, Step};
-use crate::detached::{Landed, detached, give_back, release};
+use crate::detached::{Landed, detached, give_back, give_back_landed, release};
 use crate::env::{AttemptOutcome, Failure};
 use crate::heartbeat::Beat;
 
@@ -74,6 +74,11 @@ impl Batch<'_> {
                     self.unstarted.outcome(self.members[i].index)
                 }
                 Step::Waiting => give_back(self.env, beat, ending.why()).await,
+                Step::Written(d, _)
+                    if d.release.is_some() && matches!(ending, Ending::Died { commit: true, .. }) =>
+                {
+                    give_back_landed(self.env, claim, beat, ending.why()).await
+                }
                 Step::Decided(d) | Step::Written(d, _) if d.release.is_some() => {
                     give_back(self.env, beat, ending.why()).await
                 }

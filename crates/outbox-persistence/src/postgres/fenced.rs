@@ -226,6 +226,22 @@ WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("5")
 );
 
+/// [`RELEASE`] of several claims (`$2`, fenced on `$3` in the same order): the ids released.
+const RELEASE_MANY: &str = concat!(
+    "\
+UPDATE _System_OutboxEvent e
+SET Status = 'pending',
+    LastModifiedDate = GREATEST(",
+    db_now!(),
+    ", e.LastModifiedDate + interval '1 microsecond'),
+    LastError = $4
+FROM unnest($2::uuid[], $3::timestamptz[]) AS f(id, written)
+WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written",
+    lock_guard!("5"),
+    "
+RETURNING e.Id"
+);
+
 /// What the PostgreSQL attempt adds to [`OpenAttempt`]: its clock shift and lock timeout.
 struct PgAttemptWrites {
     shift: ClockShift,
@@ -298,6 +314,31 @@ impl PgAttemptWrites {
 impl PgOutbox {
     /// The detached bookkeeping: `write` in a transaction of its own, bounded by the
     /// repository's lock timeout.
+    /// Releases several claims uncounted in one statement, on a transaction of its own.
+    pub(super) async fn release_many(
+        &self,
+        fences: &[Fence],
+        error: &str,
+    ) -> Result<Vec<FenceOutcome>> {
+        let ids: Vec<EventId> = fences.iter().map(|f| f.id).collect();
+        let written: Vec<DateTime<Utc>> = fences.iter().map(|f| f.last_written).collect();
+        let mut tx = self.begin_write().await?;
+        let done: Vec<EventId> = sqlx::query_scalar(RELEASE_MANY)
+            .persistent(self.cached())
+            .bind(self.shift())
+            .bind(&ids)
+            .bind(&written)
+            .bind(clip_error(error))
+            .bind(self.lock_timeout())
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(ids
+            .iter()
+            .map(|id| fence_outcome(u64::from(done.contains(id))))
+            .collect())
+    }
+
     pub(super) async fn write_detached(
         &self,
         fence: Fence,

@@ -321,6 +321,10 @@ impl OutboxRepository for PgOutbox {
             .await
     }
 
+    async fn release_claims(&self, fences: Vec<Fence>, error: &str) -> Result<Vec<FenceOutcome>> {
+        self.release_many(&fences, error).await
+    }
+
     async fn backfill_record_keys(
         &self,
         after: Option<EventId>,
