@@ -342,6 +342,35 @@ async fn claims_leave_the_sessions_durability_alone(db: TestDb) {
     one.close().await;
 }
 
+/// `release_claims`: several claims back to `pending` unrun in one statement (uncounted, with
+/// the message in `LastError`), each fenced: a fence that moved is reported lost and its row
+/// left alone. A released head is claimable again at once.
+async fn released_claims_go_back_unrun_and_fenced(db: TestDb) {
+    let repo = db.repository();
+    let events: Vec<NewEvent> = (0..3)
+        .map(|k| NewEvent::new("t", lead(&format!("R{k}"))))
+        .collect();
+    enqueue(&repo, &events).await;
+    let claimed = repo.claim_batch(policy(5), &Scope::All, 3).await.unwrap();
+    assert_eq!(claimed.len(), 3);
+    let mut moved = claimed[1].fence;
+    moved.last_written += chrono::Duration::milliseconds(1);
+    let outcomes = repo
+        .release_claims(vec![claimed[0].fence, moved], "beyond the want")
+        .await
+        .unwrap();
+    assert_eq!(outcomes, vec![FenceOutcome::Written, FenceOutcome::Lost]);
+    let released = repo.get_event(claimed[0].event.id).await.unwrap().unwrap();
+    assert_eq!(released.status, EventStatus::Pending);
+    assert_eq!(released.retry_count, 0, "a release is not counted");
+    assert_eq!(released.last_error.as_deref(), Some("beyond the want"));
+    let kept = repo.get_event(claimed[1].event.id).await.unwrap().unwrap();
+    assert_eq!(kept.status, EventStatus::Processing, "a moved fence releases nothing");
+    let again = repo.claim_batch(policy(5), &Scope::All, 3).await.unwrap();
+    let again: Vec<_> = again.iter().map(|c| c.event.id).collect();
+    assert_eq!(again, vec![claimed[0].event.id]);
+}
+
 backend_tests!(
     with_pgbouncer: a_claim_lost_in_a_crash_is_claimed_again_in_order,
     claims_leave_the_sessions_durability_alone,
@@ -349,4 +378,5 @@ backend_tests!(
     a_batch_claims_the_oldest_heads_of_distinct_keys,
     concurrent_batches_respect_keys,
     exhausted_rows_end_failed_and_release_their_successors,
+    released_claims_go_back_unrun_and_fenced,
 );

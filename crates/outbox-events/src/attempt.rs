@@ -133,8 +133,9 @@ async fn begin(
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for try_number in 1..=DETACHED_MAX_TRIES {
         let begun = {
-            // The fence cannot move while the attempt checks it (SQLite checks it at begin).
-            let state = beat.fence.lock().await;
+            // The fence cannot move while the attempt checks it (SQLite checks it at begin);
+            // after a failed beat it is read back first (its own beat may have landed).
+            let state = beat.fence.lock_for_write(&env.repo).await;
             if state.lost {
                 return Err(AttemptOutcome::LostClaim);
             }

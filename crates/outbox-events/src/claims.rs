@@ -259,7 +259,8 @@ struct Dealt {
 /// Deals `claims` out to workers that want `wants[i]` rows each: one record's rows (its head
 /// and its chain, in order) to one worker, and a record (or unkeyed row) to each worker in
 /// turn, so that every worker has a record before any has two. A worker takes the first record
-/// that fits what it still wants, or else the first record cut to that size: no worker is
+/// that fits what it still wants; when none fits, the first record goes to the worker that
+/// still wants the most, cut to that size: no worker is
 /// dealt more than it asked for, so a worker whose handlers are slow (it asks for few) never
 /// holds a long chain. What is cut off, a chain's newer rows, is left for the leader to release
 /// (issue 36: a slow handler never holds rows another worker could run).
@@ -292,8 +293,19 @@ fn deal(claims: impl Iterator<Item = Claim>, wants: &[usize]) -> Dealt {
         else {
             break;
         };
-        let fits = units.iter().position(|u| u.len() <= left[worker]);
-        let mut unit = units.remove(fits.unwrap_or(0)).expect("a unit");
+        // The first record that fits what it still wants; when none does, the first record
+        // goes to the worker that still wants the most (the first in turn of those), cut to it.
+        let (worker, pick) = match units.iter().position(|u| u.len() <= left[worker]) {
+            Some(pick) => (worker, pick),
+            None => {
+                let roomiest = (0..wants.len())
+                    .map(|i| (next + i) % wants.len())
+                    .min_by_key(|&i| std::cmp::Reverse(left[i]))
+                    .unwrap_or(worker);
+                (roomiest, 0)
+            }
+        };
+        let mut unit = units.remove(pick).expect("a unit");
         if unit.len() > left[worker] {
             let cut = unit.split_off(left[worker]);
             dealt.beyond.extend(cut.into_iter().map(|c| (Some(worker), c)));
@@ -616,6 +628,17 @@ mod tests {
         let dealt = deal(chain.clone().into_iter().chain([claim(8)]), &[3, 2]).hands;
         assert_eq!(dealt[0], chain);
         assert_eq!(dealt[1].len(), 1);
+        // A worker that asks for one (its handlers are slow) takes a record that fits rather
+        // than the long chain; a chain longer than any want is cut, the rest left for release.
+        let long: Vec<Claim> = (0..5).map(|_| claim(9)).collect();
+        let single = claim(10);
+        let dealt = deal(long.clone().into_iter().chain([single.clone()]), &[1, 8]);
+        assert_eq!(dealt.hands, vec![vec![single], long.clone()]);
+        assert!(dealt.beyond.is_empty());
+        let dealt = deal(long.clone().into_iter(), &[1, 3]);
+        assert_eq!(dealt.hands, vec![Vec::new(), long[..3].to_vec()]);
+        let beyond: Vec<_> = dealt.beyond.iter().map(|(w, c)| (*w, c.clone())).collect();
+        assert_eq!(beyond, vec![(Some(1), long[3].clone()), (Some(1), long[4].clone())]);
 
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let repo = Arc::new(repo(100, sizes.clone()));

@@ -15,6 +15,17 @@ use crate::heartbeat::Beat;
 /// connection of its own, retried while the heartbeat keeps the claim alive as the detached
 /// bookkeeping is.
 pub(crate) async fn release(env: &AttemptEnv, beat: &Beat<'_>, message: &str) -> AttemptOutcome {
+    release_from(env, beat, message, false).await
+}
+
+/// [`release`] after a release of the claim that failed and may have landed (`unsure`): a
+/// claim found gone is then read back from the first try on.
+pub(crate) async fn release_from(
+    env: &AttemptEnv,
+    beat: &Beat<'_>,
+    message: &str,
+    unsure: bool,
+) -> AttemptOutcome {
     beat.ensure_running(true);
     let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
     let (id, ours) = {
@@ -23,7 +34,7 @@ pub(crate) async fn release(env: &AttemptEnv, beat: &Beat<'_>, message: &str) ->
     };
     // A try that failed may have landed with its reply lost: the claim then turns out gone,
     // and the row read back tells whether this release took it.
-    let mut unsure = false;
+    let mut unsure = unsure;
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for try_number in 1..=DETACHED_MAX_TRIES {
         {

@@ -272,13 +272,21 @@ impl Suite<'_> {
             "the application's transactions never fail because of the workers".into(),
             app.failed.is_empty(),
             format!(
-                "{} application transactions of {APP_EVENTS} events (upserting the accounts and leads the handlers write) committed beside the workers, {} failed with a lock conflict{}, {} lost their connection to the restart",
+                "{} application transactions of {APP_EVENTS} events (upserting the accounts and leads the handlers write) committed beside the workers, {} failed with a lock conflict{}, {} lost their connection to the restart{}",
                 app.committed,
                 app.failed.len(),
                 app.failed
                     .first()
                     .map_or(String::new(), |e| format!(" (first: {e})")),
-                app.cut_by_restart
+                app.cut_by_restart,
+                if self.backend == Backend::Sqlite {
+                    format!(
+                        ", {} waited for SQLite's one writer past their busy timeout",
+                        app.writer_busy
+                    )
+                } else {
+                    String::new()
+                }
             ),
         ));
     }

@@ -5,7 +5,7 @@
 
 use outbox_persistence::Attempt;
 
-use tokio::sync::MutexGuard;
+use tokio::sync::OwnedMutexGuard;
 
 use super::{Batch, Member, Step};
 use crate::attempt::rollback_quietly;
@@ -27,13 +27,15 @@ impl<'a> Batch<'a> {
     async fn hold_waiting_fences(
         &mut self,
         members: &[Member<'a>],
-    ) -> Vec<(usize, MutexGuard<'a, FenceState>)> {
+    ) -> Vec<(usize, OwnedMutexGuard<FenceState>)> {
         let mut held = Vec::new();
         for (i, member) in members.iter().enumerate() {
             if !matches!(self.steps[i], Step::Waiting) {
                 continue;
             }
-            let state = member.beat.fence.lock().await;
+            // After a failed beat the fence may be behind this worker's own beat that landed
+            // (its reply lost): read back, as every fenced write does.
+            let state = member.beat.fence.lock_for_write(&self.env.repo).await;
             if state.lost {
                 self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
                 self.block(i);

@@ -10,8 +10,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
-use outbox_persistence::FenceOutcome;
+use outbox_persistence::{EventStatus, FenceOutcome};
 
+use crate::detached::release_from;
 use crate::env::{AttemptEnv, AttemptOutcome};
 use crate::heartbeat::Beat;
 
@@ -106,23 +107,39 @@ impl<'a> Unstarted<'a> {
         out
     }
 
-    /// One fenced release of a claim, uncounted, tried once: `None` when it failed (it may
-    /// have landed: the claim is then not read back as this worker's again, and the worker's
-    /// own write under its fence finds it lost).
+    /// One fenced release of a claim, uncounted. A try that fails may have landed with its
+    /// reply lost, and another worker may run the row by now: the claim is then never run by
+    /// this worker unchecked. It is read back: still `processing` under this worker's fence,
+    /// the release did not land and the worker keeps it (`None`); otherwise the release is
+    /// retried on the side, which reads back whether it landed.
     async fn release_once(&self, beat: &Beat<'_>) -> Option<AttemptOutcome> {
-        let mut state = beat.fence.lock_for_write(&self.env.repo).await;
-        if state.lost {
-            return Some(AttemptOutcome::LostClaim);
-        }
-        state.sending_outcome();
-        match self.env.repo.release_claim(state.fence, SLOW_HANDLER).await {
-            Ok(FenceOutcome::Written) => Some(AttemptOutcome::NotRun),
-            Ok(FenceOutcome::Lost) => Some(AttemptOutcome::LostClaim),
-            Err(e) => {
-                tracing::warn!(error = %e.chain(), "giving back a claim of a long handler's worker failed; the worker keeps it");
-                None
+        let fence = {
+            let mut state = beat.fence.lock_for_write(&self.env.repo).await;
+            if state.lost {
+                return Some(AttemptOutcome::LostClaim);
             }
+            state.sending_outcome();
+            match self.env.repo.release_claim(state.fence, SLOW_HANDLER).await {
+                Ok(FenceOutcome::Written) => return Some(AttemptOutcome::NotRun),
+                Ok(FenceOutcome::Lost) => return Some(AttemptOutcome::LostClaim),
+                Err(e) => {
+                    tracing::warn!(error = %e.chain(), "giving back a claim of a long handler's worker failed; reading the row back");
+                    state.fence
+                }
+            }
+        };
+        let kept = matches!(
+            self.env.repo.get_event(fence.id).await,
+            Ok(Some(row)) if row.status == EventStatus::Processing
+                && row.last_modified_date == fence.last_written
+        );
+        if kept {
+            return None;
         }
+        Some(match release_from(self.env, beat, SLOW_HANDLER, true).await {
+            AttemptOutcome::Released => AttemptOutcome::NotRun,
+            other => other,
+        })
     }
 
     /// After [`Unstarted::give_back_after`], releases every claim still unstarted.
@@ -138,9 +155,9 @@ impl<'a> Unstarted<'a> {
                 continue;
             }
             let Some(outcome) = self.release_once(beat).await else {
-                // The database is away: the claim stays this worker's to run, and the pass
-                // ends (each release here is tried once, so that the running handler's
-                // transaction never waits for a pass that retries).
+                // The release did not land (the database is away): the claim stays this
+                // worker's to run, and the pass ends (the running handler's transaction never
+                // waits for a pass that retries against a database that is away).
                 self.state[i].store(UNSTARTED, Ordering::Release);
                 break;
             };
