@@ -152,8 +152,15 @@ async fn landed_anyway(
     let ours = claim.event.retry_count;
     let matches = match (landed, failure.bookkeeping) {
         (Landed::Processed, _) => row.status == EventStatus::Processed && row.retry_count == ours,
+        // Its retry landed: one more failure counted, by this attempt rather than a stale
+        // reclaim (whose `LastError` says the worker died). The row may be another worker's
+        // fresh claim by now (the retry delay can be short): a claim keeps both.
         (Landed::Failure, FailureBookkeeping::Retry { .. }) => {
-            row.status == EventStatus::Pending && row.retry_count == ours + 1
+            row.retry_count == ours + 1
+                && row
+                    .last_error
+                    .as_deref()
+                    .is_some_and(|e| !e.starts_with(outbox_persistence::WORKER_DIED))
         }
         (Landed::Failure, FailureBookkeeping::Fail) => {
             row.status == EventStatus::Failed && row.retry_count == ours + 1

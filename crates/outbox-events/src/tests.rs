@@ -1361,3 +1361,43 @@ async fn a_release_retried_after_its_reply_was_lost_is_not_a_lost_claim() {
     );
     assert!(tries.lock().unwrap().values().all(|n| *n == 2));
 }
+
+/// The failure bookkeeping's commit reported an error but landed, and another worker claimed
+/// the retried row at once (a short retry delay): the row reads back `processing` under that
+/// claim with one more failure counted and this attempt's error. That is this attempt's retry,
+/// not a lost claim; a stale reclaim (whose `LastError` says the worker died) would not be.
+#[tokio::test(start_paused = true)]
+async fn a_retry_that_landed_and_was_claimed_again_is_not_a_lost_claim() {
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_rollback_to_savepoint()
+        .times(1)
+        .returning(|| Ok(()));
+    attempt
+        .expect_record_failure()
+        .times(1)
+        .returning(|_, _, _| Ok(FenceOutcome::Written));
+    attempt
+        .expect_commit()
+        .times(1)
+        .returning(|| Err(unavailable()));
+    attempt.expect_rollback().returning(|| Ok(()));
+    let mut repo = repo_with(attempt, Arc::default());
+    repo.expect_get_event().returning(|id| {
+        let mut claimed = row(id, EventStatus::Processing, 1);
+        claimed.last_error = Some("boom".into());
+        Ok(Some(claimed))
+    });
+    repo.expect_increment_retry().never();
+    let (outcome, metrics) = run(
+        repo,
+        handlers(Duration::ZERO, || {
+            Err(HandlerError::Retryable("boom".into()))
+        }),
+        claim("t", 0),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(outcome, AttemptOutcome::Retried);
+    assert_eq!(metrics.snapshot().lost_claims, 0);
+}
