@@ -365,7 +365,11 @@ async fn released_claims_go_back_unrun_and_fenced(db: TestDb) {
     assert_eq!(released.retry_count, 0, "a release is not counted");
     assert_eq!(released.last_error.as_deref(), Some("beyond the want"));
     let kept = repo.get_event(claimed[1].event.id).await.unwrap().unwrap();
-    assert_eq!(kept.status, EventStatus::Processing, "a moved fence releases nothing");
+    assert_eq!(
+        kept.status,
+        EventStatus::Processing,
+        "a moved fence releases nothing"
+    );
     let again = repo.claim_batch(policy(5), &Scope::All, 3).await.unwrap();
     let again: Vec<_> = again.iter().map(|c| c.event.id).collect();
     assert_eq!(again, vec![claimed[0].event.id]);

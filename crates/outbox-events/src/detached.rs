@@ -4,9 +4,7 @@
 
 use std::time::Duration;
 
-use outbox_persistence::{
-    Claim, EventId, EventStatus, FailureBookkeeping, FenceOutcome, Terminal,
-};
+use outbox_persistence::{Claim, EventId, EventStatus, FailureBookkeeping, FenceOutcome, Terminal};
 
 use crate::env::{AttemptEnv, AttemptOutcome, Failure, failure_outcome};
 use crate::heartbeat::Beat;
@@ -74,7 +72,12 @@ pub(crate) async fn release_from(
 /// failed (`unsure`: it may have landed with its reply lost), a row that still carries `ours`
 /// was released by that try (a reclaim always counts one more; another worker's fresh claim of
 /// the released row keeps it), so the release landed. Otherwise the claim was lost.
-async fn released_or_lost(env: &AttemptEnv, id: EventId, ours: i32, unsure: bool) -> AttemptOutcome {
+async fn released_or_lost(
+    env: &AttemptEnv,
+    id: EventId,
+    ours: i32,
+    unsure: bool,
+) -> AttemptOutcome {
     if !unsure {
         return AttemptOutcome::LostClaim;
     }

@@ -1258,12 +1258,13 @@ async fn a_release_whose_commit_landed_despite_an_error_is_not_a_lost_claim() {
     let claims = batch_claims(3);
     let given_back = claims[1].fence;
     let mut repo = mock_repo();
-    repo.expect_heartbeat_many().returning(|fences: Vec<Fence>| {
-        Ok(fences
-            .into_iter()
-            .map(outbox_persistence::BeatOutcome::Beaten)
-            .collect())
-    });
+    repo.expect_heartbeat_many()
+        .returning(|fences: Vec<Fence>| {
+            Ok(fences
+                .into_iter()
+                .map(outbox_persistence::BeatOutcome::Beaten)
+                .collect())
+        });
     repo.expect_release_claim()
         .times(1)
         .withf(move |fence, _| *fence == given_back)
@@ -1287,13 +1288,13 @@ async fn a_release_whose_commit_landed_despite_an_error_is_not_a_lost_claim() {
         .expect_mark_processed_many()
         .times(1)
         .returning(|fences| Ok(vec![FenceOutcome::Written; fences.len()]));
-    attempt.expect_commit().times(1).returning(|| Err(unavailable()));
-    repo.expect_begin_batch_attempt().times(1).return_once(move |_, _| {
-        Ok((
-            Box::new(attempt) as Box<dyn Attempt>,
-            vec![given_back.id],
-        ))
-    });
+    attempt
+        .expect_commit()
+        .times(1)
+        .returning(|| Err(unavailable()));
+    repo.expect_begin_batch_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok((Box::new(attempt) as Box<dyn Attempt>, vec![given_back.id])));
     let config = config().with_batches(32, Duration::from_secs(60));
     let runner = ClaimRunner::new(
         Arc::new(repo),
@@ -1315,14 +1316,16 @@ async fn a_release_whose_commit_landed_despite_an_error_is_not_a_lost_claim() {
 #[tokio::test(start_paused = true)]
 async fn a_release_retried_after_its_reply_was_lost_is_not_a_lost_claim() {
     let claims = batch_claims(2);
-    let tries: Arc<Mutex<std::collections::HashMap<outbox_persistence::EventId, u32>>> = Arc::default();
+    let tries: Arc<Mutex<std::collections::HashMap<outbox_persistence::EventId, u32>>> =
+        Arc::default();
     let mut repo = mock_repo();
-    repo.expect_heartbeat_many().returning(|fences: Vec<Fence>| {
-        Ok(fences
-            .into_iter()
-            .map(outbox_persistence::BeatOutcome::Beaten)
-            .collect())
-    });
+    repo.expect_heartbeat_many()
+        .returning(|fences: Vec<Fence>| {
+            Ok(fences
+                .into_iter()
+                .map(outbox_persistence::BeatOutcome::Beaten)
+                .collect())
+        });
     let t = Arc::clone(&tries);
     repo.expect_release_claim().returning(move |fence, _| {
         let mut tries = t.lock().unwrap();

@@ -335,17 +335,14 @@ pub trait OutboxRepository: Send + Sync + 'static {
 
     /// Releases a claim without counting its attempt, on a connection of its own: back to
     /// `pending` with `RetryCount` unchanged and `error` in `LastError`, fenced. For an attempt
-    /// whose handler succeeded but whose outcome the outbox could not write (a lock timeout,
-    /// a serialization failure or deadlock on its own statement): the event runs again (at
-    /// once unless it had failed before, then after the retry delay), and its
-    /// `MaxRetryAttempts` is not charged.
+    /// whose handler succeeded but whose outcome the outbox could not write (a lock timeout, a
+    /// serialization failure or deadlock on its own statement): the event runs again (at once
+    /// unless it had failed before, then after the retry delay), uncharged.
     async fn release_claim(&self, fence: Fence, error: &str) -> Result<FenceOutcome>;
 
-    /// [`OutboxRepository::release_claim`] of several claims, in one statement where the
-    /// backend can: one outcome per fence, in order. Rows claimed beyond what a worker asked
-    /// for go back so, unrun. The default releases them one by one.
+    /// [`OutboxRepository::release_claim`] of several claims, one outcome each, in order.
     async fn release_claims(&self, fences: Vec<Fence>, error: &str) -> Result<Vec<FenceOutcome>> {
-        let mut outcomes = Vec::with_capacity(fences.len());
+        let mut outcomes = Vec::new();
         for fence in fences {
             outcomes.push(self.release_claim(fence, error).await?);
         }

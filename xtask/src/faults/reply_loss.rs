@@ -125,7 +125,7 @@ fn relay(
         let committed = message[0] == b'C' && message[5..].starts_with(b"COMMIT\0");
         if committed && take_one(&pending) {
             counters.commits.fetch_add(1, Ordering::Relaxed);
-            if next(rng) % one_in.max(1) == 0 {
+            if next(rng).is_multiple_of(one_in.max(1)) {
                 counters.lost.fetch_add(1, Ordering::Relaxed);
                 break;
             }
@@ -162,7 +162,11 @@ fn is_commit(message: &[u8]) -> bool {
     };
     let text = text.split(|b| *b == 0).next().unwrap_or_default();
     let text = String::from_utf8_lossy(text);
-    let word = text.trim().trim_end_matches(';').trim().to_ascii_uppercase();
+    let word = text
+        .trim()
+        .trim_end_matches(';')
+        .trim()
+        .to_ascii_uppercase();
     word == "COMMIT" || word == "END" || word == "COMMIT TRANSACTION" || word == "COMMIT WORK"
 }
 

@@ -264,7 +264,12 @@ impl Suite<'_> {
                 && chaos.claimed_holds > 0
                 && lost_replies > 0;
         }
-        write!(coverage, ", {} application transactions", chaos.app.committed).ok();
+        write!(
+            coverage,
+            ", {} application transactions",
+            chaos.app.committed
+        )
+        .ok();
         covered &= chaos.app.committed > 0;
         checks.push(("every fault was injected".into(), covered, coverage));
         let app = &chaos.app;

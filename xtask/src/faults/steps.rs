@@ -54,7 +54,10 @@ impl Step {
     fn condition(self) -> String {
         let quoted = |pattern: &str| pattern.replace('\'', "''");
         match self {
-            Step::Begin => format!("state = 'active' AND query LIKE '{}'", quoted(BEGIN_PATTERN)),
+            Step::Begin => format!(
+                "state = 'active' AND query LIKE '{}'",
+                quoted(BEGIN_PATTERN)
+            ),
             Step::BetweenHandlers => "state = 'idle in transaction'".to_string(),
             Step::Settle => format!(
                 "state = 'active' AND query LIKE '{}'",
@@ -131,6 +134,9 @@ mod tests {
             }
         }
         let sql = cut_at_step_sql("db", Step::Settle);
-        assert!(sql.contains("query LIKE '%SET Status = ''processed''%'"), "{sql}");
+        assert!(
+            sql.contains("query LIKE '%SET Status = ''processed''%'"),
+            "{sql}"
+        );
     }
 }

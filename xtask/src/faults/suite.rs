@@ -10,8 +10,8 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use super::chaos::Chaos;
-use super::reply_loss::ReplyLoss;
 use super::profile::{Backend, HEARTBEAT_MS, Profile, STALE_AFTER_MS};
+use super::reply_loss::ReplyLoss;
 use super::skew::Skew;
 use super::{Rng, unix_ms};
 use crate::postgres;

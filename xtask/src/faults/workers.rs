@@ -184,16 +184,14 @@ impl Suite<'_> {
         // Every other chaos process (never the skewed one) goes through the proxy that loses
         // COMMIT replies.
         let base = match &self.reply_loss {
-            Some(proxy) if faults && !skewed && number % 2 == 0 => &proxy.url,
+            Some(proxy) if faults && !skewed && number.is_multiple_of(2) => &proxy.url,
             _ => &self.client_url,
         };
         // The connection cuts pick the work processes' connections by this name.
         let url = match self.backend {
-            Backend::Postgres => postgres::with_parameter(
-                base,
-                "application_name",
-                &format!("outbox-work-{number}"),
-            ),
+            Backend::Postgres => {
+                postgres::with_parameter(base, "application_name", &format!("outbox-work-{number}"))
+            }
             Backend::Sqlite => self.url.clone(),
         };
         let stdout = self.dir.join(format!("work-{number}.out"));

@@ -75,7 +75,8 @@ impl Batch<'_> {
                 }
                 Step::Waiting => give_back(self.env, beat, ending.why()).await,
                 Step::Written(d, _)
-                    if d.release.is_some() && matches!(ending, Ending::Died { commit: true, .. }) =>
+                    if d.release.is_some()
+                        && matches!(ending, Ending::Died { commit: true, .. }) =>
                 {
                     give_back_landed(self.env, claim, beat, ending.why()).await
                 }

@@ -136,10 +136,12 @@ impl<'a> Unstarted<'a> {
         if kept {
             return None;
         }
-        Some(match release_from(self.env, beat, SLOW_HANDLER, true).await {
-            AttemptOutcome::Released => AttemptOutcome::NotRun,
-            other => other,
-        })
+        Some(
+            match release_from(self.env, beat, SLOW_HANDLER, true).await {
+                AttemptOutcome::Released => AttemptOutcome::NotRun,
+                other => other,
+            },
+        )
     }
 
     /// After [`Unstarted::give_back_after`], releases every claim still unstarted.
