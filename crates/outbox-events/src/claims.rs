@@ -525,7 +525,11 @@ mod tests {
         );
         let dealt = deal(claims.into_iter(), &[1, 1]);
         assert_eq!(dealt.hands.iter().map(Vec::len).sum::<usize>(), 2);
-        assert_eq!(dealt.beyond.len(), 3, "none dropped: left for release");
+        assert_eq!(
+            dealt.beyond.len(),
+            3,
+            "none dropped: left for release, a record whole"
+        );
         // A record's rows go to one worker, in order.
         let chain: Vec<Claim> = (0..3).map(|_| claim(7)).collect();
         let dealt = deal(chain.clone().into_iter().chain([claim(8)]), &[3, 2]).hands;
@@ -540,11 +544,7 @@ mod tests {
         assert!(dealt.beyond.is_empty());
         let dealt = deal(long.clone().into_iter(), &[1, 3]);
         assert_eq!(dealt.hands, vec![Vec::new(), long[..3].to_vec()]);
-        let beyond: Vec<_> = dealt.beyond.iter().map(|(w, c)| (*w, c.clone())).collect();
-        assert_eq!(
-            beyond,
-            vec![(Some(1), long[3].clone()), (Some(1), long[4].clone())]
-        );
+        assert_eq!(dealt.beyond, vec![(Some(1), long[3..].to_vec())]);
 
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let repo = Arc::new(repo(100, sizes.clone()));
@@ -573,5 +573,53 @@ mod tests {
         assert!(replies.iter().all(|r| matches!(r, Reply::Claimed(_))));
         let queue = claims.lock();
         assert!(!queue.leading && queue.waiting.is_empty(), "nobody queued");
+    }
+
+    /// Rows beyond every want go back in one statement; when that statement fails (it may have
+    /// landed, its reply lost) a row is dealt only once a fenced beat confirms it, in record
+    /// order up to the first that is not: never a row another worker may hold by now.
+    #[tokio::test]
+    async fn rows_beyond_the_wants_are_released_or_dealt_only_when_confirmed() {
+        use outbox_persistence::BeatOutcome;
+        let chain: Vec<Claim> = (0..4).map(|_| claim(3)).collect();
+        let moved = |c: &Claim| Fence {
+            id: c.fence.id,
+            last_written: c.fence.last_written + chrono::Duration::seconds(1),
+        };
+        let mut released = MockOutboxRepository::new();
+        released
+            .expect_release_claims()
+            .times(1)
+            .withf(|fences, _| fences.len() == 2)
+            .returning(|fences, _| {
+                Ok(vec![
+                    outbox_persistence::FenceOutcome::Written;
+                    fences.len()
+                ])
+            });
+        let mut dealt = deal(chain.clone().into_iter(), &[2]);
+        release_beyond(&released, &Metrics::default(), &mut dealt).await;
+        assert_eq!(dealt.hands, vec![chain[..2].to_vec()]);
+        assert!(dealt.beyond.is_empty());
+
+        let mut failed = MockOutboxRepository::new();
+        failed.expect_release_claims().returning(|_, _| {
+            Err(outbox_persistence::Error::Unavailable(
+                sqlx::Error::PoolTimedOut,
+            ))
+        });
+        let (third, fourth) = (moved(&chain[2]), moved(&chain[3]));
+        // The third row is still this claim; the fourth is not (its release landed): the third
+        // is dealt under its new fence, the fourth left alone.
+        failed
+            .expect_heartbeat_many()
+            .times(1)
+            .returning(move |_| Ok(vec![BeatOutcome::Beaten(third), BeatOutcome::Lost]));
+        let mut dealt = deal(chain.clone().into_iter(), &[2]);
+        release_beyond(&failed, &Metrics::default(), &mut dealt).await;
+        let hand: Vec<_> = dealt.hands[0].iter().map(|c| c.fence).collect();
+        assert_eq!(hand, vec![chain[0].fence, chain[1].fence, third]);
+        assert!(!hand.contains(&fourth) && !hand.contains(&chain[3].fence));
+        assert!(dealt.beyond.is_empty());
     }
 }

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use outbox_persistence::{Claim, EventId, EventStatus, FailureBookkeeping, FenceOutcome, Terminal};
+use outbox_persistence::{
+    Claim, EventId, EventStatus, FailureBookkeeping, FenceOutcome, Terminal, clip_error,
+};
 
 use crate::env::{AttemptEnv, AttemptOutcome, Failure, failure_outcome};
 use crate::heartbeat::Beat;
@@ -155,15 +157,12 @@ async fn landed_anyway(
     let ours = claim.event.retry_count;
     let matches = match (landed, failure.bookkeeping) {
         (Landed::Processed, _) => row.status == EventStatus::Processed && row.retry_count == ours,
-        // Its retry landed: one more failure counted, by this attempt rather than a stale
-        // reclaim (whose `LastError` says the worker died). The row may be another worker's
-        // fresh claim by now (the retry delay can be short): a claim keeps both.
+        // Its retry landed: one more failure counted, with this attempt's error (a stale
+        // reclaim's says the worker died). The row may be another worker's fresh claim by now
+        // (the retry delay can be short): a claim keeps both.
         (Landed::Failure, FailureBookkeeping::Retry { .. }) => {
             row.retry_count == ours + 1
-                && row
-                    .last_error
-                    .as_deref()
-                    .is_some_and(|e| !e.starts_with(outbox_persistence::WORKER_DIED))
+                && row.last_error.as_deref() == Some(clip_error(&failure.message).as_str())
         }
         (Landed::Failure, FailureBookkeeping::Fail) => {
             row.status == EventStatus::Failed && row.retry_count == ours + 1

@@ -1376,19 +1376,24 @@ async fn a_retry_that_landed_and_was_claimed_again_is_not_a_lost_claim() {
         .expect_rollback_to_savepoint()
         .times(1)
         .returning(|| Ok(()));
+    let recorded: Arc<Mutex<String>> = Arc::default();
+    let r = Arc::clone(&recorded);
     attempt
         .expect_record_failure()
         .times(1)
-        .returning(|_, _, _| Ok(FenceOutcome::Written));
+        .returning(move |_, _, error| {
+            *r.lock().unwrap() = error.to_string();
+            Ok(FenceOutcome::Written)
+        });
     attempt
         .expect_commit()
         .times(1)
         .returning(|| Err(unavailable()));
     attempt.expect_rollback().returning(|| Ok(()));
     let mut repo = repo_with(attempt, Arc::default());
-    repo.expect_get_event().returning(|id| {
+    repo.expect_get_event().returning(move |id| {
         let mut claimed = row(id, EventStatus::Processing, 1);
-        claimed.last_error = Some("boom".into());
+        claimed.last_error = Some(recorded.lock().unwrap().clone());
         Ok(Some(claimed))
     });
     repo.expect_increment_retry().never();
@@ -1403,4 +1408,73 @@ async fn a_retry_that_landed_and_was_claimed_again_is_not_a_lost_claim() {
     .await;
     assert_eq!(outcome, AttemptOutcome::Retried);
     assert_eq!(metrics.snapshot().lost_claims, 0);
+}
+
+/// Issue 36 review: a give-back whose release failed may still land (its reply lost, or a
+/// commit in doubt), so the worker keeps the claim only once a fenced beat confirms it; it
+/// then runs it under the fence that beat wrote (the old release can no longer apply).
+#[tokio::test(start_paused = true)]
+async fn a_give_back_that_failed_is_confirmed_by_a_beat_before_the_worker_keeps_it() {
+    let mut claims = batch_claims(3);
+    for c in &mut claims {
+        c.reclaimed = true;
+        c.event.retry_count = 1;
+    }
+    let kept = claims[1].fence;
+    let confirmed = Fence {
+        id: kept.id,
+        last_written: kept.last_written + chrono::Duration::seconds(1),
+    };
+    let mut repo = mock_repo();
+    repo.expect_heartbeat_many()
+        .returning(|fences: Vec<Fence>| {
+            Ok(fences
+                .into_iter()
+                .map(outbox_persistence::BeatOutcome::Beaten)
+                .collect())
+        });
+    repo.expect_heartbeat()
+        .times(1)
+        .withf(move |fence| *fence == kept)
+        .returning(move |_| Ok(Some(confirmed)));
+    let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let r = Arc::clone(&releases);
+    repo.expect_release_claim().returning(move |fence, _| {
+        let n = r.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n == 0 {
+            assert_eq!(fence, kept);
+            Err(unavailable())
+        } else {
+            Ok(FenceOutcome::Written)
+        }
+    });
+    let begun: Arc<Mutex<Vec<Fence>>> = Arc::default();
+    let b = Arc::clone(&begun);
+    repo.expect_begin_attempt().returning(move |_, fence| {
+        b.lock().unwrap().push(fence);
+        let mut attempt = MockAttempt::new();
+        attempt
+            .expect_mark_processed()
+            .returning(|_| Ok(FenceOutcome::Written));
+        attempt.expect_commit().returning(|| Ok(()));
+        Ok(Some(Box::new(attempt) as Box<dyn Attempt>))
+    });
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::from_secs(30), || Ok(())),
+        config(),
+    );
+    runner.run_batch(claims.clone()).await;
+    let begun = begun.lock().unwrap().clone();
+    assert_eq!(
+        begun,
+        vec![claims[0].fence, confirmed],
+        "the kept claim runs under the fence its confirming beat wrote"
+    );
+    let metrics = runner.metrics().snapshot();
+    assert_eq!(
+        (metrics.processed, metrics.not_run, metrics.lost_claims),
+        (2, 1, 0),
+        "{metrics:?}"
+    );
 }

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
-use outbox_persistence::{EventStatus, FenceOutcome};
+use outbox_persistence::FenceOutcome;
 
 use crate::detached::release_from;
 use crate::env::{AttemptEnv, AttemptOutcome};
@@ -108,40 +108,36 @@ impl<'a> Unstarted<'a> {
     }
 
     /// One fenced release of a claim, uncounted. A try that fails may have landed with its
-    /// reply lost, and another worker may run the row by now: the claim is then never run by
-    /// this worker unchecked. It is read back: still `processing` under this worker's fence,
-    /// the release did not land and the worker keeps it (`None`); otherwise the release is
-    /// retried on the side, which reads back whether it landed.
-    async fn release_once(&self, beat: &Beat<'_>) -> Option<AttemptOutcome> {
-        let fence = {
+    /// reply lost (or still land: a commit in doubt), and another worker may then run the row:
+    /// the claim is never run by this worker unchecked. A fenced beat confirms it: it lands
+    /// only while the row is still this claim, and once it has, the release (fenced on the old
+    /// value) can never apply, so the worker keeps the claim under the new fence (`None`).
+    /// Otherwise the release is settled on the side, which reads back whether it landed;
+    /// `Some((outcome, true))` says it was retried there (the pass ends after it).
+    async fn release_once(&self, beat: &Beat<'_>) -> Option<(AttemptOutcome, bool)> {
+        {
             let mut state = beat.fence.lock_for_write(&self.env.repo).await;
             if state.lost {
-                return Some(AttemptOutcome::LostClaim);
+                return Some((AttemptOutcome::LostClaim, false));
             }
             state.sending_outcome();
             match self.env.repo.release_claim(state.fence, SLOW_HANDLER).await {
-                Ok(FenceOutcome::Written) => return Some(AttemptOutcome::NotRun),
-                Ok(FenceOutcome::Lost) => return Some(AttemptOutcome::LostClaim),
+                Ok(FenceOutcome::Written) => return Some((AttemptOutcome::NotRun, false)),
+                Ok(FenceOutcome::Lost) => return Some((AttemptOutcome::LostClaim, false)),
                 Err(e) => {
-                    tracing::warn!(error = %e.chain(), "giving back a claim of a long handler's worker failed; reading the row back");
-                    state.fence
+                    tracing::warn!(error = %e.chain(), "giving back a claim of a long handler's worker failed; confirming the claim");
+                    if let Ok(Some(next)) = self.env.repo.heartbeat(state.fence).await {
+                        state.fence = next;
+                        return None;
+                    }
                 }
             }
-        };
-        let kept = matches!(
-            self.env.repo.get_event(fence.id).await,
-            Ok(Some(row)) if row.status == EventStatus::Processing
-                && row.last_modified_date == fence.last_written
-        );
-        if kept {
-            return None;
         }
-        Some(
-            match release_from(self.env, beat, SLOW_HANDLER, true).await {
-                AttemptOutcome::Released => AttemptOutcome::NotRun,
-                other => other,
-            },
-        )
+        let outcome = match release_from(self.env, beat, SLOW_HANDLER, true).await {
+            AttemptOutcome::Released => AttemptOutcome::NotRun,
+            other => other,
+        };
+        Some((outcome, true))
     }
 
     /// After [`Unstarted::give_back_after`], releases every claim still unstarted.
@@ -156,7 +152,7 @@ impl<'a> Unstarted<'a> {
             {
                 continue;
             }
-            let Some(outcome) = self.release_once(beat).await else {
+            let Some((outcome, retried)) = self.release_once(beat).await else {
                 // The release did not land (the database is away): the claim stays this
                 // worker's to run, and the pass ends (the running handler's transaction never
                 // waits for a pass that retries against a database that is away).
@@ -166,6 +162,11 @@ impl<'a> Unstarted<'a> {
             beat.stop();
             self.outcomes.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(outcome);
             count += 1;
+            if retried {
+                // The database is flaky: the other claims stay this worker's to run rather than
+                // keep the running handler's transaction waiting for more retries.
+                break;
+            }
         }
         if count > 0 {
             tracing::info!(

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 
-use outbox_persistence::{Claim, OutboxRepository};
+use outbox_persistence::{BeatOutcome, Claim, OutboxRepository};
 
 use crate::metrics::Metrics;
 
@@ -11,10 +11,10 @@ use crate::metrics::Metrics;
 #[derive(Debug, Default)]
 pub(super) struct Dealt {
     pub(super) hands: Vec<Vec<Claim>>,
-    /// Rows beyond every want, each with the worker that holds its record's older rows (none
-    /// when the whole record was left over): released unrun, or handed to that worker if the
-    /// release fails.
-    pub(super) beyond: Vec<(Option<usize>, Claim)>,
+    /// Rows beyond every want, a record's rows together and in order, each group with the
+    /// worker that holds its record's older rows (none when the whole record was left over):
+    /// released unrun, or dealt after all if the release fails.
+    pub(super) beyond: Vec<(Option<usize>, Vec<Claim>)>,
 }
 
 /// Deals `claims` out to workers that want `wants[i]` rows each: one record's rows (its head
@@ -69,9 +69,7 @@ pub(super) fn deal(claims: impl Iterator<Item = Claim>, wants: &[usize]) -> Deal
         let mut unit = units.remove(pick).expect("a unit");
         if unit.len() > left[worker] {
             let cut = unit.split_off(left[worker]);
-            dealt
-                .beyond
-                .extend(cut.into_iter().map(|c| (Some(worker), c)));
+            dealt.beyond.push((Some(worker), cut));
         }
         left[worker] -= unit.len();
         dealt.hands[worker].extend(unit);
@@ -79,7 +77,7 @@ pub(super) fn deal(claims: impl Iterator<Item = Claim>, wants: &[usize]) -> Deal
     }
     dealt
         .beyond
-        .extend(units.into_iter().flatten().map(|c| (None, c)));
+        .extend(units.into_iter().map(|unit| (None, unit)));
     dealt
 }
 
@@ -87,8 +85,11 @@ pub(super) fn deal(claims: impl Iterator<Item = Claim>, wants: &[usize]) -> Deal
 const BEYOND_WANT: &str = "claimed beyond what its worker asked for: given back unrun";
 
 /// Releases the rows claimed beyond every want in one statement (uncounted: none ran). If the
-/// release fails they are dealt after all, each to the worker holding its record's older rows
-/// (or in turn), rather than left to go stale and be counted as a dead attempt.
+/// release fails it may still have landed (its reply lost), so a row is dealt after all only
+/// once a fenced beat confirms it is still this claim (after which the release can no longer
+/// apply), each record's rows in order up to the first that is not, to the worker holding its
+/// record's older rows (a leftover record whole, in turn). A row not confirmed is left: released,
+/// or gone stale and reclaimed (counted), never run twice.
 pub(super) async fn release_beyond(
     repo: &dyn OutboxRepository,
     metrics: &Metrics,
@@ -97,19 +98,59 @@ pub(super) async fn release_beyond(
     if dealt.beyond.is_empty() {
         return;
     }
-    let fences = dealt.beyond.iter().map(|(_, c)| c.fence).collect();
-    match repo.release_claims(fences, BEYOND_WANT).await {
+    let fences = dealt
+        .beyond
+        .iter()
+        .flatten_claims()
+        .map(|c| c.fence)
+        .collect();
+    let error = match repo.release_claims(fences, BEYOND_WANT).await {
         Ok(_) => {
-            for (_, claim) in dealt.beyond.drain(..) {
+            for claim in dealt.beyond.drain(..).flat_map(|(_, unit)| unit) {
                 metrics.beyond_want(&claim.event.event_type, claim.reclaimed);
             }
+            return;
         }
+        Err(e) => e,
+    };
+    let fences = dealt
+        .beyond
+        .iter()
+        .flatten_claims()
+        .map(|c| c.fence)
+        .collect();
+    let beaten = match repo.heartbeat_many(fences).await {
+        Ok(outcomes) => outcomes,
         Err(e) => {
-            tracing::warn!(error = %e.chain(), rows = dealt.beyond.len(), "releasing rows claimed beyond the workers' wants failed; dealing them after all");
-            let workers = dealt.hands.len();
-            for (n, (owner, claim)) in dealt.beyond.drain(..).enumerate() {
-                dealt.hands[owner.unwrap_or(n % workers)].push(claim);
+            tracing::warn!(error = %error.chain(), beat_error = %e.chain(), "releasing rows claimed beyond the workers' wants failed and they could not be confirmed; leaving them to stale reclaim");
+            dealt.beyond.clear();
+            return;
+        }
+    };
+    tracing::warn!(error = %error.chain(), "releasing rows claimed beyond the workers' wants failed; dealing the confirmed ones after all");
+    let mut beaten = beaten.into_iter();
+    let workers = dealt.hands.len();
+    for (n, (owner, unit)) in std::mem::take(&mut dealt.beyond).into_iter().enumerate() {
+        let mut confirmed = true;
+        for mut claim in unit {
+            match beaten.next() {
+                Some(BeatOutcome::Beaten(fence)) if confirmed => {
+                    claim.fence = fence;
+                    dealt.hands[owner.unwrap_or(n % workers)].push(claim);
+                }
+                _ => confirmed = false,
             }
         }
+    }
+}
+
+/// The claims of groups of rows, in order.
+trait FlattenClaims<'a> {
+    fn flatten_claims(self) -> impl Iterator<Item = &'a Claim>;
+}
+
+impl<'a, I: Iterator<Item = &'a (Option<usize>, Vec<Claim>)>> FlattenClaims<'a> for I {
+    fn flatten_claims(self) -> impl Iterator<Item = &'a Claim> {
+        self.flat_map(|(_, unit)| unit.iter())
     }
 }
