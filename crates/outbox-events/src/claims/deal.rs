@@ -154,3 +154,81 @@ impl<'a, I: Iterator<Item = &'a (Option<usize>, Vec<Claim>)>> FlattenClaims<'a> 
         self.flat_map(|(_, unit)| unit.iter())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use outbox_persistence::{EventStatus, Fence, MockOutboxRepository, OutboxEvent, RecordKey};
+
+    use super::*;
+
+    fn claim(n: usize) -> Claim {
+        let id = outbox_persistence::new_event_id();
+        let now = chrono::Utc::now();
+        Claim {
+            fence: Fence {
+                id,
+                last_written: now,
+            },
+            reclaimed: false,
+            event: OutboxEvent {
+                id,
+                event_type: "t".into(),
+                payload: "{}".into(),
+                status: EventStatus::Processing,
+                retry_count: 0,
+                record_key: Some(RecordKey::from_stored(format!("Lead:{n}"))),
+                created_date: now,
+                last_modified_date: now,
+                last_error: None,
+            },
+        }
+    }
+
+    /// Rows beyond every want go back in one statement; when that statement fails (it may have
+    /// landed, its reply lost) a row is dealt only once a fenced beat confirms it, in record
+    /// order up to the first that is not: never a row another worker may hold by now.
+    #[tokio::test]
+    async fn rows_beyond_the_wants_are_released_or_dealt_only_when_confirmed() {
+        use outbox_persistence::BeatOutcome;
+        let chain: Vec<Claim> = (0..4).map(|_| claim(3)).collect();
+        let moved = |c: &Claim| Fence {
+            id: c.fence.id,
+            last_written: c.fence.last_written + chrono::Duration::seconds(1),
+        };
+        let mut released = MockOutboxRepository::new();
+        released
+            .expect_release_claims()
+            .times(1)
+            .withf(|fences, _| fences.len() == 2)
+            .returning(|fences, _| {
+                Ok(vec![
+                    outbox_persistence::FenceOutcome::Written;
+                    fences.len()
+                ])
+            });
+        let mut dealt = deal(chain.clone().into_iter(), &[2]);
+        release_beyond(&released, &Metrics::default(), &mut dealt).await;
+        assert_eq!(dealt.hands, vec![chain[..2].to_vec()]);
+        assert!(dealt.beyond.is_empty());
+
+        let mut failed = MockOutboxRepository::new();
+        failed.expect_release_claims().returning(|_, _| {
+            Err(outbox_persistence::Error::Unavailable(
+                sqlx::Error::PoolTimedOut,
+            ))
+        });
+        let (third, fourth) = (moved(&chain[2]), moved(&chain[3]));
+        // The third row is still this claim; the fourth is not (its release landed): the third
+        // is dealt under its new fence, the fourth left alone.
+        failed
+            .expect_heartbeat_many()
+            .times(1)
+            .returning(move |_| Ok(vec![BeatOutcome::Beaten(third), BeatOutcome::Lost]));
+        let mut dealt = deal(chain.clone().into_iter(), &[2]);
+        release_beyond(&failed, &Metrics::default(), &mut dealt).await;
+        let hand: Vec<_> = dealt.hands[0].iter().map(|c| c.fence).collect();
+        assert_eq!(hand, vec![chain[0].fence, chain[1].fence, third]);
+        assert!(!hand.contains(&fourth) && !hand.contains(&chain[3].fence));
+        assert!(dealt.beyond.is_empty());
+    }
+}
