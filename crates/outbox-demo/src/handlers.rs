@@ -280,7 +280,12 @@ impl Handler for WelcomeMail {
                 envelope.record_id.as_deref().unwrap_or("customer")
             );
             self.sink
-                .send(&event_id, event.retry_count, &recipient, &subject)
+                .send(
+                    &event_id,
+                    (event.retry_count, &event.last_modified_date.to_rfc3339()),
+                    &recipient,
+                    &subject,
+                )
                 .await
                 .map_err(|e| HandlerError::retryable_from("mail provider", e))?;
         } else {

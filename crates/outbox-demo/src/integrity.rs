@@ -31,10 +31,10 @@ pub struct Integrity {
     /// Journaled runs that died without a journaled death while their process lived on (it
     /// completed its run): reruns no death explains.
     pub superseded_while_alive: usize,
-    /// Sends repeated within one attempt (same event, same `RetryCount`).
+    /// Sends repeated within one attempt (same event, same claim).
     pub sent_twice_in_one_attempt: i64,
-    /// Sends repeated by a later attempt, after a counted failure or death (expected: the
-    /// design never claims exactly-once delivery).
+    /// Sends repeated by a later attempt, after a counted failure or death or an uncounted
+    /// release (expected: the design never claims exactly-once delivery).
     pub sends_redelivered: i64,
     /// Poison events seeded.
     pub poison: i64,
@@ -83,11 +83,14 @@ pub async fn check_integrity(
         .iter()
         .filter(|s| !s.death_before_reclaim && lived.get(&s.pid) == Some(&true))
         .count();
-    let mut per_attempt: HashMap<(String, i32), i64> = HashMap::new();
+    // One attempt is one claim: an event given back uncounted after its handler ran (its
+    // outcome could not be written) runs again at the same `RetryCount` under a new claim,
+    // a redelivery like any other, absorbed by the idempotency key.
+    let mut per_attempt: HashMap<(String, i32, String), i64> = HashMap::new();
     let mut attempts_per_key: HashMap<String, i64> = HashMap::new();
     for send in sink.sends().await? {
         let n = per_attempt
-            .entry((send.key.clone(), send.retry_count))
+            .entry((send.key.clone(), send.retry_count, send.claim.clone()))
             .or_default();
         *n += 1;
         if *n == 1 {
@@ -102,7 +105,7 @@ pub async fn check_integrity(
         "no handler ran twice for one attempt",
         j.ran_twice == 0 && out.superseded_while_alive == 0 && out.sent_twice_in_one_attempt == 0,
         format!(
-            "{} journaled runs of slow and poison handlers: {} went on after another run of their event began, {} died and were run again ({} with their death journaled first, {} while their process lived on); {} sends repeated within one attempt, {} redelivered by a later attempt after a counted failure or death",
+            "{} journaled runs of slow and poison handlers: {} went on after another run of their event began, {} died and were run again ({} with their death journaled first, {} while their process lived on); {} sends repeated within one attempt, {} redelivered by a later attempt after a counted failure, a death or an uncounted release",
             j.runs,
             j.ran_twice,
             j.superseded.len(),

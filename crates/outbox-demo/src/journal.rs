@@ -234,6 +234,9 @@ pub struct JournaledRun {
     ended: bool,
 }
 
+/// How often a run's end is tried before its error is returned.
+const END_TRIES: u32 = 5;
+
 impl JournaledRun {
     /// Journals the start of an attempt of `event_id` at `retry_count`.
     pub async fn start(sink: &MailSink, event_id: String, retry_count: i32) -> Result<Self> {
@@ -246,12 +249,29 @@ impl JournaledRun {
         })
     }
 
-    /// Journals how the run ended (`finish` or `died`).
+    /// Journals how the run ended (`finish` or `died`), retried a few times: the run has
+    /// ended whatever the side store says, and a lost end (a cut connection) would leave the
+    /// journal showing it open, then superseded by the event's next attempt while its process
+    /// lived. A repeated end (a retry after a reply that was lost) is ignored by the analysis.
     pub async fn end(mut self, mark: Mark) -> Result<()> {
         self.ended = true;
-        self.sink
-            .journal(mark, &self.event_id, self.retry_count)
-            .await
+        let mut backoff = std::time::Duration::from_millis(50);
+        let mut tries = 1;
+        loop {
+            match self
+                .sink
+                .journal(mark, &self.event_id, self.retry_count)
+                .await
+            {
+                Ok(()) => return Ok(()),
+                Err(e) if tries == END_TRIES => return Err(e),
+                Err(_) => {
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 2;
+                    tries += 1;
+                }
+            }
+        }
     }
 }
 
@@ -291,6 +311,9 @@ pub struct Superseded {
     /// Whether the journal shows that process dead (`died` or `killed`) before the later run
     /// started. The fault suite, which journals every kill, requires it.
     pub death_before_reclaim: bool,
+    /// When it was not: the journal of the event and of its process's deaths
+    /// (`seq mark RetryCount pid`), for the report.
+    pub journal: Vec<String>,
 }
 
 /// What the journal shows.
@@ -372,11 +395,24 @@ pub fn analyse(entries: &[Entry]) -> JournalFindings {
             let died = deaths
                 .get(&run.pid)
                 .is_some_and(|seqs| seqs.iter().any(|s| *s > run.start && *s < next));
+            let journal = if died {
+                Vec::new()
+            } else {
+                entries
+                    .iter()
+                    .filter(|e| {
+                        e.event_id == run.event_id
+                            || (e.pid == run.pid && matches!(e.mark, Mark::Died | Mark::Killed))
+                    })
+                    .map(|e| format!("{} {:?} {} {}", e.seq, e.mark, e.retry_count, e.pid))
+                    .collect()
+            };
             findings.superseded.push(Superseded {
                 event_id: run.event_id.to_string(),
                 pid: run.pid,
                 retry_count: run.retry_count,
                 death_before_reclaim: died,
+                journal,
             });
         }
     }

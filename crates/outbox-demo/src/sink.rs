@@ -52,7 +52,7 @@ impl Begin for sqlx::SqlitePool {
 const SIDE_TABLES_POSTGRES: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS DemoMailSend (
         Seq BIGSERIAL PRIMARY KEY, IdempotencyKey TEXT NOT NULL, RetryCount INTEGER NOT NULL,
-        Pid BIGINT NOT NULL)",
+        Pid BIGINT NOT NULL, Claim TEXT NOT NULL DEFAULT '')",
     "CREATE TABLE IF NOT EXISTS DemoAttemptJournal (
         Seq BIGSERIAL PRIMARY KEY, Mark TEXT NOT NULL, EventId TEXT NOT NULL,
         RetryCount INTEGER NOT NULL, Pid BIGINT NOT NULL)",
@@ -67,7 +67,7 @@ const SIDE_TABLES_POSTGRES: &[&str] = &[
 const SIDE_TABLES_SQLITE: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS DemoMailSend (
         Seq INTEGER PRIMARY KEY AUTOINCREMENT, IdempotencyKey TEXT NOT NULL,
-        RetryCount INTEGER NOT NULL, Pid BIGINT NOT NULL)",
+        RetryCount INTEGER NOT NULL, Pid BIGINT NOT NULL, Claim TEXT NOT NULL DEFAULT '')",
     "CREATE TABLE IF NOT EXISTS DemoAttemptJournal (
         Seq INTEGER PRIMARY KEY AUTOINCREMENT, Mark TEXT NOT NULL, EventId TEXT NOT NULL,
         RetryCount INTEGER NOT NULL, Pid BIGINT NOT NULL)",
@@ -85,6 +85,10 @@ pub struct Send {
     pub key: String,
     /// The sending attempt's `RetryCount`.
     pub retry_count: i32,
+    /// The sending attempt's claim (the `LastModifiedDate` its claim wrote): an event given
+    /// back uncounted after its handler ran runs again with the same `RetryCount` under a new
+    /// claim.
+    pub claim: String,
 }
 
 /// The provider's inbox.
@@ -93,8 +97,18 @@ pub struct MailSink {
     pub(super) db: Database,
 }
 
+/// Where the side store is reached instead of the outbox's URL, when set: the fault suite's
+/// processes whose outbox connections go through its COMMIT-reply-losing proxy reach their
+/// side store (the journal and work runs the verification reads, and the mail provider)
+/// directly, so that the lost replies hit the outbox's transactions and the evidence stays
+/// exact.
+pub const SIDE_URL_ENV: &str = "OUTBOX_DEMO_SIDE_URL";
+
 /// The sink's URL for an outbox database URL.
 fn sink_url(url: &str) -> String {
+    if let Some(side) = std::env::var(SIDE_URL_ENV).ok().filter(|u| !u.is_empty()) {
+        return side;
+    }
     if url.starts_with("sqlite:") {
         match url.split_once('?') {
             Some((path, query)) => format!("{path}-mailbox.db?{query}"),
@@ -151,7 +165,7 @@ impl MailSink {
     pub async fn send(
         &self,
         idempotency_key: &str,
-        retry_count: i32,
+        (retry_count, claim): (i32, &str),
         recipient: &str,
         subject: &str,
     ) -> Result<()> {
@@ -171,11 +185,12 @@ impl MailSink {
             .execute(&mut *tx)
             .await?;
             outbox_persistence::statement::query(
-                "INSERT INTO DemoMailSend (IdempotencyKey, RetryCount, Pid) VALUES ($1, $2, $3)",
+                "INSERT INTO DemoMailSend (IdempotencyKey, RetryCount, Pid, Claim) VALUES ($1, $2, $3, $4)",
             )
             .bind(idempotency_key)
             .bind(retry_count)
             .bind(i64::from(std::process::id()))
+            .bind(claim)
             .execute(&mut *tx)
             .await?;
             tx.commit().await
@@ -187,16 +202,20 @@ impl MailSink {
 
     /// Every send the provider received, in order.
     pub async fn sends(&self) -> Result<Vec<Send>> {
-        let rows: Vec<(String, i32)> = with_conn!(&self.db, |pool| {
+        let rows: Vec<(String, i32, String)> = with_conn!(&self.db, |pool| {
             outbox_persistence::statement::query_as(
-                "SELECT IdempotencyKey, RetryCount FROM DemoMailSend ORDER BY Seq",
+                "SELECT IdempotencyKey, RetryCount, Claim FROM DemoMailSend ORDER BY Seq",
             )
             .fetch_all(pool)
             .await
         })?;
         Ok(rows
             .into_iter()
-            .map(|(key, retry_count)| Send { key, retry_count })
+            .map(|(key, retry_count, claim)| Send {
+                key,
+                retry_count,
+                claim,
+            })
             .collect())
     }
 

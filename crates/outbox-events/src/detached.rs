@@ -83,14 +83,35 @@ async fn released_or_lost(
     if !unsure {
         return AttemptOutcome::LostClaim;
     }
-    match env.repo.get_event(id).await {
-        Ok(Some(row)) if row.retry_count == ours => {
+    match read_back(env, id).await {
+        Some(row) if row.retry_count == ours => {
             tracing::info!("a release that reported an error had landed");
             AttemptOutcome::Released
         }
         _ => AttemptOutcome::LostClaim,
     }
 }
+
+/// The row `id`, read back after a write whose reply may have been lost: tried a few times,
+/// since the read can meet the same flaky connection; `None` when it is gone or unreadable.
+async fn read_back(env: &AttemptEnv, id: EventId) -> Option<outbox_persistence::OutboxEvent> {
+    let mut backoff = READ_BACK_FIRST_BACKOFF;
+    for try_number in 1..=READ_BACK_TRIES {
+        match env.repo.get_event(id).await {
+            Ok(row) => return row,
+            Err(e) => {
+                tracing::debug!(error = %e.chain(), try_number, "could not read the row back");
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+            }
+        }
+    }
+    None
+}
+
+/// How often a row is read back, and the first pause between tries.
+const READ_BACK_TRIES: u32 = 4;
+const READ_BACK_FIRST_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Gives back a claim whose handler never ran (uncounted, on a connection of its own): a
 /// release that lands is [`AttemptOutcome::NotRun`].
@@ -112,8 +133,8 @@ pub(crate) async fn give_back_landed(
     why: &str,
 ) -> AttemptOutcome {
     match give_back(env, beat, why).await {
-        AttemptOutcome::LostClaim => match env.repo.get_event(claim.event.id).await {
-            Ok(Some(row)) if row.retry_count == claim.event.retry_count => {
+        AttemptOutcome::LostClaim => match read_back(env, claim.event.id).await {
+            Some(row) if row.retry_count == claim.event.retry_count => {
                 tracing::info!("the commit reported an error but its release landed");
                 AttemptOutcome::NotRun
             }
@@ -146,14 +167,7 @@ async fn landed_anyway(
     landed: Landed,
     failure: &Failure,
 ) -> Option<AttemptOutcome> {
-    let row = match env.repo.get_event(claim.event.id).await {
-        Ok(Some(row)) => row,
-        Ok(None) => return None,
-        Err(e) => {
-            tracing::debug!(error = %e.chain(), "could not read the row back after a commit error");
-            return None;
-        }
-    };
+    let row = read_back(env, claim.event.id).await?;
     let ours = claim.event.retry_count;
     let matches = match (landed, failure.bookkeeping) {
         (Landed::Processed, _) => row.status == EventStatus::Processed && row.retry_count == ours,

@@ -264,8 +264,10 @@ impl Run<'_, '_> {
         }
         self.holders
             .retain_mut(|h| h.try_wait().ok().flatten().is_none());
-        // The application writes while the foreign writers do, never across the restart.
-        let writing = self.start.elapsed() < Duration::from_secs(suite.profile.foreign_secs)
+        // The application writes while the foreign writers do, never across the restart, and
+        // on PostgreSQL only (see `app.rs`).
+        let writing = suite.pg.is_some()
+            && self.start.elapsed() < Duration::from_secs(suite.profile.foreign_secs)
             && !suite.near_restart(self.start, self.restarted);
         self.chaos.app.step(suite, writing)?;
         self.progress();

@@ -248,7 +248,11 @@ mod tests {
     fn the_log_lines_are_the_demos() {
         let mut files = Vec::new();
         sources(&project_root().join("crates/outbox-demo/src"), &mut files);
-        for (name, text) in [("POISON_LOG", POISON_LOG), ("STARTED_LOG", STARTED_LOG)] {
+        for (name, text) in [
+            ("POISON_LOG", POISON_LOG),
+            ("STARTED_LOG", STARTED_LOG),
+            ("SIDE_URL_ENV", workers::SIDE_URL_ENV),
+        ] {
             let defined = format!("{name}: &str = \"{text}\";");
             assert!(
                 files

@@ -141,6 +141,6 @@ pub(super) const POISON_LOG: &str = "poison event: aborting the process";
 pub(super) const STARTED_LOG: &str = "outbox-demo work: workers started";
 /// The log filter of every work process: warnings, which include each claim it lost and why
 /// its beats or bookkeeping failed (the report quotes them when a live process lost a claim).
-pub(super) const WORK_LOG: &str = "warn";
+pub(super) const WORK_LOG: &str = "warn,outbox_events=info";
 /// What the library logs when a claim turns out lost (in `crates/outbox-events`).
 pub(super) const CLAIM_LOST_LOG: &str = "claim lost";

@@ -23,6 +23,9 @@ use super::skew::{self, Skew};
 use super::suite::Suite;
 use crate::postgres;
 
+/// The demo's `SIDE_URL_ENV` (a copy: xtask depends on no workspace crate).
+pub(super) const SIDE_URL_ENV: &str = "OUTBOX_DEMO_SIDE_URL";
+
 /// The signal number of SIGINT.
 const SIGINT: i32 = 2;
 /// The signal number of SIGABRT (`std::process::abort`).
@@ -181,25 +184,35 @@ impl Suite<'_> {
     ) -> Result<Worker> {
         chaos.spawned += 1;
         let number = chaos.spawned;
-        // Every other chaos process (never the skewed one) goes through the proxy that loses
-        // COMMIT replies.
+        // Every other chaos process (never the skewed one) reaches the outbox through the proxy
+        // that loses COMMIT replies, and its side store (the journal and work runs verification
+        // reads, the mail provider) directly (`OUTBOX_DEMO_SIDE_URL`).
         let base = match &self.reply_loss {
             Some(proxy) if faults && !skewed && number.is_multiple_of(2) => &proxy.url,
             _ => &self.client_url,
         };
         // The connection cuts pick the work processes' connections by this name.
-        let url = match self.backend {
+        let named = |base: &str| match self.backend {
             Backend::Postgres => {
                 postgres::with_parameter(base, "application_name", &format!("outbox-work-{number}"))
             }
             Backend::Sqlite => self.url.clone(),
         };
+        let (url, side_url) = (named(base), named(&self.client_url));
         let stdout = self.dir.join(format!("work-{number}.out"));
         let mut cmd = Command::new(self.binaries.demo);
         cmd.args(self.work_arguments(faults))
             .current_dir(&self.dir)
             .env("DATABASE_URL", &url)
             .env("OUTBOX_LISTEN_URL", self.listen_url())
+            .env(
+                SIDE_URL_ENV,
+                if self.pg.is_some() {
+                    side_url.as_str()
+                } else {
+                    ""
+                },
+            )
             .env("RUST_LOG", WORK_LOG)
             .env_remove("OUTBOX_PULL_WORKER")
             .stdout(File::create(&stdout)?)
