@@ -36,10 +36,6 @@ pub(super) struct AppWrites {
     pub(super) failed: Vec<String>,
     /// Runs that lost their connection to the server's restart.
     pub(super) cut_by_restart: u64,
-    /// SQLite only: runs that waited for its one writer past their busy timeout (`database is
-    /// locked`) behind the workers' write transactions: reported, not a lock conflict (SQLite
-    /// has no row locks to deadlock on; its writers queue for one lock).
-    pub(super) writer_busy: u64,
     /// The run under way, and when the next may start.
     running: Option<Child>,
     next: Option<Instant>,
@@ -75,8 +71,6 @@ impl AppWrites {
             let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
             if output.status.success() {
                 self.committed += 1;
-            } else if suite.backend == Backend::Sqlite && stderr.contains("database is locked") {
-                self.writer_busy += 1;
             } else if workers_cost_it(&stderr) {
                 self.failed.push(stderr.trim().to_string());
             } else {
