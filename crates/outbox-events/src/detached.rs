@@ -84,12 +84,26 @@ async fn released_or_lost(
         return AttemptOutcome::LostClaim;
     }
     match read_back(env, id).await {
-        Some(row) if row.retry_count == ours => {
+        Some(row) if released_by_us(&row, ours) => {
             tracing::info!("a release that reported an error had landed");
             AttemptOutcome::Released
         }
         _ => AttemptOutcome::LostClaim,
     }
+}
+
+/// Whether `row`, found no longer under a claim whose `RetryCount` was `ours`, shows that
+/// claim's own release landed: the count is still `ours` (a release keeps it, and so does
+/// another worker's fresh claim of the released row), or one more with an error that is not a
+/// stale reclaim's (that worker's attempt failed; while the claim was live nobody could have
+/// taken the row but by a reclaim, which says the worker died and counts first).
+pub(crate) fn released_by_us(row: &outbox_persistence::OutboxEvent, ours: i32) -> bool {
+    row.retry_count == ours
+        || row.retry_count == ours + 1
+            && row
+                .last_error
+                .as_deref()
+                .is_some_and(|e| !e.starts_with(outbox_persistence::WORKER_DIED))
 }
 
 /// The row `id`, read back after a write whose reply may have been lost: tried a few times,
@@ -134,7 +148,7 @@ pub(crate) async fn give_back_landed(
 ) -> AttemptOutcome {
     match give_back(env, beat, why).await {
         AttemptOutcome::LostClaim => match read_back(env, claim.event.id).await {
-            Some(row) if row.retry_count == claim.event.retry_count => {
+            Some(row) if released_by_us(&row, claim.event.retry_count) => {
                 tracing::info!("the commit reported an error but its release landed");
                 AttemptOutcome::NotRun
             }

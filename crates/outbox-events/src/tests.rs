@@ -1478,3 +1478,25 @@ async fn a_give_back_that_failed_is_confirmed_by_a_beat_before_the_worker_keeps_
         "{metrics:?}"
     );
 }
+
+/// A claim found gone after its release reported an error: the row still carrying the claim's
+/// `RetryCount`, or one more with another attempt's error, was released by it; one more with a
+/// stale reclaim's error, or a processed row one further, was lost to a reclaim.
+#[test]
+fn a_release_that_landed_is_told_from_a_reclaim() {
+    use crate::detached::released_by_us;
+    let id = outbox_persistence::new_event_id();
+    let mut r = row(id, EventStatus::Processing, 0);
+    assert!(released_by_us(&r, 0), "claimed afresh after the release");
+    r.retry_count = 1;
+    r.last_error = Some("retryable: the next attempt failed".into());
+    assert!(released_by_us(&r, 0), "the next worker's attempt failed");
+    r.last_error = Some(format!(
+        "{} attempt 1 stopped heartbeating",
+        outbox_persistence::WORKER_DIED
+    ));
+    assert!(!released_by_us(&r, 0), "a stale reclaim");
+    let mut done = row(id, EventStatus::Processed, 1);
+    done.last_error = None;
+    assert!(!released_by_us(&done, 0), "reclaimed, then processed");
+}
