@@ -5,7 +5,7 @@
 
 use outbox_persistence::Claim;
 
-use super::{BATCH_DIED, Batch, Step};
+use super::{BATCH_DIED, Batch, Decision, Step};
 use crate::detached::{Landed, detached, give_back, give_back_landed, release};
 use crate::env::{AttemptOutcome, Failure};
 use crate::heartbeat::Beat;
@@ -66,31 +66,34 @@ impl Batch<'_> {
                 fence.take();
             }
         }
+        // A `COMMIT` that reported an error may have landed whatever this worker tracked as
+        // written: every give-back and outcome then reads the row back when the claim turns
+        // out gone (a reclaim is told apart by its count and error).
+        let may_have_landed = matches!(ending, Ending::Died { commit: true, .. });
         for (i, step) in std::mem::take(&mut self.steps).into_iter().enumerate() {
             let (claim, beat) = (self.members[i].claim, self.members[i].beat);
+            let why = ending.why();
             let outcome = match step {
                 Step::Done(outcome) => outcome,
                 Step::Waiting if !self.unstarted.start(self.members[i].index) => {
                     self.unstarted.outcome(self.members[i].index)
                 }
-                Step::Waiting => give_back(self.env, beat, ending.why()).await,
-                Step::Written(d, _)
-                    if d.release.is_some()
-                        && matches!(ending, Ending::Died { commit: true, .. }) =>
+                Step::Waiting | Step::Decided(Decision { release: Some(_), .. })
+                    if may_have_landed =>
                 {
-                    give_back_landed(self.env, claim, beat, ending.why()).await
+                    give_back_landed(self.env, claim, beat, why).await
                 }
+                Step::Written(d, _) if d.release.is_some() && may_have_landed => {
+                    give_back_landed(self.env, claim, beat, why).await
+                }
+                Step::Waiting => give_back(self.env, beat, why).await,
                 Step::Decided(d) | Step::Written(d, _) if d.release.is_some() => {
-                    give_back(self.env, beat, ending.why()).await
+                    give_back(self.env, beat, why).await
                 }
-                Step::Written(d, _) => {
-                    let landed = match ending {
-                        Ending::Died { commit: true, .. } => d.landed(),
-                        _ => None,
-                    };
+                Step::Written(d, _) | Step::Decided(d) => {
+                    let landed = if may_have_landed { d.landed() } else { None };
                     self.ran(claim, beat, d.failure, landed, ending).await
                 }
-                Step::Decided(d) => self.ran(claim, beat, d.failure, None, ending).await,
                 Step::Ran(failure) => self.ran(claim, beat, failure, None, ending).await,
             };
             // Its row is no longer this worker's claim: beating it would only find it gone.
