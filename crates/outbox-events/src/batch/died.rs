@@ -78,11 +78,10 @@ impl Batch<'_> {
                 Step::Waiting if !self.unstarted.start(self.members[i].index) => {
                     self.unstarted.outcome(self.members[i].index)
                 }
-                Step::Waiting | Step::Decided(Decision { release: Some(_), .. })
-                    if may_have_landed =>
-                {
-                    give_back_landed(self.env, claim, beat, why).await
-                }
+                Step::Waiting
+                | Step::Decided(Decision {
+                    release: Some(_), ..
+                }) if may_have_landed => give_back_landed(self.env, claim, beat, why).await,
                 Step::Written(d, _) if d.release.is_some() && may_have_landed => {
                     give_back_landed(self.env, claim, beat, why).await
                 }
