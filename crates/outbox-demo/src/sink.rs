@@ -63,6 +63,12 @@ const SIDE_TABLES_POSTGRES: &[&str] = &[
         Cancelled BIGINT NOT NULL DEFAULT 0)",
 ];
 
+/// Adds `DemoMailSend.Claim` to a side store created before it: PostgreSQL skips it when
+/// present; SQLite reports a duplicate column, which `MailSink::open` ignores.
+const ADD_CLAIM_POSTGRES: &str =
+    "ALTER TABLE DemoMailSend ADD COLUMN IF NOT EXISTS Claim TEXT NOT NULL DEFAULT ''";
+const ADD_CLAIM_SQLITE: &str = "ALTER TABLE DemoMailSend ADD COLUMN Claim TEXT NOT NULL DEFAULT ''";
+
 /// The side store's tables on SQLite.
 const SIDE_TABLES_SQLITE: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS DemoMailSend (
@@ -132,7 +138,9 @@ impl MailSink {
                     "SELECT to_regclass('demomailbox') IS NOT NULL
                         AND to_regclass('demomailsend') IS NOT NULL
                         AND to_regclass('demoattemptjournal') IS NOT NULL
-                        AND to_regclass('demoworkrun') IS NOT NULL",
+                        AND to_regclass('demoworkrun') IS NOT NULL
+                        AND EXISTS (SELECT 1 FROM information_schema.columns
+                                    WHERE table_name = 'demomailsend' AND column_name = 'claim')",
                 )
                 .fetch_one(conn)
                 .await
@@ -156,6 +164,21 @@ impl MailSink {
                 .execute(pool)
                 .await
                 .map(|_| ()))?;
+        }
+        // A side store created before sends recorded their claim gains the column (SQLite
+        // has no `ADD COLUMN IF NOT EXISTS`: a column already there is an error to ignore).
+        let add = match &db {
+            Database::Postgres(_) => ADD_CLAIM_POSTGRES,
+            Database::Sqlite(_) => ADD_CLAIM_SQLITE,
+        };
+        let added = with_conn!(&db, |pool| outbox_persistence::statement::query(add)
+            .execute(pool)
+            .await
+            .map(|_| ()));
+        if let Err(e) = added
+            && !e.to_string().contains("duplicate column")
+        {
+            return Err(e.into());
         }
         Ok(Self { db })
     }

@@ -192,8 +192,12 @@ async fn landed_anyway(
             row.retry_count == ours + 1
                 && row.last_error.as_deref() == Some(clip_error(&failure.message).as_str())
         }
+        // With this attempt's error: an exhausted stale reclaim also ends `failed` one count
+        // on, but says the worker died.
         (Landed::Failure, FailureBookkeeping::Fail) => {
-            row.status == EventStatus::Failed && row.retry_count == ours + 1
+            row.status == EventStatus::Failed
+                && row.retry_count == ours + 1
+                && row.last_error.as_deref() == Some(clip_error(&failure.message).as_str())
         }
     };
     if !matches {

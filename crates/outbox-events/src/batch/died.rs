@@ -78,8 +78,9 @@ impl Batch<'_> {
                 Step::Waiting if !self.unstarted.start(self.members[i].index) => {
                     self.unstarted.outcome(self.members[i].index)
                 }
-                Step::Waiting
-                | Step::Decided(Decision {
+                // A decided give-back may have been written by the settle before the `COMMIT`;
+                // a waiting member never is (the batch only reads it), so a plain release.
+                Step::Decided(Decision {
                     release: Some(_), ..
                 }) if may_have_landed => give_back_landed(self.env, claim, beat, why).await,
                 Step::Written(d, _) if d.release.is_some() && may_have_landed => {
