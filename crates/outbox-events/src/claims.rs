@@ -272,7 +272,7 @@ mod tests {
 
     use super::*;
 
-    fn claim(n: usize) -> Claim {
+    pub(super) fn claim(n: usize) -> Claim {
         let id = outbox_persistence::new_event_id();
         let now = chrono::Utc::now();
         Claim {

@@ -44,15 +44,7 @@ pub(super) struct AppWrites {
 /// Whether a failed application run's stderr says the workers cost it: a lock conflict, not
 /// the server going away.
 fn workers_cost_it(stderr: &str) -> bool {
-    let away = [
-        "terminating connection due to administrator command",
-        "the database system is",
-        "database unavailable",
-        "error communicating with database",
-        "Connection refused",
-        "Connection reset by peer",
-    ];
-    !away.iter().any(|cause| stderr.contains(cause))
+    !super::workers::database_away(stderr)
 }
 
 impl AppWrites {

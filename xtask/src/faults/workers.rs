@@ -56,17 +56,21 @@ pub(super) struct KillWatch {
 /// replaced. After its workers start, a database that is away is theirs to ride out: an exit
 /// then is a crash.
 fn startup_cut(stderr: &str) -> bool {
-    !stderr.contains(STARTED_LOG)
-        && [
-            "terminating connection due to administrator command",
-            "the database system is",
-            "database unavailable",
-            "error communicating with database",
-            "Connection refused",
-            "Connection reset by peer",
-        ]
-        .iter()
-        .any(|cause| stderr.contains(cause))
+    !stderr.contains(STARTED_LOG) && database_away(stderr)
+}
+
+/// Whether `stderr` says the database went away (a cut, a restart, a refused connection).
+pub(super) fn database_away(stderr: &str) -> bool {
+    [
+        "terminating connection due to administrator command",
+        "the database system is",
+        "database unavailable",
+        "error communicating with database",
+        "Connection refused",
+        "Connection reset by peer",
+    ]
+    .iter()
+    .any(|cause| stderr.contains(cause))
 }
 
 /// Records how a work process that ended by itself ended: drained or stopped (its JSON report),

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 
-use outbox_persistence::{BeatOutcome, Claim, OutboxRepository};
+use outbox_persistence::{BeatOutcome, Claim, Fence, OutboxRepository};
 
 use crate::metrics::Metrics;
 
@@ -98,13 +98,12 @@ pub(super) async fn release_beyond(
     if dealt.beyond.is_empty() {
         return;
     }
-    let fences = dealt
+    let fences: Vec<Fence> = dealt
         .beyond
         .iter()
-        .flatten_claims()
-        .map(|c| c.fence)
+        .flat_map(|(_, unit)| unit.iter().map(|c| c.fence))
         .collect();
-    let error = match repo.release_claims(fences, BEYOND_WANT).await {
+    let error = match repo.release_claims(fences.clone(), BEYOND_WANT).await {
         Ok(_) => {
             for claim in dealt.beyond.drain(..).flat_map(|(_, unit)| unit) {
                 metrics.beyond_want(&claim.event.event_type, claim.reclaimed);
@@ -113,12 +112,6 @@ pub(super) async fn release_beyond(
         }
         Err(e) => e,
     };
-    let fences = dealt
-        .beyond
-        .iter()
-        .flatten_claims()
-        .map(|c| c.fence)
-        .collect();
     let beaten = match repo.heartbeat_many(fences).await {
         Ok(outcomes) => outcomes,
         Err(e) => {
@@ -144,45 +137,12 @@ pub(super) async fn release_beyond(
     }
 }
 
-/// The claims of groups of rows, in order.
-trait FlattenClaims<'a> {
-    fn flatten_claims(self) -> impl Iterator<Item = &'a Claim>;
-}
-
-impl<'a, I: Iterator<Item = &'a (Option<usize>, Vec<Claim>)>> FlattenClaims<'a> for I {
-    fn flatten_claims(self) -> impl Iterator<Item = &'a Claim> {
-        self.flat_map(|(_, unit)| unit.iter())
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use outbox_persistence::{EventStatus, Fence, MockOutboxRepository, OutboxEvent, RecordKey};
+    use outbox_persistence::{Fence, MockOutboxRepository};
 
     use super::*;
-
-    fn claim(n: usize) -> Claim {
-        let id = outbox_persistence::new_event_id();
-        let now = chrono::Utc::now();
-        Claim {
-            fence: Fence {
-                id,
-                last_written: now,
-            },
-            reclaimed: false,
-            event: OutboxEvent {
-                id,
-                event_type: "t".into(),
-                payload: "{}".into(),
-                status: EventStatus::Processing,
-                retry_count: 0,
-                record_key: Some(RecordKey::from_stored(format!("Lead:{n}"))),
-                created_date: now,
-                last_modified_date: now,
-                last_error: None,
-            },
-        }
-    }
+    use crate::claims::tests::claim;
 
     /// Rows beyond every want go back in one statement; when that statement fails (it may have
     /// landed, its reply lost) a row is dealt only once a fenced beat confirms it, in record
