@@ -142,5 +142,17 @@ pub(super) const STARTED_LOG: &str = "outbox-demo work: workers started";
 /// The log filter of every work process: warnings, which include each claim it lost and why
 /// its beats or bookkeeping failed (the report quotes them when a live process lost a claim).
 pub(super) const WORK_LOG: &str = "warn,outbox_events=info";
+/// Overrides [`WORK_LOG`] for a diagnosis (`OUTBOX_FAULTS_WORK_LOG=debug cargo xtask faults …`);
+/// the report's quotes look for the same lines either way.
+pub(super) const WORK_LOG_ENV: &str = "OUTBOX_FAULTS_WORK_LOG";
+
+/// The log filter the work processes run with: [`WORK_LOG`] unless [`WORK_LOG_ENV`] says
+/// otherwise.
+pub(super) fn work_log() -> String {
+    std::env::var(WORK_LOG_ENV)
+        .ok()
+        .filter(|f| !f.is_empty())
+        .unwrap_or_else(|| WORK_LOG.to_string())
+}
 /// What the library logs when a claim turns out lost (in `crates/outbox-events`).
 pub(super) const CLAIM_LOST_LOG: &str = "claim lost";

@@ -17,7 +17,7 @@ use super::Rng;
 use super::chaos::{Chaos, Phase};
 use super::profile::{
     Backend, HEARTBEAT_MS, LOCK_TIMEOUT_MS, MAX_RETRY_ATTEMPTS, ORPHAN_AFTER, POISON_LOG,
-    STARTED_LOG, WORK_LOG,
+    STARTED_LOG, work_log,
 };
 use super::skew::{self, Skew};
 use super::suite::Suite;
@@ -217,7 +217,7 @@ impl Suite<'_> {
                     ""
                 },
             )
-            .env("RUST_LOG", WORK_LOG)
+            .env("RUST_LOG", work_log())
             .env_remove("OUTBOX_PULL_WORKER")
             .stdout(File::create(&stdout)?)
             .stderr(File::create(stdout.with_extension("err"))?);
