@@ -375,6 +375,53 @@ async fn released_claims_go_back_unrun_and_fenced(db: TestDb) {
     assert_eq!(again, vec![claimed[0].event.id]);
 }
 
+/// A reclaimed row given back unrun (by `release_claims`, or one claim's fenced release) keeps
+/// the reclaim's `worker died: …`: the give-back of a reclaimer never reads as the dead
+/// holder's own release (`released_by_us` in outbox-events). A row no reclaim counted takes the
+/// give-back's message.
+async fn a_reclaimed_row_given_back_keeps_its_worker_died_error(db: TestDb) {
+    let repo = db.repository();
+    let at = outbox_persistence::truncate_micros(chrono::Utc::now()) - chrono::Duration::hours(1);
+    let mut dead = Vec::new();
+    for (k, key) in ["lead:d0", "lead:d1"].iter().enumerate() {
+        let mut row = RawRow::pending(Some(key), at + chrono::Duration::seconds(k as i64));
+        row.status = "processing";
+        db.insert_raw(&row).await;
+        dead.push(row.id);
+    }
+    enqueue(&repo, &[NewEvent::new("t", lead("fresh"))]).await;
+    // Their worker died: let SQLite observe them, then stale-after pass.
+    repo.stats(policy(5)).await.unwrap();
+    db.clock.advance(STALE_AFTER + Duration::from_secs(1));
+    let claims = claim_all(&repo, policy(5), 3).await;
+    assert_eq!(claims.len(), 3, "{claims:?}");
+    let by_id = |id| claims.iter().find(|c| c.event.id == id).unwrap();
+    let outcomes = repo
+        .release_claims(vec![by_id(dead[0]).fence], "beyond the want")
+        .await
+        .unwrap();
+    assert_eq!(outcomes, vec![FenceOutcome::Written]);
+    let fresh = claims.iter().find(|c| !dead.contains(&c.event.id)).unwrap();
+    for claim in [by_id(dead[1]), fresh] {
+        assert_eq!(
+            repo.release_claim(claim.fence, "given back").await.unwrap(),
+            FenceOutcome::Written
+        );
+    }
+    for id in &dead {
+        let row = repo.get_event(*id).await.unwrap().unwrap();
+        assert_eq!(row.status, EventStatus::Pending);
+        assert_eq!(row.retry_count, 1, "the reclaim counted the dead attempt");
+        let error = row.last_error.unwrap_or_default();
+        assert!(
+            error.starts_with(outbox_persistence::WORKER_DIED),
+            "the give-back kept the reclaim's error: {error}"
+        );
+    }
+    let fresh = repo.get_event(fresh.event.id).await.unwrap().unwrap();
+    assert_eq!(fresh.last_error.as_deref(), Some("given back"));
+}
+
 backend_tests!(
     with_pgbouncer: a_claim_lost_in_a_crash_is_claimed_again_in_order,
     claims_leave_the_sessions_durability_alone,
@@ -383,4 +430,52 @@ backend_tests!(
     concurrent_batches_respect_keys,
     exhausted_rows_end_failed_and_release_their_successors,
     released_claims_go_back_unrun_and_fenced,
+    a_reclaimed_row_given_back_keeps_its_worker_died_error,
 );
+
+/// SQLite: a beat of a worker's many claims waits for the write lock once, not once per claim.
+/// An application's write transaction holds the lock past the busy timeout (500 ms here): the
+/// beat of 12 claims fails after one wait (beaten one by one, it waited 12 times, 6 s, while
+/// none of the claims was beaten and other processes' observers counted them silent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_beat_of_many_claims_waits_for_the_lock_once() {
+    let db = TestDb::sqlite().await;
+    let repo = db.repository();
+    let events: Vec<NewEvent> = (0..12)
+        .map(|k| NewEvent::new("t", lead(&format!("B{k}"))))
+        .collect();
+    enqueue(&repo, &events).await;
+    let claimed = repo.claim_batch(policy(5), &Scope::All, 12).await.unwrap();
+    assert_eq!(claimed.len(), 12);
+    let fences: Vec<_> = claimed.iter().map(|c| c.fence).collect();
+    let config = outbox_persistence::ConnectConfig {
+        lock_timeout: Duration::from_millis(500),
+        ..Default::default()
+    };
+    let beater = outbox_persistence::Database::connect(&db.url, config)
+        .await
+        .unwrap()
+        .repository();
+    let app = db
+        .sqlite_pool()
+        .unwrap()
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let beaten = beater.heartbeat_many(fences.clone()).await;
+    let waited = started.elapsed();
+    assert!(beaten.is_err(), "the lock is held throughout: {beaten:?}");
+    assert!(
+        waited < Duration::from_secs(3),
+        "one wait for the lock, not one per claim: {waited:?}"
+    );
+    app.rollback().await.unwrap();
+    let outcomes = beater.heartbeat_many(fences).await.unwrap();
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, outbox_persistence::BeatOutcome::Beaten(_))),
+        "{outcomes:?}"
+    );
+}

@@ -189,8 +189,7 @@ async fn landed_anyway(
         // reclaim's says the worker died). The row may be another worker's fresh claim by now
         // (the retry delay can be short): a claim keeps both.
         (Landed::Failure, FailureBookkeeping::Retry { .. }) => {
-            row.retry_count == ours + 1
-                && row.last_error.as_deref() == Some(clip_error(&failure.message).as_str())
+            row.retry_count == ours + 1 && retry_landed(&row, claim, env.config.stale_after)
         }
         // With this attempt's error: an exhausted stale reclaim also ends `failed` one count
         // on, but says the worker died.
@@ -208,6 +207,27 @@ async fn landed_anyway(
         Landed::Processed => AttemptOutcome::Processed,
         Landed::Failure => failure_outcome(failure),
     })
+}
+
+/// Whether `row`, one count past the claim `claim`, carries this attempt's retry: its error
+/// is not a stale reclaim's (a reclaim counts with `worker died: …`, which a give-back keeps;
+/// this attempt's own error, or a later fresh claim's give-back, is anything else); or it is
+/// `processed` (which clears the error) sooner after the claim than any reclaim could have
+/// taken it: a reclaim needs the claim silent for `stale_after` on the queue's clock, and the
+/// `processed` write comes after it (writes only move `LastModifiedDate` forward).
+fn retry_landed(
+    row: &outbox_persistence::OutboxEvent,
+    claim: &Claim,
+    stale_after: Duration,
+) -> bool {
+    match row.last_error.as_deref() {
+        Some(error) => !error.starts_with(outbox_persistence::WORKER_DIED),
+        None => {
+            row.status == EventStatus::Processed
+                && chrono::Duration::from_std(stale_after)
+                    .is_ok_and(|stale| row.last_modified_date < claim.fence.last_written + stale)
+        }
+    }
 }
 
 /// The attempt transaction is gone: land the failure bookkeeping on connections of its own
@@ -233,13 +253,13 @@ pub(crate) async fn detached(
     let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
     let mut backoff = DETACHED_FIRST_BACKOFF;
     // Once a try failed it may have landed with its reply lost: a claim found gone after that
-    // is checked for this bookkeeping's own outcome.
-    let mut landed = landed;
+    // is checked for this bookkeeping's own outcome too.
+    let mut tried = false;
     for attempt in 1..=DETACHED_MAX_TRIES {
         {
             let mut state = fence.lock_for_write(&env.repo).await;
             if state.lost {
-                return lost_or_landed(env, claim, &failure, landed).await;
+                return lost_or_landed(env, claim, &failure, landed, tried).await;
             }
             state.sending_outcome();
             let written = match failure.bookkeeping {
@@ -258,10 +278,10 @@ pub(crate) async fn detached(
                 Ok(FenceOutcome::Written) => return failure_outcome(&failure),
                 Ok(FenceOutcome::Lost) => {
                     drop(state);
-                    return lost_or_landed(env, claim, &failure, landed).await;
+                    return lost_or_landed(env, claim, &failure, landed, tried).await;
                 }
                 Err(e) => {
-                    landed.get_or_insert(Landed::Failure);
+                    tried = true;
                     tracing::warn!(
                         error = %e.chain(),
                         try_number = attempt,
@@ -272,7 +292,7 @@ pub(crate) async fn detached(
         }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
-            _ = lost.cancelled() => return lost_or_landed(env, claim, &failure, landed).await,
+            _ = lost.cancelled() => return lost_or_landed(env, claim, &failure, landed, tried).await,
             _ = env.hard_stop.cancelled() => return AttemptOutcome::Cancelled,
         }
         backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
@@ -283,18 +303,22 @@ pub(crate) async fn detached(
     AttemptOutcome::Abandoned
 }
 
-/// The claim is gone: either the lost transaction's commit landed after all, or another
-/// worker holds the row now.
+/// The claim is gone: either the lost transaction's commit (`landed`) landed after all, or a
+/// try of the bookkeeping that failed (`tried`) did, or another worker holds the row now.
 async fn lost_or_landed(
     env: &AttemptEnv,
     claim: &Claim,
     failure: &Failure,
     landed: Option<Landed>,
+    tried: bool,
 ) -> AttemptOutcome {
-    match landed {
-        Some(landed) => landed_anyway(env, claim, landed, failure)
-            .await
-            .unwrap_or(AttemptOutcome::LostClaim),
-        None => AttemptOutcome::LostClaim,
+    let candidates = landed
+        .into_iter()
+        .chain((tried && landed != Some(Landed::Failure)).then_some(Landed::Failure));
+    for candidate in candidates {
+        if let Some(outcome) = landed_anyway(env, claim, candidate, failure).await {
+            return outcome;
+        }
     }
+    AttemptOutcome::LostClaim
 }

@@ -630,6 +630,71 @@ async fn commit_that_landed_despite_an_error_counts_as_processed() {
     assert_eq!((m.processed, m.lost_claims, m.retried), (1, 0, 0));
 }
 
+/// The success commit fails without landing; the detached retry's first try fails too, but
+/// landed with its reply lost, and another worker then claimed the retried row fresh and
+/// finished it (`processed`, one count past the claim, `LastError` cleared) `after` the claim.
+/// The second try finds the claim gone and reads the row back.
+async fn retry_landed_then_finished_elsewhere(after: chrono::Duration) -> AttemptOutcome {
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt
+        .expect_commit()
+        .times(1)
+        .returning(|| Err(unavailable()));
+    let mut repo = repo_with(attempt, Arc::default());
+    let c = claim("t", 0);
+    let claimed_at = c.event.last_modified_date;
+    let reads = Arc::new(Mutex::new(0));
+    repo.expect_get_event().returning(move |id| {
+        let mut n = reads.lock().unwrap();
+        *n += 1;
+        if *n == 1 {
+            // The check for the success commit: still this claim.
+            return Ok(Some(row(id, EventStatus::Processing, 0)));
+        }
+        let mut finished = row(id, EventStatus::Processed, 1);
+        finished.last_modified_date = claimed_at + after;
+        Ok(Some(finished))
+    });
+    let tries = Arc::new(Mutex::new(0));
+    repo.expect_increment_retry().returning(move |_, _, _| {
+        let mut t = tries.lock().unwrap();
+        *t += 1;
+        if *t == 1 {
+            Err(unavailable())
+        } else {
+            Ok(FenceOutcome::Lost)
+        }
+    });
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || Ok(())),
+        c,
+        CancellationToken::new(),
+    )
+    .await;
+    outcome
+}
+
+/// Finished sooner after the claim than any reclaim could have taken it (stale-after is 10 s):
+/// the retry landed, so the attempt was retried, not a lost claim.
+#[tokio::test(start_paused = true)]
+async fn a_retry_that_landed_and_was_finished_elsewhere_is_not_a_lost_claim() {
+    let outcome = retry_landed_then_finished_elsewhere(chrono::Duration::milliseconds(200)).await;
+    assert_eq!(outcome, AttemptOutcome::Retried);
+}
+
+/// Finished later than a reclaim could have taken the row: the count may be the reclaim's (a
+/// processed row no longer says the worker died), so it stays a lost claim.
+#[tokio::test(start_paused = true)]
+async fn a_row_finished_after_a_possible_reclaim_is_a_lost_claim() {
+    let outcome = retry_landed_then_finished_elsewhere(chrono::Duration::seconds(11)).await;
+    assert_eq!(outcome, AttemptOutcome::LostClaim);
+}
+
 /// A row that another worker finished after a reclaim carries a higher `RetryCount`: the
 /// commit error is then a lost claim, never mistaken for this attempt's success.
 #[tokio::test(start_paused = true)]

@@ -160,7 +160,7 @@ SET Status = 'failed',
     LastModifiedDate = GREATEST(",
     db_now!(),
     ", LastModifiedDate + interval '1 microsecond'),
-    LastError = $4
+    LastError = CASE WHEN LastError LIKE 'worker died:%' THEN LastError ELSE $4 END
 WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("5")
 );
@@ -213,7 +213,10 @@ async fn write_fenced<'c>(
 }
 
 /// Back to `pending` with `RetryCount` unchanged: the attempt is not counted (its handler
-/// succeeded, and the outbox's own write of the outcome failed).
+/// succeeded, and the outbox's own write of the outcome failed). `LastError` says why, unless
+/// it says a stale reclaim counted a dead worker (`WORKER_DIED`): that is kept, so a row given
+/// back by its reclaimer never reads as the earlier holder's own landed release
+/// (`released_by_us` in outbox-events).
 const RELEASE: &str = concat!(
     "\
 UPDATE _System_OutboxEvent
@@ -221,7 +224,7 @@ SET Status = 'pending',
     LastModifiedDate = GREATEST(",
     db_now!(),
     ", LastModifiedDate + interval '1 microsecond'),
-    LastError = $4
+    LastError = CASE WHEN LastError LIKE 'worker died:%' THEN LastError ELSE $4 END
 WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("5")
 );
@@ -234,7 +237,7 @@ SET Status = 'pending',
     LastModifiedDate = GREATEST(",
     db_now!(),
     ", e.LastModifiedDate + interval '1 microsecond'),
-    LastError = $4
+    LastError = CASE WHEN e.LastError LIKE 'worker died:%' THEN e.LastError ELSE $4 END
 FROM unnest($2::uuid[], $3::timestamptz[]) AS f(id, written)
 WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written",
     lock_guard!("5"),

@@ -44,9 +44,10 @@ pub use time::{format_ts, parse_ts};
 
 use crate::attempt::FencedWrite;
 use crate::{
-    Attempt, AuditEntry, BackfillPage, BlockedKey, Claim, ClaimPolicy, ClockShift, EventFilter,
-    EventId, EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent, OutboxRepository,
-    OutboxStats, PausedType, PrunePolicy, PruneReport, Result, RetryFilter, Scope, Terminal, Tx,
+    Attempt, AuditEntry, BackfillPage, BeatOutcome, BlockedKey, Claim, ClaimPolicy, ClockShift,
+    EventFilter, EventId, EventRow, Fence, FenceOutcome, HeadsRepair, NewEvent, OutboxEvent,
+    OutboxRepository, OutboxStats, PausedType, PrunePolicy, PruneReport, Result, RetryFilter,
+    Scope, Terminal, Tx,
 };
 use gate::{Gate, Turn};
 use liveness::Liveness;
@@ -239,6 +240,10 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {
         self.beat(fence).await
+    }
+
+    async fn heartbeat_many(&self, fences: Vec<Fence>) -> Result<Vec<BeatOutcome>> {
+        self.beat_many(fences).await
     }
 
     fn note_alive(&self, fence: Fence) {
