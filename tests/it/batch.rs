@@ -479,3 +479,50 @@ async fn sqlite_a_beat_of_many_claims_waits_for_the_lock_once() {
         "{outcomes:?}"
     );
 }
+
+/// PostgreSQL: a claim whose `COMMIT` landed with its reply lost (the proxy closes the
+/// connection as the reply comes back) is read back and taken: the rows under exactly the
+/// fence the claim wrote are this claim's. Left to stale reclaim, each would have been counted
+/// an attempt that never ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_claim_whose_commit_reply_was_lost_is_taken() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let repo = db.repository();
+    let events: Vec<NewEvent> = (0..3)
+        .map(|k| NewEvent::new("t", lead(&format!("L{k}"))))
+        .collect();
+    enqueue(&repo, &events).await;
+    let proxy = outbox_tests::reply_loss::ReplyLoss::start(&db.url);
+    let through = outbox_persistence::Database::connect(
+        &proxy.url,
+        outbox_persistence::ConnectConfig::for_workers(1),
+    )
+    .await
+    .unwrap()
+    .repository();
+    proxy.lose_next_commit_reply();
+    let claims = through
+        .claim_batch(policy(5), &Scope::All, 3)
+        .await
+        .expect("the claim landed: read back, not an error");
+    assert_eq!(proxy.lost(), 1, "the claim's COMMIT reply was lost");
+    assert_eq!(claims.len(), 3);
+    for claim in &claims {
+        let row = repo.get_event(claim.event.id).await.unwrap().unwrap();
+        assert_eq!(row.status, EventStatus::Processing);
+        assert_eq!(row.last_modified_date, claim.fence.last_written);
+        assert_eq!(row.retry_count, 0, "nothing counted");
+    }
+    // The claims are live: their holder's writes land under their fences.
+    for claim in &claims {
+        assert_eq!(
+            through
+                .update_status(claim.fence, outbox_persistence::Terminal::Processed, None)
+                .await
+                .unwrap(),
+            FenceOutcome::Written
+        );
+    }
+}

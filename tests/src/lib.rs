@@ -14,6 +14,8 @@ use outbox_persistence::{ClockShift, Database, OutboxRepository};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool, SqlitePool};
 
+pub mod reply_loss;
+
 /// The PostgreSQL server tests use when `DATABASE_URL` is not set.
 pub const DEFAULT_POSTGRES_URL: &str = "postgres://root@127.0.0.1:5432/test";
 

@@ -262,8 +262,11 @@ impl PgOutbox {
             } else {
                 Vec::new()
             };
-            tx.commit().await?;
+            let committed = tx.commit().await;
             let rows: Vec<PgRow> = rows.into_iter().chain(chains).collect();
+            if let Err(e) = committed {
+                return self.claims_that_landed(&rows, e.into()).await;
+            }
             if rows.is_empty() {
                 break;
             }
@@ -290,6 +293,62 @@ impl PgOutbox {
             }
         }
         Ok(Vec::new())
+    }
+
+    /// The claim's `COMMIT` reported an error, but it may have landed with its reply lost (a
+    /// connection cut as the reply was on its way): the rows the statement returned are read
+    /// back, and those still under exactly the fence this claim wrote (`processing`, its
+    /// `LastModifiedDate` and `RetryCount`: no other write produces that value, every write
+    /// moves `LastModifiedDate` forward) are this claim's, returned as claims. Without the
+    /// read-back they were left to stale reclaim, which counts an attempt that never ran.
+    /// When nothing landed, or the rows cannot be read back, the commit's error is returned.
+    async fn claims_that_landed(&self, rows: &[PgRow], error: Error) -> Result<Vec<Claim>> {
+        let sent: Vec<Claim> = rows
+            .iter()
+            .filter_map(|row| claimed_or_exhausted(row).ok().flatten())
+            .collect();
+        if sent.is_empty() {
+            return Err(error);
+        }
+        let mut landed = Vec::new();
+        for claim in sent {
+            let Some(row) = self.read_back(claim.event.id).await else {
+                // Unreadable: its rows (if the claim landed) go stale and are reclaimed.
+                return if landed.is_empty() {
+                    Err(error)
+                } else {
+                    Ok(landed)
+                };
+            };
+            if row.status == EventStatus::Processing
+                && row.last_modified_date == claim.fence.last_written
+                && row.retry_count == claim.event.retry_count
+            {
+                landed.push(claim);
+            }
+        }
+        if landed.is_empty() {
+            return Err(error);
+        }
+        tracing::info!(error = %error.chain(), claims = landed.len(), "the claim's commit reported an error but landed; its rows are taken");
+        landed.sort_by_key(|c| (c.event.created_date, c.event.id));
+        Ok(landed)
+    }
+
+    /// The row `id` read back after a commit whose reply may have been lost: a few tries, since
+    /// the pool may still hold connections the same cut closed.
+    async fn read_back(&self, id: EventId) -> Option<OutboxEvent> {
+        let mut backoff = Duration::from_millis(20);
+        for _ in 0..4 {
+            match crate::OutboxRepository::get_event(self, id).await {
+                Ok(row) => return row,
+                Err(_) => {
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 2;
+                }
+            }
+        }
+        None
     }
 
     /// The record chains of the heads just claimed in `tx` (rows of the claim statement):
