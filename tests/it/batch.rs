@@ -8,7 +8,7 @@ use std::time::Duration;
 use outbox_persistence::postgres::PgOutbox;
 use outbox_persistence::sqlx::postgres::PgPoolOptions;
 use outbox_persistence::{
-    ClaimPolicy, EventStatus, FenceOutcome, NewEvent, OutboxRepository, Scope,
+    ClaimPolicy, EventStatus, FenceOutcome, NewEvent, OutboxRepository, Scope, Terminal,
 };
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
@@ -420,6 +420,20 @@ async fn a_reclaimed_row_given_back_keeps_its_worker_died_error(db: TestDb) {
     }
     let fresh = repo.get_event(fresh.event.id).await.unwrap().unwrap();
     assert_eq!(fresh.last_error.as_deref(), Some("given back"));
+    // Claimed fresh (once its retry delay passed: a reclaim counted it) and failed for good:
+    // the handler's error replaces the reclaim's.
+    db.clock.advance(Duration::from_secs(11));
+    let again = claim_all(&repo, policy(5), 3).await;
+    let failing = again.iter().find(|c| c.event.id == dead[0]).unwrap();
+    assert_eq!(
+        repo.update_status(failing.fence, Terminal::Failed, Some("unreadable".into()))
+            .await
+            .unwrap(),
+        FenceOutcome::Written
+    );
+    let failed = repo.get_event(dead[0]).await.unwrap().unwrap();
+    assert_eq!(failed.status, EventStatus::Failed);
+    assert_eq!(failed.last_error.as_deref(), Some("unreadable"));
 }
 
 backend_tests!(
@@ -519,7 +533,7 @@ async fn postgres_a_claim_whose_commit_reply_was_lost_is_taken() {
     for claim in &claims {
         assert_eq!(
             through
-                .update_status(claim.fence, outbox_persistence::Terminal::Processed, None)
+                .update_status(claim.fence, Terminal::Processed, None)
                 .await
                 .unwrap(),
             FenceOutcome::Written

@@ -189,7 +189,13 @@ async fn landed_anyway(
         // reclaim's says the worker died). The row may be another worker's fresh claim by now
         // (the retry delay can be short): a claim keeps both.
         (Landed::Failure, FailureBookkeeping::Retry { .. }) => {
-            row.retry_count == ours + 1 && retry_landed(&row, claim, env.config.stale_after)
+            row.retry_count == ours + 1
+                && retry_landed(
+                    &row,
+                    claim,
+                    env.config.stale_after,
+                    !env.repo.serializes_writers(),
+                )
         }
         // With this attempt's error: an exhausted stale reclaim also ends `failed` one count
         // on, but says the worker died.
@@ -211,21 +217,28 @@ async fn landed_anyway(
 
 /// Whether `row`, one count past the claim `claim`, carries this attempt's retry: its error
 /// is not a stale reclaim's (a reclaim counts with `worker died: …`, which a give-back keeps;
-/// this attempt's own error, or a later fresh claim's give-back, is anything else); or it is
-/// `processed` (which clears the error) sooner after the claim than any reclaim could have
-/// taken it: a reclaim needs the claim silent for `stale_after` on the queue's clock, and the
-/// `processed` write comes after it (writes only move `LastModifiedDate` forward).
+/// this attempt's own error, or a later fresh claim's give-back, is anything else); or, where
+/// every timestamp is the database's (`dated_by_the_database`: PostgreSQL), it is `processed`
+/// (which clears the error) sooner after the claim than any reclaim could have taken it: a
+/// reclaim needs the claim silent for `stale_after` on the database's clock, and the
+/// `processed` write comes after it (writes only move `LastModifiedDate` forward). On SQLite
+/// a reclaim is judged by monotonic observation and dated by the reclaiming host's clock,
+/// which may run behind, so such a row stays a lost claim there.
 fn retry_landed(
     row: &outbox_persistence::OutboxEvent,
     claim: &Claim,
     stale_after: Duration,
+    dated_by_the_database: bool,
 ) -> bool {
     match row.last_error.as_deref() {
         Some(error) => !error.starts_with(outbox_persistence::WORKER_DIED),
         None => {
-            row.status == EventStatus::Processed
+            dated_by_the_database
+                && row.status == EventStatus::Processed
                 && chrono::Duration::from_std(stale_after)
-                    .is_ok_and(|stale| row.last_modified_date < claim.fence.last_written + stale)
+                    .ok()
+                    .and_then(|stale| claim.fence.last_written.checked_add_signed(stale))
+                    .is_some_and(|reclaimable| row.last_modified_date < reclaimable)
         }
     }
 }

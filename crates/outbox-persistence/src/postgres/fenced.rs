@@ -160,7 +160,7 @@ SET Status = 'failed',
     LastModifiedDate = GREATEST(",
     db_now!(),
     ", LastModifiedDate + interval '1 microsecond'),
-    LastError = CASE WHEN LastError LIKE 'worker died:%' THEN LastError ELSE $4 END
+    LastError = $4
 WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("5")
 );
