@@ -13,7 +13,7 @@
 //! From these, verification tells a handler that ran again while it still ran (a claim taken
 //! over from a live worker) from a redelivery after its process died.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -346,6 +346,8 @@ pub fn analyse(entries: &[Entry]) -> JournalFindings {
     let mut open: HashMap<(&str, i32, i64), usize> = HashMap::new();
     let mut open_by_event: HashMap<&str, Vec<usize>> = HashMap::new();
     let mut deaths: HashMap<i64, Vec<i64>> = HashMap::new();
+    // A process dies once: a `died` row repeated (a retry after its reply was lost) counts once.
+    let mut poisoned: HashSet<i64> = HashSet::new();
     let mut findings = JournalFindings::default();
     for e in entries {
         let key = (e.event_id.as_str(), e.retry_count, e.pid);
@@ -377,14 +379,14 @@ pub fn analyse(entries: &[Entry]) -> JournalFindings {
                     }
                 }
                 if e.mark == Mark::Died {
-                    findings.poison_deaths += 1;
+                    poisoned.insert(e.pid);
                     deaths.entry(e.pid).or_default().push(e.seq);
                 }
             }
             Mark::Killed => deaths.entry(e.pid).or_default().push(e.seq),
         }
     }
-    findings.runs = runs.len();
+    (findings.runs, findings.poison_deaths) = (runs.len(), poisoned.len());
     for run in &runs {
         let Some(next) = run.next_start else {
             continue;
@@ -500,5 +502,18 @@ mod tests {
         assert_eq!((f.ran_twice, f.poison_deaths), (0, 2));
         assert_eq!(f.superseded.len(), 1);
         assert!(f.superseded[0].death_before_reclaim);
+    }
+
+    #[test]
+    fn a_death_journaled_twice_is_one_death() {
+        // The first `died` landed with its reply lost, and the retry wrote it again.
+        let f = analyse(&entries(&[
+            (Mark::Start, "poison", 0, 1),
+            (Mark::Died, "poison", 0, 1),
+            (Mark::Died, "poison", 0, 1),
+            (Mark::Start, "poison", 1, 2),
+            (Mark::Died, "poison", 1, 2),
+        ]));
+        assert_eq!((f.ran_twice, f.poison_deaths), (0, 2));
     }
 }

@@ -30,7 +30,10 @@ pub(crate) async fn release_from(
     let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
     let (id, ours) = {
         let state = fence.lock().await;
-        (state.fence.id, state.retry_count())
+        (
+            state.fence.id,
+            Held::new(env, state.retry_count(), state.fence.last_written),
+        )
     };
     // A try that failed may have landed with its reply lost: the claim then turns out gone,
     // and the row read back tells whether this release took it.
@@ -77,7 +80,7 @@ pub(crate) async fn release_from(
 async fn released_or_lost(
     env: &AttemptEnv,
     id: EventId,
-    ours: i32,
+    ours: Held,
     unsure: bool,
 ) -> AttemptOutcome {
     if !unsure {
@@ -92,22 +95,69 @@ async fn released_or_lost(
     }
 }
 
-/// Whether `row`, found no longer under a claim whose `RetryCount` was `ours`, shows that
-/// claim's own release landed: the count is still `ours` (a release keeps it, and so does
-/// another worker's fresh claim of the released row), or one more with an error that is not a
-/// stale reclaim's (that worker's attempt failed; while the claim was live nobody could have
-/// taken the row but by a reclaim, which says the worker died and counts first).
-pub(crate) fn released_by_us(row: &outbox_persistence::OutboxEvent, ours: i32) -> bool {
-    row.retry_count == ours
-        || row.retry_count == ours + 1
-            && row
-                .last_error
-                .as_deref()
-                .is_some_and(|e| !e.starts_with(outbox_persistence::WORKER_DIED))
+/// What a worker knows of a claim it holds when it reads the row back: its `RetryCount`, the
+/// last value it wrote (`LastModifiedDate`), and what a reclaim would need.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Held {
+    pub(crate) count: i32,
+    pub(crate) written: chrono::DateTime<chrono::Utc>,
+    pub(crate) stale_after: Duration,
+    /// Every timestamp is the database's (PostgreSQL). On SQLite a reclaim is judged by
+    /// monotonic observation and dated by the reclaiming host's clock, which may run behind.
+    pub(crate) dated_by_the_database: bool,
 }
 
-/// The row `id`, read back after a write whose reply may have been lost: tried a few times,
-/// since the read can meet the same flaky connection; `None` when it is gone or unreadable.
+impl Held {
+    pub(crate) fn new(
+        env: &AttemptEnv,
+        count: i32,
+        written: chrono::DateTime<chrono::Utc>,
+    ) -> Self {
+        Self {
+            count,
+            written,
+            stale_after: env.config.stale_after,
+            dated_by_the_database: !env.repo.serializes_writers(),
+        }
+    }
+}
+
+/// Whether `row`, found no longer under a claim held as `ours`, shows that claim's own release
+/// landed: the count is still ours (a release keeps it, and so does another worker's fresh
+/// claim of the released row), or one more that no reclaim made ([`not_a_reclaims_count`]:
+/// another worker's attempt of the released row failed).
+pub(crate) fn released_by_us(row: &outbox_persistence::OutboxEvent, ours: Held) -> bool {
+    row.retry_count == ours.count
+        || row.retry_count == ours.count + 1 && not_a_reclaims_count(row, ours)
+}
+
+/// Whether `row`, one count past the claim held as `ours`, got that count from something other
+/// than a stale reclaim of the claim: its error is not a reclaim's (a reclaim counts with
+/// `worker died: …`, which a give-back keeps; any other error is an attempt's, or a fresh
+/// claim's give-back); or, where the database dates every write, it is `processed` (which
+/// clears the error) sooner after the claim's last write than any reclaim could have taken it:
+/// a reclaim needs the claim silent for `stale_after` on the database's clock first, and the
+/// `processed` write comes after it (writes only move `LastModifiedDate` forward). On SQLite
+/// such a row stays a reclaim's.
+fn not_a_reclaims_count(row: &outbox_persistence::OutboxEvent, ours: Held) -> bool {
+    match row.last_error.as_deref() {
+        Some(error) => !error.starts_with(outbox_persistence::WORKER_DIED),
+        None => {
+            ours.dated_by_the_database
+                && row.status == EventStatus::Processed
+                && chrono::Duration::from_std(ours.stale_after)
+                    .ok()
+                    .and_then(|stale| ours.written.checked_add_signed(stale))
+                    .is_some_and(|reclaimable| row.last_modified_date < reclaimable)
+        }
+    }
+}
+
+/// The row `id`, read back after a write whose reply may have been lost: tried for a few
+/// seconds, since the read can meet the same flaky connection, a server coming back from a
+/// restart, or a pooler refusing logins meanwhile (PgBouncer's `server_login_retry`); `None`
+/// when it is gone or stays unreadable (then the claim is reported lost: the label is the only
+/// thing at stake, nothing is written on it).
 async fn read_back(env: &AttemptEnv, id: EventId) -> Option<outbox_persistence::OutboxEvent> {
     let mut backoff = READ_BACK_FIRST_BACKOFF;
     for try_number in 1..=READ_BACK_TRIES {
@@ -116,16 +166,20 @@ async fn read_back(env: &AttemptEnv, id: EventId) -> Option<outbox_persistence::
             Err(e) => {
                 tracing::debug!(error = %e.chain(), try_number, "could not read the row back");
                 tokio::time::sleep(backoff).await;
-                backoff *= 2;
+                backoff = (backoff * 2).min(READ_BACK_MAX_BACKOFF);
             }
         }
     }
+    tracing::warn!(event_id = %id, "could not read the row back; its claim is reported lost");
     None
 }
 
-/// How often a row is read back, and the first pause between tries.
-const READ_BACK_TRIES: u32 = 4;
+/// How often a row is read back, the first pause between tries and the longest (about 4 s in
+/// all: a restart or a pooler's login retry lasts a few seconds; four tries over 0.75 s
+/// reported claims lost whose writes had landed, in the fault suite's PgBouncer run).
+const READ_BACK_TRIES: u32 = 8;
 const READ_BACK_FIRST_BACKOFF: Duration = Duration::from_millis(50);
+const READ_BACK_MAX_BACKOFF: Duration = Duration::from_secs(1);
 
 /// Gives back a claim whose handler never ran (uncounted, on a connection of its own): a
 /// release that lands is [`AttemptOutcome::NotRun`].
@@ -148,7 +202,16 @@ pub(crate) async fn give_back_landed(
 ) -> AttemptOutcome {
     match give_back(env, beat, why).await {
         AttemptOutcome::LostClaim => match read_back(env, claim.event.id).await {
-            Some(row) if released_by_us(&row, claim.event.retry_count) => {
+            Some(row)
+                if released_by_us(
+                    &row,
+                    Held::new(
+                        env,
+                        claim.event.retry_count,
+                        beat.fence.latest().last_written,
+                    ),
+                ) =>
+            {
                 tracing::info!("the commit reported an error but its release landed");
                 AttemptOutcome::NotRun
             }
@@ -190,12 +253,7 @@ async fn landed_anyway(
         // (the retry delay can be short): a claim keeps both.
         (Landed::Failure, FailureBookkeeping::Retry { .. }) => {
             row.retry_count == ours + 1
-                && retry_landed(
-                    &row,
-                    claim,
-                    env.config.stale_after,
-                    !env.repo.serializes_writers(),
-                )
+                && not_a_reclaims_count(&row, Held::new(env, ours, claim.fence.last_written))
         }
         // With this attempt's error: an exhausted stale reclaim also ends `failed` one count
         // on, but says the worker died.
@@ -213,34 +271,6 @@ async fn landed_anyway(
         Landed::Processed => AttemptOutcome::Processed,
         Landed::Failure => failure_outcome(failure),
     })
-}
-
-/// Whether `row`, one count past the claim `claim`, carries this attempt's retry: its error
-/// is not a stale reclaim's (a reclaim counts with `worker died: …`, which a give-back keeps;
-/// this attempt's own error, or a later fresh claim's give-back, is anything else); or, where
-/// every timestamp is the database's (`dated_by_the_database`: PostgreSQL), it is `processed`
-/// (which clears the error) sooner after the claim than any reclaim could have taken it: a
-/// reclaim needs the claim silent for `stale_after` on the database's clock, and the
-/// `processed` write comes after it (writes only move `LastModifiedDate` forward). On SQLite
-/// a reclaim is judged by monotonic observation and dated by the reclaiming host's clock,
-/// which may run behind, so such a row stays a lost claim there.
-fn retry_landed(
-    row: &outbox_persistence::OutboxEvent,
-    claim: &Claim,
-    stale_after: Duration,
-    dated_by_the_database: bool,
-) -> bool {
-    match row.last_error.as_deref() {
-        Some(error) => !error.starts_with(outbox_persistence::WORKER_DIED),
-        None => {
-            dated_by_the_database
-                && row.status == EventStatus::Processed
-                && chrono::Duration::from_std(stale_after)
-                    .ok()
-                    .and_then(|stale| claim.fence.last_written.checked_add_signed(stale))
-                    .is_some_and(|reclaimable| row.last_modified_date < reclaimable)
-        }
-    }
 }
 
 /// The attempt transaction is gone: land the failure bookkeeping on connections of its own

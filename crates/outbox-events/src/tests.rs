@@ -1546,22 +1546,45 @@ async fn a_give_back_that_failed_is_confirmed_by_a_beat_before_the_worker_keeps_
 
 /// A claim found gone after its release reported an error: the row still carrying the claim's
 /// `RetryCount`, or one more with another attempt's error, was released by it; one more with a
-/// stale reclaim's error, or a processed row one further, was lost to a reclaim.
+/// stale reclaim's error was lost to a reclaim. A processed row one count on was the release's
+/// (another worker failed once, then finished it) only when it was written sooner after the
+/// claim's last write than a reclaim could have taken it, and only where the database dates
+/// every write.
 #[test]
 fn a_release_that_landed_is_told_from_a_reclaim() {
-    use crate::detached::released_by_us;
+    use crate::detached::{Held, released_by_us};
     let id = outbox_persistence::new_event_id();
     let mut r = row(id, EventStatus::Processing, 0);
-    assert!(released_by_us(&r, 0), "claimed afresh after the release");
+    let ours = Held {
+        count: 0,
+        written: r.last_modified_date,
+        stale_after: Duration::from_secs(10),
+        dated_by_the_database: true,
+    };
+    assert!(released_by_us(&r, ours), "claimed afresh after the release");
     r.retry_count = 1;
     r.last_error = Some("retryable: the next attempt failed".into());
-    assert!(released_by_us(&r, 0), "the next worker's attempt failed");
+    assert!(released_by_us(&r, ours), "the next worker's attempt failed");
     r.last_error = Some(format!(
         "{} attempt 1 stopped heartbeating",
         outbox_persistence::WORKER_DIED
     ));
-    assert!(!released_by_us(&r, 0), "a stale reclaim");
+    assert!(!released_by_us(&r, ours), "a stale reclaim");
     let mut done = row(id, EventStatus::Processed, 1);
     done.last_error = None;
-    assert!(!released_by_us(&done, 0), "reclaimed, then processed");
+    done.last_modified_date = ours.written + chrono::Duration::seconds(11);
+    assert!(!released_by_us(&done, ours), "reclaimed, then processed");
+    done.last_modified_date = ours.written + chrono::Duration::milliseconds(150);
+    assert!(
+        released_by_us(&done, ours),
+        "failed once and finished by others before any reclaim could have happened"
+    );
+    let sqlite = Held {
+        dated_by_the_database: false,
+        ..ours
+    };
+    assert!(
+        !released_by_us(&done, sqlite),
+        "a reclaim on SQLite is dated by its host's clock"
+    );
 }

@@ -335,16 +335,17 @@ impl PgOutbox {
         Ok(landed)
     }
 
-    /// The row `id` read back after a commit whose reply may have been lost: a few tries, since
-    /// the pool may still hold connections the same cut closed.
+    /// The row `id` read back after a commit whose reply may have been lost: tried for about
+    /// two seconds, since the pool may still hold connections the same cut closed, and a pooler
+    /// may refuse logins for a while after it.
     async fn read_back(&self, id: EventId) -> Option<OutboxEvent> {
         let mut backoff = Duration::from_millis(20);
-        for _ in 0..4 {
+        for _ in 0..8 {
             match crate::OutboxRepository::get_event(self, id).await {
                 Ok(row) => return row,
                 Err(_) => {
                     tokio::time::sleep(backoff).await;
-                    backoff *= 2;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
                 }
             }
         }
