@@ -118,7 +118,13 @@ async fn a_server_restart_mid_run_loses_and_duplicates_nothing(db: TestDb) {
     }
     nats.stop();
     let at_stop = relay.metrics().published;
+    // The outage lasts until the relay has felt it (at least 700 ms): on a loaded machine a
+    // fixed pause could pass before the relay tried to publish again.
+    let stopped = std::time::Instant::now();
     tokio::time::sleep(Duration::from_millis(700)).await;
+    while relay.metrics().failures == 0 && stopped.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     nats.start_again();
     wait_drained(&db, Duration::from_secs(90)).await;
     let report = handle.shutdown().await;
