@@ -245,17 +245,15 @@ async fn finish_success(
     mut tx: Box<dyn Attempt>,
 ) -> AttemptOutcome {
     let fence = beat.fence.clone();
-    let mut state = fence.lock_for_write(&env.repo).await;
+    let state = fence.lock_for_write(&env.repo).await;
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;
         return AttemptOutcome::LostClaim;
     }
+    // The `COMMIT` below carries the outcome and may land with its reply lost; a `processed`
+    // row is terminal, never a look-alike of this claim's beat (`FenceState::ending`).
     let written = tx.mark_processed(state.fence).await;
-    if matches!(written, Ok(FenceOutcome::Written)) {
-        // The `COMMIT` below carries the outcome: once sent, it may land with its reply lost.
-        state.sending_outcome();
-    }
     match written {
         Ok(FenceOutcome::Written) => match tx.commit().await {
             Ok(()) => AttemptOutcome::Processed,
@@ -318,7 +316,7 @@ async fn finish_failure(
         .await;
     if matches!(written, Ok(FenceOutcome::Written)) {
         // The `COMMIT` below carries the outcome: once sent, it may land with its reply lost.
-        state.sending_outcome();
+        state.sending_counted();
     }
     match written {
         Ok(FenceOutcome::Written) => match tx.commit().await {

@@ -407,11 +407,17 @@ impl<'a> Batch<'a> {
     }
 
     /// The `COMMIT` is about to carry every written outcome: each may land with its reply lost,
-    /// so none of these claims is read back as this worker's own again (`FenceState::ending`).
+    /// so a claim whose outcome could leave a look-alike of its own beat is never read back as
+    /// this worker's again (`FenceState::ending`: a release, or a counted outcome at count 0;
+    /// `processed` leaves none).
     fn sending_outcomes(&mut self) {
         for step in &mut self.steps {
-            if let Step::Written(_, Some(fence)) = step {
-                fence.sending_outcome();
+            if let Step::Written(decision, Some(fence)) = step {
+                if decision.release.is_some() {
+                    fence.sending_release();
+                } else if decision.outcome != AttemptOutcome::Processed {
+                    fence.sending_counted();
+                }
             }
         }
     }

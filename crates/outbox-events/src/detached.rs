@@ -45,7 +45,7 @@ pub(crate) async fn release_from(
             if state.lost {
                 return released_or_lost(env, id, ours, unsure).await;
             }
-            state.sending_outcome();
+            state.sending_release();
             match env.repo.release_claim(state.fence, message).await {
                 Ok(FenceOutcome::Written) => return AttemptOutcome::Released,
                 Ok(FenceOutcome::Lost) => {
@@ -304,7 +304,7 @@ pub(crate) async fn detached(
             if state.lost {
                 return lost_or_landed(env, claim, &failure, landed, tried).await;
             }
-            state.sending_outcome();
+            state.sending_counted();
             let written = match failure.bookkeeping {
                 FailureBookkeeping::Retry { extra_delay } => {
                     env.repo

@@ -31,20 +31,34 @@ pub(crate) struct FenceState {
     /// this count and a later `LastModifiedDate` can only carry this worker's own beat, as long
     /// as this worker never sent a write that gives the row up (see `ending`).
     retry_count: i32,
-    /// An outcome write of this claim was sent outside a transaction that is sure to roll
-    /// back (a release, the detached bookkeeping, or an attempt's `COMMIT` with its outcome in
-    /// it): it may have landed with its reply lost. A release keeps `RetryCount`, so another
-    /// worker's fresh claim of the released row would then look exactly like this worker's own
-    /// landed beat: from here on the row is never read back as this worker's (finding 4 of
+    /// An outcome write of this claim that could leave a look-alike of this worker's own beat
+    /// was sent outside a transaction that is sure to roll back: it may have landed with its
+    /// reply lost, and from here on the row is never read back as this worker's (finding 4 of
     /// the batched-attempts review, `../shared/repro/batches/f2_readback_adopts_foreign_claim.sh`).
+    /// A release keeps `RetryCount`, so another worker's fresh claim of the released row looks
+    /// exactly like this worker's landed beat. A counted outcome (a retry, `failed`) moves
+    /// `RetryCount` on for good, except that an operator's retry of a `failed` row resets it
+    /// to 0: so it leaves a look-alike only when the claim's count is 0. `processed` is
+    /// terminal and never retried: it leaves none. Without `ending`, a beat that landed with
+    /// its reply lost after such a write is still read back as this worker's, and the next
+    /// write goes under it (else it would find the claim "lost": both replies lost).
     ending: bool,
 }
 
 impl FenceState {
-    /// An outcome write under this fence is about to be sent where it may land (see
-    /// `ending`): a failed beat is never again read back as this worker's own.
-    pub(crate) fn sending_outcome(&mut self) {
+    /// A release under this fence is about to be sent where it may land (see `ending`): a
+    /// failed beat is never again read back as this worker's own.
+    pub(crate) fn sending_release(&mut self) {
         self.ending = true;
+    }
+
+    /// A counted outcome (a retry or `failed`) under this fence is about to be sent where it
+    /// may land (see `ending`): at `RetryCount` 0 a failed beat is never again read back as
+    /// this worker's own.
+    pub(crate) fn sending_counted(&mut self) {
+        if self.retry_count == 0 {
+            self.ending = true;
+        }
     }
 
     /// The claim's `RetryCount`.

@@ -1221,6 +1221,81 @@ async fn a_release_whose_reply_was_lost_never_adopts_the_next_claim() {
     assert_eq!(outcome, AttemptOutcome::Released);
 }
 
+/// A handler failed on a claim at `count`; the attempt's `COMMIT` (with the retry in it)
+/// failed without landing, and so did the detached retry's first try; meanwhile a beat landed
+/// with its reply lost (the row reads back `processing`, same count, a later value). Returns
+/// the outcome and the fences the detached retry was written under.
+async fn counted_outcome_then_a_landed_beat(count: i32) -> (AttemptOutcome, Vec<Fence>, Fence) {
+    let c = claim("t", count);
+    let landed = Fence {
+        id: c.fence.id,
+        last_written: c.fence.last_written + chrono::Duration::milliseconds(500),
+    };
+    let mut attempt = MockAttempt::new();
+    attempt.expect_rollback_to_savepoint().returning(|| Ok(()));
+    attempt
+        .expect_record_failure()
+        .withf(|_, bookkeeping, _| matches!(bookkeeping, FailureBookkeeping::Retry { .. }))
+        .returning(|_, _, _| Ok(FenceOutcome::Written));
+    attempt.expect_commit().returning(|| Err(unavailable()));
+    attempt.expect_rollback().returning(|| Ok(()));
+    let mut repo = mock_repo();
+    repo.expect_begin_attempt()
+        .times(1)
+        .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
+    repo.expect_heartbeat().returning(|_| Err(unavailable()));
+    repo.expect_get_event().returning(move |id| {
+        let mut beaten = row(id, EventStatus::Processing, count);
+        beaten.last_modified_date = landed.last_written;
+        Ok(Some(beaten))
+    });
+    let written: Arc<Mutex<Vec<Fence>>> = Arc::default();
+    let w = Arc::clone(&written);
+    repo.expect_increment_retry().returning(move |fence, _, _| {
+        let mut w = w.lock().unwrap();
+        w.push(fence);
+        if w.len() == 1 {
+            return Err(unavailable());
+        }
+        Ok(if fence == landed {
+            FenceOutcome::Written
+        } else {
+            FenceOutcome::Lost
+        })
+    });
+    let (outcome, _) = run(
+        repo,
+        handlers(Duration::ZERO, || {
+            Err(HandlerError::Retryable("boom".into()))
+        }),
+        c,
+        CancellationToken::new(),
+    )
+    .await;
+    let written = written.lock().unwrap().clone();
+    (outcome, written, landed)
+}
+
+/// After a counted outcome of a claim already counted once (`RetryCount` 1), a landed beat
+/// has no look-alike (a landed retry would have moved the count on for good): it is read back
+/// as this worker's, and the retry lands under it instead of reporting the claim lost.
+#[tokio::test(start_paused = true)]
+async fn a_beat_that_landed_after_a_counted_outcome_is_still_this_workers() {
+    let (outcome, written, landed) = counted_outcome_then_a_landed_beat(1).await;
+    assert_eq!(outcome, AttemptOutcome::Retried, "{written:?}");
+    assert_eq!(written.last(), Some(&landed));
+}
+
+/// At `RetryCount` 0 an operator's retry of a `failed` row could bring the count back: the
+/// row is never adopted once a counted outcome was sent (finding 4), and the claim is
+/// reported lost, as before.
+#[tokio::test(start_paused = true)]
+async fn at_count_zero_a_counted_outcome_still_ends_the_read_backs() {
+    let (outcome, written, landed) = counted_outcome_then_a_landed_beat(0).await;
+    assert_eq!(outcome, AttemptOutcome::LostClaim, "{written:?}");
+    assert!(!written.contains(&landed), "{written:?}");
+}
+
 /// Finding 2: rows reclaimed together from a dead worker run in attempts of their own; when
 /// the first one's handler runs long, the others are given back (uncounted, on the side) at
 /// once for idle workers instead of waiting for it in this worker, one after another.

@@ -120,7 +120,7 @@ impl<'a> Unstarted<'a> {
             if state.lost {
                 return Some((AttemptOutcome::LostClaim, false));
             }
-            state.sending_outcome();
+            state.sending_release();
             match self.env.repo.release_claim(state.fence, SLOW_HANDLER).await {
                 Ok(FenceOutcome::Written) => return Some((AttemptOutcome::NotRun, false)),
                 Ok(FenceOutcome::Lost) => return Some((AttemptOutcome::LostClaim, false)),
