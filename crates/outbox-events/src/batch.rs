@@ -408,8 +408,8 @@ impl<'a> Batch<'a> {
 
     /// The `COMMIT` is about to carry every written outcome: each may land with its reply lost,
     /// so a claim whose outcome could leave a look-alike of its own beat is never read back as
-    /// this worker's again (`FenceState::ending`: a release, or a counted outcome at count 0;
-    /// `processed` leaves none).
+    /// this worker's again (`FenceState::ending`: a release or a counted outcome; `processed`
+    /// leaves none).
     fn sending_outcomes(&mut self) {
         for step in &mut self.steps {
             if let Step::Written(decision, Some(fence)) = step {

@@ -36,12 +36,10 @@ pub(crate) struct FenceState {
     /// reply lost, and from here on the row is never read back as this worker's (finding 4 of
     /// the batched-attempts review, `../shared/repro/batches/f2_readback_adopts_foreign_claim.sh`).
     /// A release keeps `RetryCount`, so another worker's fresh claim of the released row looks
-    /// exactly like this worker's landed beat. A counted outcome (a retry, `failed`) moves
-    /// `RetryCount` on for good, except that an operator's retry of a `failed` row resets it
-    /// to 0: so it leaves a look-alike only when the claim's count is 0. `processed` is
-    /// terminal and never retried: it leaves none. Without `ending`, a beat that landed with
-    /// its reply lost after such a write is still read back as this worker's, and the next
-    /// write goes under it (else it would find the claim "lost": both replies lost).
+    /// exactly like this worker's landed beat. A counted outcome (a retry, `failed`) can too:
+    /// an operator's retry of a `failed` row resets `RetryCount` to 0, and later failures
+    /// count it up to this claim's again. Only `processed` leaves none: it is terminal and
+    /// never retried, and the read-back wants `processing`.
     ending: bool,
 }
 
@@ -53,12 +51,9 @@ impl FenceState {
     }
 
     /// A counted outcome (a retry or `failed`) under this fence is about to be sent where it
-    /// may land (see `ending`): at `RetryCount` 0 a failed beat is never again read back as
-    /// this worker's own.
+    /// may land (see `ending`): a failed beat is never again read back as this worker's own.
     pub(crate) fn sending_counted(&mut self) {
-        if self.retry_count == 0 {
-            self.ending = true;
-        }
+        self.ending = true;
     }
 
     /// The claim's `RetryCount`.
