@@ -94,6 +94,21 @@ fn unavailable() -> Error {
     Error::Unavailable(sqlx::Error::PoolClosed)
 }
 
+/// An attempt whose handler succeeded: its `processed` is written, and its `COMMIT` reports an
+/// error (the connection died: it may or may not have landed).
+fn processed_whose_commit_fails() -> MockAttempt {
+    let mut attempt = MockAttempt::new();
+    attempt
+        .expect_mark_processed()
+        .times(1)
+        .returning(|_| Ok(FenceOutcome::Written));
+    attempt
+        .expect_commit()
+        .times(1)
+        .returning(|| Err(unavailable()));
+    attempt
+}
+
 /// A repository whose heartbeats always succeed, logging each one in `log`.
 fn repo_with(attempt: MockAttempt, log: Arc<Mutex<Vec<&'static str>>>) -> MockOutboxRepository {
     let mut repo = mock_repo();
@@ -278,15 +293,7 @@ async fn unknown_event_type_fails_with_a_clear_error() {
 #[tokio::test(start_paused = true)]
 async fn failed_attempt_transaction_lands_bookkeeping_detached_with_heartbeat() {
     let log: Arc<Mutex<Vec<&'static str>>> = Arc::default();
-    let mut attempt = MockAttempt::new();
-    attempt
-        .expect_mark_processed()
-        .times(1)
-        .returning(|_| Ok(FenceOutcome::Written));
-    attempt
-        .expect_commit()
-        .times(1)
-        .returning(|| Err(unavailable()));
+    let attempt = processed_whose_commit_fails();
     let mut repo = repo_with(attempt, Arc::clone(&log));
     // The commit did not land: the row still shows the claim.
     repo.expect_get_event()
@@ -539,15 +546,7 @@ async fn a_panicking_handler_is_a_retryable_failure() {
 #[tokio::test(start_paused = true)]
 async fn serialized_backend_heartbeats_only_for_detached_bookkeeping() {
     let log: Arc<Mutex<Vec<&'static str>>> = Arc::default();
-    let mut attempt = MockAttempt::new();
-    attempt
-        .expect_mark_processed()
-        .times(1)
-        .returning(|_| Ok(FenceOutcome::Written));
-    attempt
-        .expect_commit()
-        .times(1)
-        .returning(|| Err(unavailable()));
+    let attempt = processed_whose_commit_fails();
     let mut repo = MockOutboxRepository::new();
     repo.expect_note_alive().returning(|_| ());
     repo.expect_serializes_writers().return_const(true);
@@ -602,15 +601,7 @@ async fn serialized_backend_heartbeats_only_for_detached_bookkeeping() {
 /// counted as a lost claim.
 #[tokio::test(start_paused = true)]
 async fn commit_that_landed_despite_an_error_counts_as_processed() {
-    let mut attempt = MockAttempt::new();
-    attempt
-        .expect_mark_processed()
-        .times(1)
-        .returning(|_| Ok(FenceOutcome::Written));
-    attempt
-        .expect_commit()
-        .times(1)
-        .returning(|| Err(unavailable()));
+    let mut attempt = processed_whose_commit_fails();
     attempt.expect_rollback().returning(|| Ok(()));
     let mut repo = repo_with(attempt, Arc::default());
     repo.expect_get_event()
@@ -635,15 +626,7 @@ async fn commit_that_landed_despite_an_error_counts_as_processed() {
 /// finished it (`processed`, one count past the claim, `LastError` cleared) `after` the claim.
 /// The second try finds the claim gone and reads the row back.
 async fn retry_landed_then_finished_elsewhere(after: chrono::Duration) -> AttemptOutcome {
-    let mut attempt = MockAttempt::new();
-    attempt
-        .expect_mark_processed()
-        .times(1)
-        .returning(|_| Ok(FenceOutcome::Written));
-    attempt
-        .expect_commit()
-        .times(1)
-        .returning(|| Err(unavailable()));
+    let attempt = processed_whose_commit_fails();
     let mut repo = repo_with(attempt, Arc::default());
     let c = claim("t", 0);
     let claimed_at = c.event.last_modified_date;
@@ -699,15 +682,7 @@ async fn a_row_finished_after_a_possible_reclaim_is_a_lost_claim() {
 /// commit error is then a lost claim, never mistaken for this attempt's success.
 #[tokio::test(start_paused = true)]
 async fn commit_error_with_a_reclaimed_row_is_a_lost_claim() {
-    let mut attempt = MockAttempt::new();
-    attempt
-        .expect_mark_processed()
-        .times(1)
-        .returning(|_| Ok(FenceOutcome::Written));
-    attempt
-        .expect_commit()
-        .times(1)
-        .returning(|| Err(unavailable()));
+    let attempt = processed_whose_commit_fails();
     let mut repo = repo_with(attempt, Arc::default());
     repo.expect_get_event()
         .returning(|id| Ok(Some(row(id, EventStatus::Processed, 1))));
