@@ -411,7 +411,7 @@ async fn clock_steps_never_make_a_live_claim_stale(db: TestDb) {
         Database::Sqlite(_) => {}
         Database::Postgres(pool) => {
             let (before, after): (chrono::DateTime<Utc>, chrono::DateTime<Utc>) = {
-                let fence = repo.heartbeat(claim.fence).await.unwrap().unwrap();
+                let fence = repo.heartbeat(claim.fence).await.unwrap().beaten().unwrap();
                 let now: chrono::DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
                     .fetch_one(pool)
                     .await

@@ -8,7 +8,8 @@ use std::time::Duration;
 use outbox_persistence::postgres::PgOutbox;
 use outbox_persistence::sqlx::postgres::PgPoolOptions;
 use outbox_persistence::{
-    ClaimPolicy, EventStatus, FenceOutcome, NewEvent, OutboxRepository, Scope, Terminal,
+    BeatOutcome, ClaimPolicy, EventStatus, FenceOutcome, NewEvent, OutboxRepository, Scope,
+    Terminal,
 };
 use outbox_tests::{RawRow, TestDb, backend_tests};
 
@@ -264,7 +265,7 @@ async fn a_claim_lost_in_a_crash_is_claimed_again_in_order(db: TestDb) {
             .is_none(),
         "a handler never starts on a claim the crash lost"
     );
-    assert_eq!(repo.heartbeat(lost).await.unwrap(), None);
+    assert_eq!(repo.heartbeat(lost).await.unwrap(), BeatOutcome::Lost);
     assert_eq!(
         repo.increment_retry(lost, Duration::ZERO, "late")
             .await
@@ -539,4 +540,63 @@ async fn postgres_a_claim_whose_commit_reply_was_lost_is_taken() {
             FenceOutcome::Written
         );
     }
+}
+
+/// PostgreSQL: a beat whose `COMMIT` landed with its reply lost reports what it wrote and in
+/// which transaction (`BeatOutcome::Unsure`), one claim's beat and a group's alike; the
+/// read-back (`beat_landed`) names exactly that row version. Rewriting the very same values
+/// in another transaction (the look-alike another worker's fresh claim can leave after this
+/// worker's release landed, finding 4 of the batched-attempts review) is not that version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_beat_whose_commit_reply_was_lost_is_read_back_by_its_version() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let repo = db.repository();
+    enqueue(&repo, &[NewEvent::new("t", lead("L1"))]).await;
+    let claim = repo
+        .claim_batch(policy(5), &Scope::All, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    let proxy = outbox_tests::reply_loss::ReplyLoss::start(&db.url);
+    let through = outbox_persistence::Database::connect(
+        &proxy.url,
+        outbox_persistence::ConnectConfig::for_workers(1),
+    )
+    .await
+    .unwrap()
+    .repository();
+    let (mut fence, mut last_writer) = (claim.fence, 0);
+    for group in [false, true] {
+        proxy.lose_next_commit_reply();
+        let outcome = if group {
+            through.heartbeat_many(vec![fence]).await.unwrap()[0]
+        } else {
+            through.heartbeat(fence).await.unwrap()
+        };
+        let BeatOutcome::Unsure { written, writer } = outcome else {
+            panic!("group {group}: {outcome:?}");
+        };
+        let row = repo.get_event(fence.id).await.unwrap().unwrap();
+        assert_eq!(row.last_modified_date, written.last_written, "it landed");
+        assert!(repo.beat_landed(written, writer).await.unwrap());
+        assert!(!repo.beat_landed(written, writer + 1).await.unwrap());
+        (fence, last_writer) = (written, writer);
+    }
+    assert_eq!(proxy.lost(), 2, "both beats' COMMIT replies were lost");
+    // The same values, written again by another transaction: no longer the beat's version.
+    sqlx::query("UPDATE _System_OutboxEvent SET LastModifiedDate = LastModifiedDate WHERE Id = $1")
+        .bind(fence.id)
+        .execute(db.pg().unwrap())
+        .await
+        .unwrap();
+    let row = repo.get_event(fence.id).await.unwrap().unwrap();
+    assert_eq!(row.status, EventStatus::Processing);
+    assert_eq!(row.last_modified_date, fence.last_written);
+    assert!(
+        !repo.beat_landed(fence, last_writer).await.unwrap(),
+        "a look-alike written by another transaction is not the beat's version"
+    );
 }

@@ -377,7 +377,12 @@ async fn heartbeat_fences(db: TestDb) {
     let mut fence = claim.fence;
     for _ in 0..4 {
         db.clock.advance(secs(25));
-        fence = repo.heartbeat(fence).await.unwrap().expect("still ours");
+        fence = repo
+            .heartbeat(fence)
+            .await
+            .unwrap()
+            .beaten()
+            .expect("still ours");
         db.clock.advance(secs(25));
         assert!(repo.claim_event(ids[0], policy()).await.unwrap().is_none());
         assert!(
@@ -405,7 +410,7 @@ async fn heartbeat_fences(db: TestDb) {
     assert_eq!(second.event.retry_count, 1, "the dead attempt is counted");
 
     // The first worker is fenced out everywhere, the attempt's start included.
-    assert_eq!(repo.heartbeat(fence).await.unwrap(), None);
+    assert_eq!(repo.heartbeat(fence).await.unwrap(), BeatOutcome::Lost);
     assert_eq!(
         repo.update_status(fence, Terminal::Processed, None)
             .await
@@ -1154,7 +1159,12 @@ async fn listed_timestamps_round_trip_exactly(db: TestDb) {
     );
 
     db.clock.advance(secs(1));
-    let fence = repo.heartbeat(claim.fence).await.unwrap().expect("ours");
+    let fence = repo
+        .heartbeat(claim.fence)
+        .await
+        .unwrap()
+        .beaten()
+        .expect("ours");
     let beaten = poll().await;
     assert_eq!(beaten.last_modified_date, fence.last_written);
     assert_ne!(

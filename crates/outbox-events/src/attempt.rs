@@ -251,8 +251,6 @@ async fn finish_success(
         rollback_quietly(tx.as_mut()).await;
         return AttemptOutcome::LostClaim;
     }
-    // The `COMMIT` below carries the outcome and may land with its reply lost; a `processed`
-    // row is terminal, never a look-alike of this claim's beat (`FenceState::ending`).
     let written = tx.mark_processed(state.fence).await;
     match written {
         Ok(FenceOutcome::Written) => match tx.commit().await {
@@ -305,7 +303,7 @@ async fn finish_failure(
         rollback_quietly(tx.as_mut()).await;
         return detached(env, claim, beat, failure, None).await;
     }
-    let mut state = fence.lock_for_write(&env.repo).await;
+    let state = fence.lock_for_write(&env.repo).await;
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;
@@ -314,10 +312,6 @@ async fn finish_failure(
     let written = tx
         .record_failure(state.fence, failure.bookkeeping, &failure.message)
         .await;
-    if matches!(written, Ok(FenceOutcome::Written)) {
-        // The `COMMIT` below carries the outcome: once sent, it may land with its reply lost.
-        state.sending_counted();
-    }
     match written {
         Ok(FenceOutcome::Written) => match tx.commit().await {
             Ok(()) => failure_outcome(&failure),

@@ -319,13 +319,10 @@ impl<'a> Batch<'a> {
                 Err(stop) => (Err(stop), false),
             };
             let ended = match settled {
-                Ok(()) => {
-                    self.sending_outcomes();
-                    match tx.commit().await {
-                        Ok(()) => Ok(()),
-                        Err(e) => Err((Stop::Died(format!("commit failed: {}", e.chain())), true)),
-                    }
-                }
+                Ok(()) => match tx.commit().await {
+                    Ok(()) => Ok(()),
+                    Err(e) => Err((Stop::Died(format!("commit failed: {}", e.chain())), true)),
+                },
                 Err(stop) => {
                     rollback_quietly(tx.as_mut()).await;
                     Err((stop, false))
@@ -402,22 +399,6 @@ impl<'a> Batch<'a> {
             if matches!(self.steps[i], Step::Waiting) && self.unstarted.is_given_back(member.index)
             {
                 self.steps[i] = Step::Done(self.unstarted.outcome(member.index));
-            }
-        }
-    }
-
-    /// The `COMMIT` is about to carry every written outcome: each may land with its reply lost,
-    /// so a claim whose outcome could leave a look-alike of its own beat is never read back as
-    /// this worker's again (`FenceState::ending`: a release or a counted outcome; `processed`
-    /// leaves none).
-    fn sending_outcomes(&mut self) {
-        for step in &mut self.steps {
-            if let Step::Written(decision, Some(fence)) = step {
-                if decision.release.is_some() {
-                    fence.sending_release();
-                } else if decision.outcome != AttemptOutcome::Processed {
-                    fence.sending_counted();
-                }
             }
         }
     }

@@ -41,11 +41,10 @@ pub(crate) async fn release_from(
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for try_number in 1..=DETACHED_MAX_TRIES {
         {
-            let mut state = fence.lock_for_write(&env.repo).await;
+            let state = fence.lock_for_write(&env.repo).await;
             if state.lost {
                 return released_or_lost(env, id, ours, unsure).await;
             }
-            state.sending_release();
             match env.repo.release_claim(state.fence, message).await {
                 Ok(FenceOutcome::Written) => return AttemptOutcome::Released,
                 Ok(FenceOutcome::Lost) => {
@@ -300,11 +299,10 @@ pub(crate) async fn detached(
     let mut tried = false;
     for attempt in 1..=DETACHED_MAX_TRIES {
         {
-            let mut state = fence.lock_for_write(&env.repo).await;
+            let state = fence.lock_for_write(&env.repo).await;
             if state.lost {
                 return lost_or_landed(env, claim, &failure, landed, tried).await;
             }
-            state.sending_counted();
             let written = match failure.bookkeeping {
                 FailureBookkeeping::Retry { extra_delay } => {
                     env.repo

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use outbox_persistence::{BeatOutcome, EventStatus, Fence, OutboxRepository};
+use outbox_persistence::{BeatOutcome, Fence, OutboxRepository};
 use tokio::sync::{Mutex, MutexGuard, Notify, OwnedMutexGuard};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -24,38 +24,16 @@ use crate::env::AttemptEnv;
 pub(crate) struct FenceState {
     pub fence: Fence,
     pub lost: bool,
-    /// A beat failed since the last one that landed: its `COMMIT` may have landed with the
-    /// reply lost (a cut connection), moving the row past `fence`.
-    unsure: bool,
-    /// The claim's `RetryCount`: a reclaim always raises it, so a row still `processing` with
-    /// this count and a later `LastModifiedDate` can only carry this worker's own beat, as long
-    /// as this worker never sent a write that gives the row up (see `ending`).
+    /// A beat whose `COMMIT` got no answer since the last one that was answered
+    /// ([`BeatOutcome::Unsure`]): the fence it wrote if it landed, and the transaction that
+    /// wrote it. A beat that failed otherwise did not land (the repository's contract), so
+    /// this is the only way the row can be ahead of `fence` while still this worker's.
+    unsure: Option<(Fence, i64)>,
+    /// The claim's `RetryCount` (the detached bookkeeping's read-backs compare it).
     retry_count: i32,
-    /// An outcome write of this claim that could leave a look-alike of this worker's own beat
-    /// was sent outside a transaction that is sure to roll back: it may have landed with its
-    /// reply lost, and from here on the row is never read back as this worker's (finding 4 of
-    /// the batched-attempts review, `../shared/repro/batches/f2_readback_adopts_foreign_claim.sh`).
-    /// A release keeps `RetryCount`, so another worker's fresh claim of the released row looks
-    /// exactly like this worker's landed beat. A counted outcome (a retry, `failed`) can too:
-    /// an operator's retry of a `failed` row resets `RetryCount` to 0, and later failures
-    /// count it up to this claim's again. Only `processed` leaves none: it is terminal and
-    /// never retried, and the read-back wants `processing`.
-    ending: bool,
 }
 
 impl FenceState {
-    /// A release under this fence is about to be sent where it may land (see `ending`): a
-    /// failed beat is never again read back as this worker's own.
-    pub(crate) fn sending_release(&mut self) {
-        self.ending = true;
-    }
-
-    /// A counted outcome (a retry or `failed`) under this fence is about to be sent where it
-    /// may land (see `ending`): a failed beat is never again read back as this worker's own.
-    pub(crate) fn sending_counted(&mut self) {
-        self.ending = true;
-    }
-
     /// The claim's `RetryCount`.
     pub(crate) fn retry_count(&self) -> i32 {
         self.retry_count
@@ -73,9 +51,8 @@ impl FenceCell {
             Arc::new(Mutex::new(FenceState {
                 fence,
                 lost: false,
-                unsure: false,
+                unsure: None,
                 retry_count,
-                ending: false,
             })),
             Arc::new(std::sync::Mutex::new(fence)),
         )
@@ -107,16 +84,22 @@ impl FenceCell {
     }
 
     /// A beat landed: `next` is the claim's fence now.
-    fn beaten(&self, state: &mut FenceState, next: Fence) {
+    pub(crate) fn beaten(&self, state: &mut FenceState, next: Fence) {
         state.fence = next;
-        state.unsure = false;
+        state.unsure = None;
         self.set_latest(next);
     }
 
-    /// Locks the fence for a fenced write of the claim's outcome. After a failed beat, the
-    /// fence this worker holds may be behind its own beat that landed (see
-    /// [`own_beat_landed`]): the row is read back first and its value taken when it is still
-    /// this claim (no read otherwise).
+    /// A beat's `COMMIT` got no answer: the row is at `written` if it landed.
+    fn unsure(state: &mut FenceState, written: Fence, writer: i64) {
+        tracing::warn!(event_id = %written.id, "a heartbeat's COMMIT got no answer; it may have landed (read back before the next fenced write)");
+        state.unsure = Some((written, writer));
+    }
+
+    /// Locks the fence for a fenced write of the claim's outcome. After a beat whose `COMMIT`
+    /// got no answer, the fence this worker holds may be behind that beat (see
+    /// [`own_beat_landed`]): the row is read back first and the beat's value taken when it
+    /// landed (no read otherwise).
     pub(crate) async fn lock_for_write(
         &self,
         repo: &Arc<dyn OutboxRepository>,
@@ -282,11 +265,16 @@ async fn beat_once(
         return false;
     }
     match repo.heartbeat(state.fence).await {
-        Ok(Some(next)) => {
+        Ok(BeatOutcome::Beaten(next)) => {
             fence.beaten(&mut state, next);
             true
         }
-        Ok(None) => {
+        Ok(BeatOutcome::Unsure { written, writer }) => {
+            FenceCell::unsure(&mut state, written, writer);
+            true
+        }
+        Ok(BeatOutcome::Busy) => true,
+        Ok(BeatOutcome::Lost) => {
             if let Some(landed) = own_beat_landed(repo, &state).await {
                 fence.beaten(&mut state, landed);
                 return true;
@@ -296,36 +284,35 @@ async fn beat_once(
         }
         Err(e) => {
             // A missed beat is not a lost claim: the row stays ours until stale-after passes
-            // without a successful beat.
-            state.unsure = true;
+            // without a successful beat. It did not land: the fence stands.
             tracing::warn!(event_id = %state.fence.id, error = %e.chain(), "heartbeat failed; retrying at the next interval");
             true
         }
     }
 }
 
-/// After a failed beat, a beat that finds the claim lost may only have found the failed
-/// beat's own write (its `COMMIT` landed, its reply did not): the row read back still
-/// `processing` with the claim's `RetryCount` (a reclaim always raises it) and a later
-/// `LastModifiedDate` is still this worker's claim, fenced by that value. Only while this
-/// worker has sent no write that may have given the row up (`FenceState::ending`): after an
-/// uncounted release that landed, another worker's fresh claim carries the same `RetryCount`
-/// and a later `LastModifiedDate` too, and adopting it would release that worker's live claim.
+/// After a beat whose `COMMIT` got no answer, a write that finds the claim lost may only have
+/// found that beat's own write (its `COMMIT` landed, its reply did not): the row read back
+/// still `processing` under the value the beat wrote, in the row version the beat's own
+/// transaction wrote ([`OutboxRepository::beat_landed`]: on PostgreSQL the version's `xmin`),
+/// is still this worker's claim, fenced by that value. Nothing else can pass for it: another
+/// worker's fresh claim of the row, even one with the same `RetryCount` after this worker's
+/// release landed, is another transaction's version (finding 4 of the batched-attempts
+/// review, `../shared/repro/batches/f2_readback_adopts_foreign_claim.sh`). A read that fails
+/// adopts nothing: the write goes under the fence the worker holds, or finds the claim lost.
 async fn own_beat_landed(repo: &Arc<dyn OutboxRepository>, state: &FenceState) -> Option<Fence> {
-    if !state.unsure || state.ending {
-        return None;
-    }
-    let row = repo.get_event(state.fence.id).await.ok().flatten()?;
-    let ours = row.status == EventStatus::Processing
-        && row.retry_count == state.retry_count
-        && row.last_modified_date > state.fence.last_written;
-    ours.then(|| {
-        tracing::info!(event_id = %state.fence.id, "a beat whose reply was lost had landed; the claim is still this worker's");
-        Fence {
-            id: state.fence.id,
-            last_written: row.last_modified_date,
+    let (written, writer) = state.unsure?;
+    match repo.beat_landed(written, writer).await {
+        Ok(true) => {
+            tracing::info!(event_id = %written.id, "a beat whose reply was lost had landed; the claim is still this worker's");
+            Some(written)
         }
-    })
+        Ok(false) => None,
+        Err(e) => {
+            tracing::warn!(event_id = %written.id, error = %e.chain(), "could not read back a heartbeat whose reply was lost");
+            None
+        }
+    }
 }
 
 impl Drop for HeartbeatGuard {
@@ -442,7 +429,7 @@ impl GroupInner {
     }
 
     /// One statement for every running member whose fence is free; alive for all of them.
-    /// `false` when the statement failed.
+    /// `false` when the statement failed or its `COMMIT` got no answer.
     async fn beat_once(&self) -> bool {
         let mut running = self.running();
         for member in &running {
@@ -468,20 +455,26 @@ impl GroupInner {
         let outcomes = match beaten {
             Ok(outcomes) => outcomes,
             Err(e) => {
-                // A missed beat is not a lost claim (as for one claim's heartbeat).
-                for state in running.iter_mut().filter_map(|m| m.state.as_mut()) {
-                    state.unsure = true;
-                }
+                // A missed beat is not a lost claim (as for one claim's heartbeat); it did not
+                // land.
                 tracing::warn!(error = %e.chain(), claims = fences.len(), "heartbeat of the worker's claims failed; retrying soon");
                 return false;
             }
         };
+        // A beat whose `COMMIT` got no answer may not have landed: try again soon, as after a
+        // failed one.
+        let answered = !outcomes
+            .iter()
+            .any(|o| matches!(o, BeatOutcome::Unsure { .. }));
         for (member, outcome) in running.iter_mut().zip(outcomes) {
             let Some(state) = member.state.as_mut() else {
                 continue;
             };
             match outcome {
                 BeatOutcome::Beaten(next) => member.cell.beaten(state, next),
+                BeatOutcome::Unsure { written, writer } => {
+                    FenceCell::unsure(state, written, writer)
+                }
                 BeatOutcome::Lost => match own_beat_landed(&self.repo, state).await {
                     Some(landed) => member.cell.beaten(state, landed),
                     None => FenceCell::lost(state, &member.lost),
@@ -491,7 +484,7 @@ impl GroupInner {
                 }
             }
         }
-        true
+        answered
     }
 }
 

@@ -66,10 +66,10 @@ pub use trace::{TraceParent, TraceParentError, enqueue};
 // register and test a handler (see `docs/embedding.md` once written; `docs/state-machine.md`).
 pub use async_trait::async_trait;
 pub use outbox_persistence::{
-    self as persistence, Attempt, Claim, ClaimPolicy, ConnectConfig, Database, EventEnvelope,
-    EventFilter, EventId, EventRow, EventStatus, FailureBookkeeping, Fence, FenceOutcome,
-    MIGRATIONS_TABLE, NewEvent, OutboxEvent, OutboxRepository, RecordKey, Scope, Tx, with_conn,
-    with_pool, with_tx,
+    self as persistence, Attempt, BeatOutcome, Claim, ClaimPolicy, ConnectConfig, Database,
+    EventEnvelope, EventFilter, EventId, EventRow, EventStatus, FailureBookkeeping, Fence,
+    FenceOutcome, MIGRATIONS_TABLE, NewEvent, OutboxEvent, OutboxRepository, RecordKey, Scope, Tx,
+    with_conn, with_pool, with_tx,
 };
 pub use outbox_persistence::{AuditEntry, PausedType, PrunePolicy, PruneReport, RetryFilter};
 pub use tokio_util::sync::CancellationToken;

@@ -6,8 +6,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::Utc;
 use outbox_persistence::{
-    Attempt, Claim, Error, EventStatus, FailureBookkeeping, Fence, FenceOutcome, MockAttempt,
-    MockOutboxRepository, OutboxEvent,
+    Attempt, BeatOutcome, Claim, Error, EventStatus, FailureBookkeeping, Fence, FenceOutcome,
+    MockAttempt, MockOutboxRepository, OutboxEvent,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -117,7 +117,7 @@ fn repo_with(attempt: MockAttempt, log: Arc<Mutex<Vec<&'static str>>>) -> MockOu
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
     repo.expect_heartbeat().returning(move |fence: Fence| {
         log.lock().unwrap().push("heartbeat");
-        Ok(Some(Fence {
+        Ok(BeatOutcome::Beaten(Fence {
             id: fence.id,
             last_written: fence.last_written + chrono::Duration::microseconds(1),
         }))
@@ -353,7 +353,9 @@ async fn lost_claim_abandons_the_attempt() {
     repo.expect_begin_attempt()
         .times(1)
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
-    repo.expect_heartbeat().times(1).returning(|_| Ok(None));
+    repo.expect_heartbeat()
+        .times(1)
+        .returning(|_| Ok(BeatOutcome::Lost));
     repo.expect_increment_retry().never();
     repo.expect_update_status().never();
     let (outcome, metrics) = run(
@@ -385,9 +387,10 @@ async fn a_failed_heartbeat_is_not_a_lost_claim() {
     repo.expect_heartbeat()
         .times(2)
         .returning(|_| Err(unavailable()));
-    // After failed beats, the final write reads the row back first (a beat's reply may have
-    // been lost after it landed); here it reads the claim as it was.
-    repo.expect_get_event().times(1).returning(|_| Ok(None));
+    // A beat that failed did not land (only one whose `COMMIT` got no answer may have): the
+    // final write goes under the claim's fence, with no read-back.
+    repo.expect_beat_landed().never();
+    repo.expect_get_event().never();
     let (outcome, _) = run(
         repo,
         handlers(Duration::from_millis(2500), || Ok(())),
@@ -473,7 +476,7 @@ async fn attempt_that_cannot_begin_yet_is_retried_uncounted() {
     let b = Arc::clone(&beats);
     repo.expect_heartbeat().returning(move |fence: Fence| {
         *b.lock().unwrap() += 1;
-        Ok(Some(Fence {
+        Ok(BeatOutcome::Beaten(Fence {
             id: fence.id,
             last_written: fence.last_written + chrono::Duration::microseconds(1),
         }))
@@ -504,7 +507,8 @@ async fn attempt_that_never_begins_is_abandoned_uncounted() {
     repo.expect_serializes_writers().return_const(true);
     repo.expect_begin_attempt()
         .returning(|_, _| Err(Error::LockTimeout(sqlx::Error::PoolTimedOut)));
-    repo.expect_heartbeat().returning(|f| Ok(Some(f)));
+    repo.expect_heartbeat()
+        .returning(|f| Ok(BeatOutcome::Beaten(f)));
     repo.expect_increment_retry().never();
     repo.expect_update_status().never();
     let (outcome, metrics) = run(
@@ -558,7 +562,7 @@ async fn serialized_backend_heartbeats_only_for_detached_bookkeeping() {
     let l = Arc::clone(&log);
     repo.expect_heartbeat().returning(move |fence: Fence| {
         l.lock().unwrap().push("heartbeat");
-        Ok(Some(Fence {
+        Ok(BeatOutcome::Beaten(Fence {
             id: fence.id,
             last_written: fence.last_written + chrono::Duration::microseconds(1),
         }))
@@ -714,7 +718,7 @@ async fn final_write_uses_the_fence_the_last_heartbeat_wrote() {
             last_written: fence.last_written + chrono::Duration::seconds(1),
         };
         b.lock().unwrap().push(next);
-        Ok(Some(next))
+        Ok(BeatOutcome::Beaten(next))
     });
     let b = Arc::clone(&beats);
     let mut attempt = MockAttempt::new();
@@ -867,10 +871,10 @@ fn mock_repo() -> MockOutboxRepository {
     repo
 }
 
-/// A beat that failed may have landed (its reply lost): the next beat then finds the row moved
-/// past the fence it holds. The row read back is still `processing` with the claim's
-/// `RetryCount`, so it is this worker's own beat: its value becomes the fence, the claim is not
-/// lost, and the outcome is written under it.
+/// A beat whose `COMMIT` got no answer may have landed: the next beat then finds the row moved
+/// past the fence it holds. The read-back finds the row still the version that beat wrote, so
+/// it is this worker's own beat: its value becomes the fence, the claim is not lost, and the
+/// outcome is written under it.
 #[tokio::test(start_paused = true)]
 async fn a_beat_whose_reply_was_lost_is_not_a_lost_claim() {
     let c = claim("t", 0);
@@ -892,20 +896,24 @@ async fn a_beat_whose_reply_was_lost_is_not_a_lost_claim() {
         .times(1)
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
     let mut seq = mockall::Sequence::new();
-    // The first beat lands but its reply is lost; the second finds the row moved on.
+    // The first beat lands but its `COMMIT` reply is lost; the second finds the row moved on.
     repo.expect_heartbeat()
         .times(1)
         .in_sequence(&mut seq)
-        .returning(|_| Err(unavailable()));
+        .returning(move |_| {
+            Ok(BeatOutcome::Unsure {
+                written: landed,
+                writer: 7,
+            })
+        });
     repo.expect_heartbeat()
         .times(1)
         .in_sequence(&mut seq)
-        .returning(|_| Ok(None));
-    repo.expect_get_event().times(1).returning(move |id| {
-        let mut moved = row(id, EventStatus::Processing, 0);
-        moved.last_modified_date = landed.last_written;
-        Ok(Some(moved))
-    });
+        .returning(|_| Ok(BeatOutcome::Lost));
+    repo.expect_beat_landed()
+        .times(1)
+        .withf(move |written, writer| *written == landed && *writer == 7)
+        .returning(|_, _| Ok(true));
     let (outcome, metrics) = run(
         repo,
         handlers(Duration::from_millis(2500), || Ok(())),
@@ -1149,8 +1157,10 @@ async fn a_release_whose_reply_was_lost_never_adopts_the_next_claim() {
     repo.expect_begin_attempt()
         .times(1)
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
-    // Every beat fails (the connection is flapping): the worker cannot tell whether one landed.
+    // Every beat fails (the connection is flapping) before its `COMMIT`: none landed, and the
+    // row that looks like a landed beat is never read back as one.
     repo.expect_heartbeat().returning(|_| Err(unavailable()));
+    repo.expect_beat_landed().never();
     let released: Arc<Mutex<Vec<Fence>>> = Arc::default();
     let r = Arc::clone(&released);
     let mut seq = mockall::Sequence::new();
@@ -1197,12 +1207,18 @@ async fn a_release_whose_reply_was_lost_never_adopts_the_next_claim() {
 }
 
 /// A handler failed on a claim at `count`; the attempt's `COMMIT` (with the retry in it)
-/// failed without landing, and so did the detached retry's first try; meanwhile a beat landed
-/// with its reply lost (the row reads back `processing`, same count, a later value). Returns
-/// the outcome and the fences the detached retry was written under.
-async fn counted_outcome_then_a_landed_beat(count: i32) -> (AttemptOutcome, Vec<Fence>, Fence) {
+/// failed without landing, and so did the detached retry's first try; meanwhile a beat's
+/// `COMMIT` got no answer, and the row reads back `processing` at the same count under the
+/// value that beat wrote. `landed`: whether that row version is the beat's own (the
+/// repository's `beat_landed`), or another transaction's look-alike. Returns the outcome, the
+/// fences the detached retry was written under, and the beat's value.
+async fn counted_outcome_then_an_unsure_beat(
+    count: i32,
+    landed: bool,
+) -> (AttemptOutcome, Vec<Fence>, Fence) {
     let c = claim("t", count);
-    let landed = Fence {
+    let ours = c.fence;
+    let beat = Fence {
         id: c.fence.id,
         last_written: c.fence.last_written + chrono::Duration::milliseconds(500),
     };
@@ -1218,11 +1234,28 @@ async fn counted_outcome_then_a_landed_beat(count: i32) -> (AttemptOutcome, Vec<
     repo.expect_begin_attempt()
         .times(1)
         .return_once(move |_, _| Ok(Some(Box::new(attempt) as Box<dyn Attempt>)));
-    repo.expect_heartbeat().returning(|_| Err(unavailable()));
+    // Under the claim's fence: the first beat's `COMMIT` gets no answer, later ones find the
+    // row moved on; under the beat's value, beats land.
+    let unsure_sent = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    repo.expect_heartbeat().returning(move |fence| {
+        Ok(if fence == beat && landed {
+            BeatOutcome::Beaten(fence)
+        } else if fence == ours && !unsure_sent.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            BeatOutcome::Unsure {
+                written: beat,
+                writer: 7,
+            }
+        } else {
+            BeatOutcome::Lost
+        })
+    });
+    repo.expect_beat_landed()
+        .withf(move |written, writer| *written == beat && *writer == 7)
+        .returning(move |_, _| Ok(landed));
     repo.expect_get_event().returning(move |id| {
-        let mut beaten = row(id, EventStatus::Processing, count);
-        beaten.last_modified_date = landed.last_written;
-        Ok(Some(beaten))
+        let mut look_alike = row(id, EventStatus::Processing, count);
+        look_alike.last_modified_date = beat.last_written;
+        Ok(Some(look_alike))
     });
     let written: Arc<Mutex<Vec<Fence>>> = Arc::default();
     let w = Arc::clone(&written);
@@ -1232,7 +1265,7 @@ async fn counted_outcome_then_a_landed_beat(count: i32) -> (AttemptOutcome, Vec<
         if w.len() == 1 {
             return Err(unavailable());
         }
-        Ok(if fence == landed {
+        Ok(if fence == beat && landed {
             FenceOutcome::Written
         } else {
             FenceOutcome::Lost
@@ -1248,24 +1281,33 @@ async fn counted_outcome_then_a_landed_beat(count: i32) -> (AttemptOutcome, Vec<
     )
     .await;
     let written = written.lock().unwrap().clone();
-    (outcome, written, landed)
+    (outcome, written, beat)
 }
 
-/// After a counted outcome was sent, a row that reads back like this worker's landed beat is
-/// never adopted, at any count: an operator's retry of a `failed` row resets `RetryCount` to 0
-/// and later failures count it up again, so another worker's fresh claim can look exactly like
-/// it (the review of ec52d29). The claim is reported lost, as before; nothing is written under
-/// the row's value.
+/// After a counted outcome was sent (it may have landed, its reply lost), a beat whose
+/// `COMMIT` got no answer and landed is still this worker's claim, at any count: the read-back
+/// names the row version the beat wrote, so the retry is written under the beat's value and
+/// the failure is counted, not reported as a lost claim (seed 35's PgBouncer label). A
+/// look-alike of the same values written by another transaction (another worker's fresh claim
+/// after an operator's retry reset the count, finding 4 of the batched-attempts review) is
+/// never adopted: the claim is reported lost and nothing is written under that value.
 #[tokio::test(start_paused = true)]
-async fn a_counted_outcome_ends_the_read_backs_at_any_count() {
+async fn an_unsure_beat_is_adopted_only_when_its_own_version_is_read_back() {
     for count in [0, 1] {
-        let (outcome, written, landed) = counted_outcome_then_a_landed_beat(count).await;
+        let (outcome, written, beat) = counted_outcome_then_an_unsure_beat(count, true).await;
+        assert_eq!(
+            outcome,
+            AttemptOutcome::Retried,
+            "count {count}: {written:?}"
+        );
+        assert_eq!(written.last(), Some(&beat), "count {count}: {written:?}");
+        let (outcome, written, beat) = counted_outcome_then_an_unsure_beat(count, false).await;
         assert_eq!(
             outcome,
             AttemptOutcome::LostClaim,
             "count {count}: {written:?}"
         );
-        assert!(!written.contains(&landed), "count {count}: {written:?}");
+        assert!(!written.contains(&beat), "count {count}: {written:?}");
     }
 }
 
@@ -1339,7 +1381,7 @@ async fn a_graceful_stop_while_beginning_gives_the_claim_back() {
     repo.expect_begin_attempt()
         .returning(|_, _| Err(unavailable()));
     repo.expect_heartbeat()
-        .returning(|fence: Fence| Ok(Some(fence)));
+        .returning(|fence: Fence| Ok(BeatOutcome::Beaten(fence)));
     repo.expect_release_claim().times(1).returning(|_, why| {
         assert!(why.contains("shutting down"), "{why}");
         Ok(FenceOutcome::Written)
@@ -1549,7 +1591,7 @@ async fn a_give_back_that_failed_is_confirmed_by_a_beat_before_the_worker_keeps_
     repo.expect_heartbeat()
         .times(1)
         .withf(move |fence| *fence == kept)
-        .returning(move |_| Ok(Some(confirmed)));
+        .returning(move |_| Ok(BeatOutcome::Beaten(confirmed)));
     let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let r = Arc::clone(&releases);
     repo.expect_release_claim().returning(move |fence, _| {

@@ -21,6 +21,7 @@
 
 mod attempt;
 mod backfill;
+mod beat;
 pub mod console;
 mod database;
 mod error;
@@ -49,6 +50,7 @@ pub use attempt::clip_error;
 pub use mockall;
 pub use sqlx;
 
+pub use beat::BeatOutcome;
 pub use database::{
     CONNECTIONS_BESIDE_WORKERS, ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
     Database, MIGRATE_LOCK_NAMESPACE, MIGRATIONS_TABLE, MIN_POSTGRES_VERSION, redact as redact_url,
@@ -259,8 +261,15 @@ pub trait OutboxRepository: Send + Sync + 'static {
     }
 
     /// Refreshes `LastModifiedDate` of a row this worker still holds, on a connection of its
-    /// own. `None` when the row is no longer this worker's (reclaimed, or finished elsewhere).
-    async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>>;
+    /// own: [`BeatOutcome::Beaten`] with the new fence, [`BeatOutcome::Lost`] when the row is
+    /// no longer this worker's (reclaimed, or finished elsewhere), [`BeatOutcome::Unsure`] when
+    /// the beat's `COMMIT` got no answer. An error means the beat did not land.
+    async fn heartbeat(&self, fence: Fence) -> Result<BeatOutcome>;
+
+    /// Whether the beat that reported [`BeatOutcome::Unsure`] with `written` and `writer`
+    /// landed and the row is still that beat's version: `processing` under `written`, written
+    /// by `writer` (PostgreSQL compares the version's `xmin`: no later write passes for it).
+    async fn beat_landed(&self, written: Fence, writer: i64) -> Result<bool>;
 
     /// Beats several claims of this worker at once, in one statement where the backend can:
     /// one outcome per fence, in order. A row another transaction holds locked is skipped
@@ -269,22 +278,7 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// were written reports its claim [`BeatOutcome::Busy`] (beaten at the next interval), so
     /// the fences already moved are never forgotten; it fails only when every beat failed.
     async fn heartbeat_many(&self, fences: Vec<Fence>) -> Result<Vec<BeatOutcome>> {
-        let mut outcomes = Vec::with_capacity(fences.len());
-        let mut first_error = None;
-        for fence in fences {
-            outcomes.push(match self.heartbeat(fence).await {
-                Ok(Some(next)) => BeatOutcome::Beaten(next),
-                Ok(None) => BeatOutcome::Lost,
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                    BeatOutcome::Busy
-                }
-            });
-        }
-        match first_error {
-            Some(e) if outcomes.iter().all(|o| *o == BeatOutcome::Busy) => Err(e),
-            _ => Ok(outcomes),
-        }
+        beat::one_by_one(self, fences).await
     }
 
     /// Tells the backend that this process still holds the claim `fence`, at no cost and

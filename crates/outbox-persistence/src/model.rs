@@ -302,18 +302,6 @@ pub enum FenceOutcome {
     Lost,
 }
 
-/// What one claim's heartbeat found, from [`crate::OutboxRepository::heartbeat_many`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BeatOutcome {
-    /// The row was still this worker's; its fence is now this one.
-    Beaten(Fence),
-    /// The row is no longer this worker's (reclaimed, or finished elsewhere).
-    Lost,
-    /// The row was still this worker's but another transaction held its lock, so it was not
-    /// beaten this time (a beat of many claims never waits for one of them).
-    Busy,
-}
-
 /// A terminal status for [`crate::OutboxRepository::update_status`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Terminal {

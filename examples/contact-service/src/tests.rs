@@ -49,7 +49,8 @@ fn repository(attempt: MockAttempt) -> Arc<dyn OutboxRepository> {
     repo.expect_backend_name().return_const("mock");
     repo.expect_serializes_writers().return_const(false);
     repo.expect_note_alive().returning(|_| ());
-    repo.expect_heartbeat().returning(|fence| Ok(Some(fence)));
+    repo.expect_heartbeat()
+        .returning(|fence| Ok(outbox_events::BeatOutcome::Beaten(fence)));
     let mut attempt = Some(attempt);
     repo.expect_begin_attempt()
         .times(1)

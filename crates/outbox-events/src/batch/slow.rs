@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
-use outbox_persistence::FenceOutcome;
+use outbox_persistence::{BeatOutcome, FenceOutcome};
 
 use crate::detached::release_from;
 use crate::env::{AttemptEnv, AttemptOutcome};
@@ -120,14 +120,15 @@ impl<'a> Unstarted<'a> {
             if state.lost {
                 return Some((AttemptOutcome::LostClaim, false));
             }
-            state.sending_release();
             match self.env.repo.release_claim(state.fence, SLOW_HANDLER).await {
                 Ok(FenceOutcome::Written) => return Some((AttemptOutcome::NotRun, false)),
                 Ok(FenceOutcome::Lost) => return Some((AttemptOutcome::LostClaim, false)),
                 Err(e) => {
                     tracing::warn!(error = %e.chain(), "giving back a claim of a long handler's worker failed; confirming the claim");
-                    if let Ok(Some(next)) = self.env.repo.heartbeat(state.fence).await {
-                        state.fence = next;
+                    if let Ok(BeatOutcome::Beaten(next)) =
+                        self.env.repo.heartbeat(state.fence).await
+                    {
+                        beat.fence.beaten(&mut state, next);
                         return None;
                     }
                 }

@@ -26,8 +26,17 @@ SET LastModifiedDate = GREATEST(",
 WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("4"),
     "
-RETURNING LastModifiedDate"
+RETURNING LastModifiedDate, xmin::text::bigint"
 );
+
+/// Whether the row is still the version a beat wrote (`$3`: the beat's transaction id, the
+/// `xmin` of the version it wrote) under the fence it wrote (`$2`): read back after the beat's
+/// `COMMIT` got no answer. No later write, not even another claim with the same values, has
+/// that `xmin`.
+const BEAT_LANDED: &str = "\
+SELECT EXISTS (SELECT 1 FROM _System_OutboxEvent
+               WHERE Id = $1 AND Status = 'processing' AND LastModifiedDate = $2
+                 AND xmin::text::bigint = $3)";
 
 /// Beats several claims in one statement: the rows (`$2`) still `processing` under their fence
 /// (`$3`, in the same order) that no other transaction holds locked move `LastModifiedDate`
@@ -49,9 +58,9 @@ beaten AS (
     db_now!(),
     ", e.LastModifiedDate + interval '1 microsecond')
   FROM mine WHERE e.Id = mine.Id
-  RETURNING e.Id, e.LastModifiedDate
+  RETURNING e.Id, e.LastModifiedDate, e.xmin::text::bigint AS writer
 )
-SELECT f.id, b.LastModifiedDate AS beaten,
+SELECT f.id, b.LastModifiedDate AS beaten, b.writer,
   EXISTS (SELECT 1 FROM _System_OutboxEvent e
           WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written) AS mine
 FROM f LEFT JOIN beaten b ON b.Id = f.id"
@@ -178,6 +187,13 @@ SET Status = 'pending',
 WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
     lock_guard!("6")
 );
+
+/// A beat that wrote `written` in transaction `writer` and whose `COMMIT` failed with `e`:
+/// it may have landed (the reply was lost) or not.
+fn unsure(written: Fence, writer: i64, e: &crate::Error) -> BeatOutcome {
+    tracing::warn!(event_id = %written.id, writer, error = %e.chain(), "a heartbeat's COMMIT got no answer");
+    BeatOutcome::Unsure { written, writer }
+}
 
 /// `write`, fenced on `fence`, in `conn` (the attempt's transaction or one of its own): `shift`
 /// is the clock shift, `lock_timeout` the bound of its lock waits (text such as `5000ms`),
@@ -361,9 +377,12 @@ impl PgOutbox {
         Ok(outcome)
     }
 
-    pub(super) async fn beat(&self, fence: Fence) -> Result<Option<Fence>> {
+    /// One claim's beat. Its `UPDATE` answers before the `COMMIT` is sent, so when the
+    /// `COMMIT` gets no answer the beat knows what it wrote and in which transaction
+    /// ([`BeatOutcome::Unsure`]); any earlier error leaves the transaction uncommitted.
+    pub(super) async fn beat(&self, fence: Fence) -> Result<BeatOutcome> {
         let mut tx = self.begin_write().await?;
-        let written: Option<DateTime<Utc>> = sqlx::query_scalar(HEARTBEAT)
+        let written: Option<(DateTime<Utc>, i64)> = sqlx::query_as(HEARTBEAT)
             .persistent(self.cached())
             .bind(self.shift())
             .bind(fence.id)
@@ -371,34 +390,74 @@ impl PgOutbox {
             .bind(self.lock_timeout())
             .fetch_optional(&mut *tx)
             .await?;
+        let outcome = match written {
+            Some((last_written, writer)) => (
+                Fence {
+                    id: fence.id,
+                    last_written,
+                },
+                writer,
+            ),
+            None => {
+                tx.commit().await?;
+                return Ok(BeatOutcome::Lost);
+            }
+        };
+        Ok(match tx.commit().await {
+            Ok(()) => BeatOutcome::Beaten(outcome.0),
+            Err(e) => unsure(outcome.0, outcome.1, &e.into()),
+        })
+    }
+
+    /// See [`BEAT_LANDED`].
+    pub(super) async fn read_back_beat(&self, written: Fence, writer: i64) -> Result<bool> {
+        let mut tx = self.begin_read().await?;
+        let landed: bool = sqlx::query_scalar(BEAT_LANDED)
+            .persistent(self.cached())
+            .bind(written.id)
+            .bind(written.last_written)
+            .bind(writer)
+            .fetch_one(&mut *tx)
+            .await?;
         tx.commit().await?;
-        Ok(written.map(|last_written| Fence {
-            id: fence.id,
-            last_written,
-        }))
+        Ok(landed)
     }
 
     pub(super) async fn beat_many(&self, fences: Vec<Fence>) -> Result<Vec<BeatOutcome>> {
         let ids: Vec<EventId> = fences.iter().map(|f| f.id).collect();
         let written: Vec<DateTime<Utc>> = fences.iter().map(|f| f.last_written).collect();
         let mut tx = self.begin_write().await?;
-        let rows: Vec<(EventId, Option<DateTime<Utc>>, bool)> = sqlx::query_as(HEARTBEAT_MANY)
+        type Row = (EventId, Option<DateTime<Utc>>, Option<i64>, bool);
+        let rows: Vec<Row> = sqlx::query_as(HEARTBEAT_MANY)
             .persistent(self.cached())
             .bind(self.shift())
             .bind(&ids)
             .bind(&written)
             .fetch_all(&mut *tx)
             .await?;
-        tx.commit().await?;
+        // The statement answered before the `COMMIT` is sent: if the `COMMIT` gets no answer,
+        // each beaten claim knows what it wrote, and in which transaction.
+        let committed = tx.commit().await.map_err(crate::Error::from);
+        if let Err(e) = &committed
+            && rows.iter().all(|(_, beaten, _, _)| beaten.is_none())
+        {
+            tracing::warn!(error = %e.chain(), "a heartbeat that wrote nothing failed at its COMMIT");
+        }
         Ok(fences
             .iter()
             .map(
-                |fence| match rows.iter().find(|(id, _, _)| *id == fence.id) {
-                    Some((_, Some(last_written), _)) => BeatOutcome::Beaten(Fence {
-                        id: fence.id,
-                        last_written: *last_written,
-                    }),
-                    Some((_, None, true)) => BeatOutcome::Busy,
+                |fence| match rows.iter().find(|(id, _, _, _)| *id == fence.id) {
+                    Some((_, Some(last_written), Some(writer), _)) => {
+                        let next = Fence {
+                            id: fence.id,
+                            last_written: *last_written,
+                        };
+                        match &committed {
+                            Ok(()) => BeatOutcome::Beaten(next),
+                            Err(e) => unsure(next, *writer, e),
+                        }
+                    }
+                    Some((_, None, _, true)) => BeatOutcome::Busy,
                     _ => BeatOutcome::Lost,
                 },
             )

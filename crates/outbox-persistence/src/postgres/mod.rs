@@ -272,8 +272,12 @@ impl OutboxRepository for PgOutbox {
         self.claim_oldest(policy, scope, max, chain).await
     }
 
-    async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {
+    async fn heartbeat(&self, fence: Fence) -> Result<BeatOutcome> {
         self.beat(fence).await
+    }
+
+    async fn beat_landed(&self, written: Fence, writer: i64) -> Result<bool> {
+        self.read_back_beat(written, writer).await
     }
 
     async fn heartbeat_many(&self, fences: Vec<Fence>) -> Result<Vec<BeatOutcome>> {

@@ -143,7 +143,7 @@ impl SqliteOutbox {
         write_fenced(&self.pool, self.now(), fence, write).await
     }
 
-    pub(super) async fn beat(&self, fence: Fence) -> Result<Option<Fence>> {
+    pub(super) async fn beat(&self, fence: Fence) -> Result<BeatOutcome> {
         // This process holds the claim and is alive: say so to its own observers at once,
         // before the write waits for the lock (another attempt may hold it for a while).
         self.liveness()
@@ -158,10 +158,10 @@ impl SqliteOutbox {
             .await?
             .rows_affected();
         if rows != 1 {
-            return Ok(None);
+            return Ok(BeatOutcome::Lost);
         }
         self.liveness().note(fence.id, written, &self.shift);
-        Ok(Some(Fence {
+        Ok(BeatOutcome::Beaten(Fence {
             id: fence.id,
             last_written: written,
         }))

@@ -238,8 +238,17 @@ impl OutboxRepository for SqliteOutbox {
         self.claim_in_tx(policy, scope, None, max, chain).await
     }
 
-    async fn heartbeat(&self, fence: Fence) -> Result<Option<Fence>> {
+    async fn heartbeat(&self, fence: Fence) -> Result<BeatOutcome> {
         self.beat(fence).await
+    }
+
+    /// SQLite never reports a beat [`BeatOutcome::Unsure`] (no reply crosses a network: an
+    /// error means the beat did not land); the row is compared by value.
+    async fn beat_landed(&self, written: Fence, _writer: i64) -> Result<bool> {
+        Ok(self.get_event(written.id).await?.is_some_and(|row| {
+            row.status == crate::EventStatus::Processing
+                && row.last_modified_date == written.last_written
+        }))
     }
 
     async fn heartbeat_many(&self, fences: Vec<Fence>) -> Result<Vec<BeatOutcome>> {
