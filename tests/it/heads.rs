@@ -650,3 +650,67 @@ backend_tests!(
     foreign_writers_beside_pull_workers_wedge_no_record,
     damaged_heads_are_repaired_and_reported,
 );
+
+/// Issue 37: a statement that ends several rows of a record (a batch's chain) moves the
+/// record's head once. A row ended after the head neither moves the head nor locks it (the
+/// head's `xmax` is unchanged: before migration 0011 each such row took the head's lock and
+/// probed the record's rows again); the head's own removal moves it past every row the
+/// statement ended; the last one deletes it. The heads stay exact throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_chain_moves_its_head_once() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let repo = db.repository();
+    let pool = db.pg().unwrap().clone();
+    let mut ids = Vec::new();
+    for _ in 0..25 {
+        let mut tx = repo.begin().await.unwrap();
+        ids.extend(
+            repo.enqueue(&mut tx, &[NewEvent::new(LIBRARY, envelope("chain"))])
+                .await
+                .unwrap(),
+        );
+        tx.commit().await.unwrap();
+    }
+    let head = || async {
+        sqlx::query_as::<_, (uuid::Uuid, String)>(
+            "SELECT h.Id, h.xmax::text FROM _System_OutboxHead h
+             JOIN _System_OutboxEvent e ON e.RecordKey = h.RecordKey AND e.Id = $1",
+        )
+        .bind(ids[0])
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+    };
+    let end = |rows: Vec<uuid::Uuid>| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query("UPDATE _System_OutboxEvent SET Status = 'processed' WHERE Id = ANY($1)")
+                .bind(rows)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    };
+    let (first, before) = head().await.expect("the record has a head");
+    assert_eq!(first, ids[0]);
+    // Rows 2 to 20, after the head, in one statement: the head is left alone.
+    end(ids[1..20].to_vec()).await;
+    assert_eq!(
+        head().await,
+        Some((ids[0], before)),
+        "the head was locked or moved"
+    );
+    assert!(db.db.check_heads().await.unwrap().is_empty());
+    // The head and rows 21 to 24: the head moves past all of them, to row 25.
+    end([&ids[..1], &ids[20..24]].concat()).await;
+    assert_eq!(head().await.map(|(id, _)| id), Some(ids[24]));
+    assert!(db.db.check_heads().await.unwrap().is_empty());
+    end(vec![ids[24]]).await;
+    assert_eq!(
+        head().await,
+        None,
+        "a record with no open row keeps no head"
+    );
+}

@@ -91,7 +91,7 @@ impl FenceCell {
     }
 
     /// A beat's `COMMIT` got no answer: the row is at `written` if it landed.
-    fn unsure(state: &mut FenceState, written: Fence, writer: i64) {
+    pub(crate) fn unsure(state: &mut FenceState, written: Fence, writer: i64) {
         tracing::warn!(event_id = %written.id, "a heartbeat's COMMIT got no answer; it may have landed (read back before the next fenced write)");
         state.unsure = Some((written, writer));
     }
@@ -298,22 +298,36 @@ async fn beat_once(
 /// is still this worker's claim, fenced by that value. Nothing else can pass for it: another
 /// worker's fresh claim of the row, even one with the same `RetryCount` after this worker's
 /// release landed, is another transaction's version (finding 4 of the batched-attempts
-/// review, `../shared/repro/batches/f2_readback_adopts_foreign_claim.sh`). A read that fails
-/// adopts nothing: the write goes under the fence the worker holds, or finds the claim lost.
+/// review, `../shared/repro/batches/f2_readback_adopts_foreign_claim.sh`). The read is tried
+/// again with backoff (reads fail for a while right after a lost reply: a pooler's login
+/// retry, a restart); one that never succeeds adopts nothing: the write goes under the fence
+/// the worker holds, or finds the claim lost.
 async fn own_beat_landed(repo: &Arc<dyn OutboxRepository>, state: &FenceState) -> Option<Fence> {
     let (written, writer) = state.unsure?;
-    match repo.beat_landed(written, writer).await {
-        Ok(true) => {
-            tracing::info!(event_id = %written.id, "a beat whose reply was lost had landed; the claim is still this worker's");
-            Some(written)
-        }
-        Ok(false) => None,
-        Err(e) => {
-            tracing::warn!(event_id = %written.id, error = %e.chain(), "could not read back a heartbeat whose reply was lost");
-            None
+    let mut backoff = READ_BACK_FIRST_BACKOFF;
+    for try_number in 1..=READ_BACK_TRIES {
+        match repo.beat_landed(written, writer).await {
+            Ok(true) => {
+                tracing::info!(event_id = %written.id, "a beat whose reply was lost had landed; the claim is still this worker's");
+                return Some(written);
+            }
+            Ok(false) => return None,
+            Err(e) => {
+                tracing::debug!(event_id = %written.id, error = %e.chain(), try_number, "could not read back a heartbeat whose reply was lost");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(READ_BACK_MAX_BACKOFF);
+            }
         }
     }
+    tracing::warn!(event_id = %written.id, "could not read back a heartbeat whose reply was lost; writing under the fence held before it");
+    None
 }
+
+/// How often a beat whose reply was lost is read back, the first pause between tries and the
+/// longest (about 4 s in all, as the detached bookkeeping's read-backs).
+const READ_BACK_TRIES: u32 = 8;
+const READ_BACK_FIRST_BACKOFF: Duration = Duration::from_millis(50);
+const READ_BACK_MAX_BACKOFF: Duration = Duration::from_secs(1);
 
 impl Drop for HeartbeatGuard {
     fn drop(&mut self) {

@@ -872,8 +872,8 @@ fn mock_repo() -> MockOutboxRepository {
 }
 
 /// A beat whose `COMMIT` got no answer may have landed: the next beat then finds the row moved
-/// past the fence it holds. The read-back finds the row still the version that beat wrote, so
-/// it is this worker's own beat: its value becomes the fence, the claim is not lost, and the
+/// past the fence it holds. The read-back (tried again while it fails) finds the row still the
+/// version that beat wrote, so it is this worker's own beat: its value becomes the fence, the claim is not lost, and the
 /// outcome is written under it.
 #[tokio::test(start_paused = true)]
 async fn a_beat_whose_reply_was_lost_is_not_a_lost_claim() {
@@ -910,10 +910,18 @@ async fn a_beat_whose_reply_was_lost_is_not_a_lost_claim() {
         .times(1)
         .in_sequence(&mut seq)
         .returning(|_| Ok(BeatOutcome::Lost));
+    // Its read-back fails twice (the database is briefly away) before it answers.
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     repo.expect_beat_landed()
-        .times(1)
+        .times(3)
         .withf(move |written, writer| *written == landed && *writer == 7)
-        .returning(|_, _| Ok(true));
+        .returning(move |_, _| {
+            if reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 2 {
+                Err(unavailable())
+            } else {
+                Ok(true)
+            }
+        });
     let (outcome, metrics) = run(
         repo,
         handlers(Duration::from_millis(2500), || Ok(())),

@@ -14,7 +14,7 @@ use outbox_persistence::{BeatOutcome, FenceOutcome};
 
 use crate::detached::release_from;
 use crate::env::{AttemptEnv, AttemptOutcome};
-use crate::heartbeat::Beat;
+use crate::heartbeat::{Beat, FenceCell};
 
 /// Why a claim is given back while another handler of its worker runs long.
 pub(crate) const SLOW_HANDLER: &str =
@@ -125,11 +125,16 @@ impl<'a> Unstarted<'a> {
                 Ok(FenceOutcome::Lost) => return Some((AttemptOutcome::LostClaim, false)),
                 Err(e) => {
                     tracing::warn!(error = %e.chain(), "giving back a claim of a long handler's worker failed; confirming the claim");
-                    if let Ok(BeatOutcome::Beaten(next)) =
-                        self.env.repo.heartbeat(state.fence).await
-                    {
-                        beat.fence.beaten(&mut state, next);
-                        return None;
+                    match self.env.repo.heartbeat(state.fence).await {
+                        Ok(BeatOutcome::Beaten(next)) => {
+                            beat.fence.beaten(&mut state, next);
+                            return None;
+                        }
+                        // The release on the side reads it back before its first write.
+                        Ok(BeatOutcome::Unsure { written, writer }) => {
+                            FenceCell::unsure(&mut state, written, writer)
+                        }
+                        _ => {}
                     }
                 }
             }

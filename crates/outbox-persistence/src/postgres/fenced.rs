@@ -31,8 +31,8 @@ RETURNING LastModifiedDate, xmin::text::bigint"
 
 /// Whether the row is still the version a beat wrote (`$3`: the beat's transaction id, the
 /// `xmin` of the version it wrote) under the fence it wrote (`$2`): read back after the beat's
-/// `COMMIT` got no answer. No later write, not even another claim with the same values, has
-/// that `xmin`.
+/// `COMMIT` got no answer. Every later write moves `LastModifiedDate` forward; the `xmin`
+/// also tells a rewrite of the same values apart (short of an xid reused after wraparound).
 const BEAT_LANDED: &str = "\
 SELECT EXISTS (SELECT 1 FROM _System_OutboxEvent
                WHERE Id = $1 AND Status = 'processing' AND LastModifiedDate = $2
