@@ -585,6 +585,53 @@ async fn mark_processed_many_writes_each_fenced_claim(db: TestDb) {
     );
 }
 
+/// A batch's begin check holds back each member that an older open row of its record outside
+/// the batch precedes: a row other code wrote into the middle of a claimed chain holds back the
+/// members after it and not the one before; one older than the whole chain holds back all
+/// (issue 36; one probe per record since issue 37).
+async fn begin_check_holds_back_the_members_after_a_foreign_row(db: TestDb) {
+    let repo = db.repository();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.extend(enqueue(&repo, &[NewEvent::new("t", lead("mid"))]).await);
+        db.clock.advance(secs(1));
+    }
+    let claims = repo
+        .claim_chains(policy(), &Scope::All, 3, 3)
+        .await
+        .unwrap();
+    assert_eq!(claims.len(), 3, "the record's chain");
+    let fences: Vec<Fence> = ids
+        .iter()
+        .map(|id| claims.iter().find(|c| c.event.id == *id).unwrap().fence)
+        .collect();
+    let first = repo.get_event(ids[0]).await.unwrap().unwrap();
+    let second = repo.get_event(ids[1]).await.unwrap().unwrap();
+    let key = first.record_key.as_ref().map(|k| k.as_str().to_owned());
+    let mid = first.created_date + (second.created_date - first.created_date) / 2;
+    assert!(mid > first.created_date && mid < second.created_date);
+    let held_back = |db: &TestDb, fences: Vec<Fence>| {
+        let repo = db.repository();
+        async move {
+            let (mut tx, mut lost) = repo.begin_batch_attempt(secs(5), fences).await.unwrap();
+            tx.rollback().await.unwrap();
+            lost.sort();
+            lost
+        }
+    };
+    assert!(held_back(&db, fences.clone()).await.is_empty());
+    db.insert_raw(&RawRow::pending(key.as_deref(), mid)).await;
+    let mut after = vec![ids[1], ids[2]];
+    after.sort();
+    assert_eq!(held_back(&db, fences.clone()).await, after);
+    let before = first.created_date - chrono::TimeDelta::seconds(1);
+    db.insert_raw(&RawRow::pending(key.as_deref(), before))
+        .await;
+    let mut all = ids.clone();
+    all.sort();
+    assert_eq!(held_back(&db, fences).await, all);
+}
+
 async fn insert_side_effect(tx: &mut Tx) {
     outbox_persistence::with_tx!(tx, |conn| {
         sqlx::query("INSERT INTO side_effect VALUES (1)")
@@ -1189,6 +1236,7 @@ backend_tests!(
     heartbeat_fences,
     heartbeat_many_beats_each_claim,
     mark_processed_many_writes_each_fenced_claim,
+    begin_check_holds_back_the_members_after_a_foreign_row,
     attempt_savepoint_and_retry_counting,
     backfill_matches_enqueue,
     stats_reports_the_queue,

@@ -72,20 +72,44 @@ const CHECK_FENCE: &str = "SELECT _System_OutboxCheckFence($1, $2)";
 /// A batch's fence check: the ids (`$1`) that may not run now: their row is no longer
 /// `processing` under its fence (`$2`, in the same order), or an older row of its record outside
 /// the batch is not terminal (an operator retry, or a row other code wrote, since the claim).
+/// One probe per record, not per member (issue 37, `../shared/repro/batches/f4_lost_fences_cost.sh`):
+/// the record's oldest open row outside the batch and older than its newest member, read with
+/// `ORDER BY … LIMIT 1` from the record's first index entry; a member waits when that row is
+/// older than it. Probing per member without a limit read the record's older entries (dead
+/// ones too, until vacuum) once for every member of a chain.
 const LOST_FENCES: &str = "\
-SELECT f.id
-FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)
+WITH f AS (SELECT * FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)),
+held AS (
+  SELECT e.Id, e.RecordKey, e.CreatedDate
+  FROM f JOIN _System_OutboxEvent e ON e.Id = f.id
+  WHERE e.Status = 'processing' AND e.LastModifiedDate = f.written
+),
+newest AS (
+  SELECT DISTINCT ON (h.RecordKey) h.RecordKey AS k, h.CreatedDate AS c, h.Id AS i
+  FROM held h
+  WHERE h.RecordKey IS NOT NULL
+  ORDER BY h.RecordKey, h.CreatedDate DESC, h.Id DESC
+),
+outside AS (
+  SELECT n.k, o.CreatedDate AS c, o.Id AS i
+  FROM newest n
+  CROSS JOIN LATERAL (
+    SELECT older.CreatedDate, older.Id FROM _System_OutboxEvent older
+    WHERE older.RecordKey = n.k
+      AND (older.CreatedDate, older.Id) < (n.c, n.i)
+      AND older.Status NOT IN ('processed', 'failed')
+      AND older.Id <> ALL($1)
+    ORDER BY older.CreatedDate, older.Id
+    LIMIT 1
+  ) o
+)
+SELECT f.id FROM f
 WHERE NOT EXISTS (
-  SELECT 1 FROM _System_OutboxEvent e
-  WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written
-    AND (e.RecordKey IS NULL OR NOT EXISTS (
-      SELECT 1 FROM _System_OutboxEvent older
-      WHERE older.RecordKey = e.RecordKey
-        AND (older.CreatedDate, older.Id) < (e.CreatedDate, e.Id)
-        AND older.Status NOT IN ('processed', 'failed')
-        AND older.Id <> ALL($1)
-    ))
-)";
+  SELECT 1 FROM held h
+  WHERE h.Id = f.id
+    AND NOT EXISTS (
+      SELECT 1 FROM outside o
+      WHERE o.k = h.RecordKey AND (o.c, o.i) < (h.CreatedDate, h.Id)))";
 
 const MARK_PROCESSED: &str = concat!(
     "\
