@@ -232,6 +232,84 @@ async fn application_transactions_beside_batches_never_fail(db: TestDb) {
     assert!(metrics.batches > 0, "batches ran: {metrics:?}");
 }
 
+/// Finding 1, one interleaving, deterministic: a batch never holds a finished handler's row
+/// locks while a later handler of it runs. Two events of two records run in one batch: the
+/// first updates application row 1 in the attempt transaction, the second waits for the test
+/// before it touches row 2. Meanwhile an application transaction updates row 1 and then row 2's
+/// neighbour under a 500 ms lock timeout: row 1 is free, because the first handler's segment
+/// committed when it ended. Held to the batch's one `COMMIT` (before segments), that update
+/// waited for the batch, and an application holding row 2 would have deadlocked with it.
+/// PostgreSQL only: on SQLite a batch holds the one write lock, and an application write waits
+/// for it whatever the handlers do.
+async fn a_batch_holds_no_finished_handlers_row_locks(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return;
+    }
+    db.execute(
+        "CREATE TABLE app_row (id BIGINT PRIMARY KEY, n BIGINT NOT NULL, seen BIGINT NOT NULL)",
+    )
+    .await;
+    db.execute("INSERT INTO app_row (id, n, seen) VALUES (1, 0, 0), (2, 0, 0), (3, 0, 0)")
+        .await;
+    let repo = db.repository();
+    let handler = Acting::default();
+    let (held, go_on) = (handler.held.clone(), handler.go_on.clone());
+    let handle = start(&repo, handler, config(1)).await;
+    // The first claim runs alone (the worker has not timed its handlers yet): a warm-up.
+    enqueue(&repo, &[event("W", "noop", 0)]).await;
+    drain(&repo, Duration::from_secs(20)).await;
+    let batches_before = handle.metrics().batches;
+    enqueue(
+        &repo,
+        &[event("A", "touch", 1), event("B", "hold_touch", 2)],
+    )
+    .await;
+    until_held(&held).await;
+    assert_eq!(
+        status(&db, "A", 1).await,
+        "processed",
+        "A's segment committed"
+    );
+    assert_eq!(status(&db, "B", 2).await, "processing");
+    let application = async {
+        let mut tx = repo.begin().await.unwrap();
+        for sql in [
+            "SET LOCAL lock_timeout = '500ms'",
+            "UPDATE app_row SET n = n + 1 WHERE id = 1",
+            "UPDATE app_row SET n = n + 1 WHERE id = 3",
+        ] {
+            with_tx!(&mut tx, |conn| statement::query(sql)
+                .execute(conn)
+                .await
+                .map(|_| ()))
+            .map_err(|e| e.to_string())?;
+        }
+        tx.commit().await.map_err(|e| e.chain())
+    };
+    let applied: Result<(), String> = application.await;
+    go_on.notify_one();
+    drain(&repo, Duration::from_secs(20)).await;
+    let metrics = handle.shutdown().await.metrics;
+    applied.expect("the application waited for a finished handler's row lock");
+    assert_eq!(
+        metrics.batches,
+        batches_before + 1,
+        "A and B ran in one batch"
+    );
+    assert_eq!(
+        db.count("SELECT CAST(sum(seen) AS BIGINT) FROM app_row WHERE id IN (1, 2)")
+            .await,
+        2
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE Status <> 'processed' OR RetryCount > 0"
+        )
+        .await,
+        0
+    );
+}
+
 /// Waits (20 s at most) until a `hold` handler runs and waits for the test.
 async fn until_held(held: &AtomicBool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -531,6 +609,7 @@ backend_tests!(
     an_operator_retry_mid_chain_is_not_overtaken,
     a_claim_lost_at_the_settle_costs_only_its_own_event,
     application_transactions_beside_batches_never_fail,
+    a_batch_holds_no_finished_handlers_row_locks,
     a_claim_lost_at_the_settle_never_lets_its_record_run_ahead,
     a_long_handler_gives_its_workers_unstarted_claims_to_idle_workers,
 );

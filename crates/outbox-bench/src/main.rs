@@ -22,6 +22,7 @@ mod retention;
 mod scenarios;
 mod slow;
 mod sqlite;
+mod writing;
 
 use std::process::ExitCode;
 use std::str::FromStr;
@@ -262,6 +263,9 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     }
     if wanted("drain") {
         scenarios::drains(db, &sizes, &mut report).await?;
+    }
+    if wanted("writing-drain") {
+        writing::writing_drains(db, &sizes, &mut report).await?;
     }
     if wanted("relay") {
         relay::relay(db, &sizes, &mut report).await?;
