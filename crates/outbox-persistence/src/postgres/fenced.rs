@@ -76,12 +76,13 @@ const CHECK_FENCE: &str = "SELECT _System_OutboxCheckFence($1, $2)";
 /// the record's oldest open row outside the batch and older than its newest member, read with
 /// `ORDER BY … LIMIT 1` from the record's first index entry; a member waits when that row is
 /// older than it. Probing per member without a limit read the record's older entries (dead
-/// ones too, until vacuum) once for every member of a chain.
+/// ones too, until vacuum) once for every member of a chain. `outside` is `MATERIALIZED`:
+/// inlined into the last `NOT EXISTS`, its probes ran once per member and record (32 x 32).
 const LOST_FENCES: &str = "\
-WITH f AS (SELECT * FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)),
-held AS (
+WITH held AS (
   SELECT e.Id, e.RecordKey, e.CreatedDate
-  FROM f JOIN _System_OutboxEvent e ON e.Id = f.id
+  FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)
+  JOIN _System_OutboxEvent e ON e.Id = f.id
   WHERE e.Status = 'processing' AND e.LastModifiedDate = f.written
 ),
 newest AS (
@@ -90,7 +91,7 @@ newest AS (
   WHERE h.RecordKey IS NOT NULL
   ORDER BY h.RecordKey, h.CreatedDate DESC, h.Id DESC
 ),
-outside AS (
+outside AS MATERIALIZED (
   SELECT n.k, o.CreatedDate AS c, o.Id AS i
   FROM newest n
   CROSS JOIN LATERAL (
@@ -103,7 +104,7 @@ outside AS (
     LIMIT 1
   ) o
 )
-SELECT f.id FROM f
+SELECT f.id FROM unnest($1::uuid[]) AS f(id)
 WHERE NOT EXISTS (
   SELECT 1 FROM held h
   WHERE h.Id = f.id
