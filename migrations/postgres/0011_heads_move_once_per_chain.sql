@@ -4,8 +4,8 @@
 -- Before: every row that left its key's non-terminal rows called _System_OutboxHeadRemove,
 -- which locked the key's head (FOR NO KEY UPDATE: a write to the head's tuple), probed the key's
 -- oldest non-terminal row and moved the head there. A batch that writes `processed` for a chain
--- of 20 rows of one record in one statement paid 20 locks and up to 20 head versions, each a
--- dead version that every later claim walked past.
+-- of 20 rows of one record in one statement paid 20 head locks and 20 probes of the record's
+-- rows (each walking the chain's dead index entries); only the first wrote a head version.
 --
 -- Now a removal looks at the head only when the head names the removed row, or a row that is
 -- no longer open (ended or gone: a head left behind by a removal that found it held, which
@@ -17,7 +17,8 @@
 -- rows. What the heads table promises is unchanged (migration 0009): PRESENCE exact (a head is
 -- deleted under the same rule as before, and only a head naming no open row can be left over,
 -- for the next removal or the repair), POSITION best effort (a head moved ahead of an older
--- open row by a race stays there until that row or the head's row ends, or the repair runs;
+-- open row by a race stays there until the row it names ends, or the repair runs, where before
+-- any completion of the key put it right;
 -- the claim reads each key's oldest open row itself, so a position only orders the claim's
 -- walk).
 

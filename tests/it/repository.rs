@@ -587,29 +587,29 @@ async fn mark_processed_many_writes_each_fenced_claim(db: TestDb) {
 
 /// A batch's begin check holds back each member that an older open row of its record outside
 /// the batch precedes: a row other code wrote into the middle of a claimed chain holds back the
-/// members after it and not the one before; one older than the whole chain holds back all
-/// (issue 36; one probe per record since issue 37).
+/// members after it and not the one before, nor another record's members in the same batch;
+/// one newer than every member holds back nothing; one older than the whole chain holds back
+/// all of its record (issue 36; one probe per record since issue 37).
 async fn begin_check_holds_back_the_members_after_a_foreign_row(db: TestDb) {
     let repo = db.repository();
-    let mut ids = Vec::new();
-    for _ in 0..3 {
-        ids.extend(enqueue(&repo, &[NewEvent::new("t", lead("mid"))]).await);
+    let (mut mid, mut other) = (Vec::new(), Vec::new());
+    for i in 0..3 {
+        mid.extend(enqueue(&repo, &[NewEvent::new("t", lead("mid"))]).await);
+        if i < 2 {
+            other.extend(enqueue(&repo, &[NewEvent::new("t", lead("other"))]).await);
+        }
         db.clock.advance(secs(1));
     }
     let claims = repo
-        .claim_chains(policy(), &Scope::All, 3, 3)
+        .claim_chains(policy(), &Scope::All, 5, 3)
         .await
         .unwrap();
-    assert_eq!(claims.len(), 3, "the record's chain");
-    let fences: Vec<Fence> = ids
-        .iter()
-        .map(|id| claims.iter().find(|c| c.event.id == *id).unwrap().fence)
-        .collect();
-    let first = repo.get_event(ids[0]).await.unwrap().unwrap();
-    let second = repo.get_event(ids[1]).await.unwrap().unwrap();
+    assert_eq!(claims.len(), 5, "both records' chains");
+    let fences: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
+    let first = repo.get_event(mid[0]).await.unwrap().unwrap();
+    let second = repo.get_event(mid[1]).await.unwrap().unwrap();
+    let last = repo.get_event(mid[2]).await.unwrap().unwrap();
     let key = first.record_key.as_ref().map(|k| k.as_str().to_owned());
-    let mid = first.created_date + (second.created_date - first.created_date) / 2;
-    assert!(mid > first.created_date && mid < second.created_date);
     let held_back = |db: &TestDb, fences: Vec<Fence>| {
         let repo = db.repository();
         async move {
@@ -619,17 +619,31 @@ async fn begin_check_holds_back_the_members_after_a_foreign_row(db: TestDb) {
             lost
         }
     };
+    let sorted = |mut ids: Vec<uuid::Uuid>| {
+        ids.sort();
+        ids
+    };
     assert!(held_back(&db, fences.clone()).await.is_empty());
-    db.insert_raw(&RawRow::pending(key.as_deref(), mid)).await;
-    let mut after = vec![ids[1], ids[2]];
-    after.sort();
-    assert_eq!(held_back(&db, fences.clone()).await, after);
+    let after_all = last.created_date + chrono::TimeDelta::milliseconds(500);
+    db.insert_raw(&RawRow::pending(key.as_deref(), after_all))
+        .await;
+    assert!(
+        held_back(&db, fences.clone()).await.is_empty(),
+        "a row newer than every member holds back nothing"
+    );
+    let between = first.created_date + (second.created_date - first.created_date) / 2;
+    assert!(between > first.created_date && between < second.created_date);
+    db.insert_raw(&RawRow::pending(key.as_deref(), between))
+        .await;
+    assert_eq!(
+        held_back(&db, fences.clone()).await,
+        sorted(vec![mid[1], mid[2]])
+    );
     let before = first.created_date - chrono::TimeDelta::seconds(1);
     db.insert_raw(&RawRow::pending(key.as_deref(), before))
         .await;
-    let mut all = ids.clone();
-    all.sort();
-    assert_eq!(held_back(&db, fences).await, all);
+    assert_eq!(held_back(&db, fences).await, sorted(mid.clone()));
+    assert_eq!(other.len(), 2);
 }
 
 async fn insert_side_effect(tx: &mut Tx) {

@@ -80,7 +80,7 @@ const CHECK_FENCE: &str = "SELECT _System_OutboxCheckFence($1, $2)";
 /// inlined into the last `NOT EXISTS`, its probes ran once per member and record (32 x 32).
 const LOST_FENCES: &str = "\
 WITH held AS (
-  SELECT e.Id, e.RecordKey, e.CreatedDate
+  SELECT e.Id, f.written, e.RecordKey, e.CreatedDate
   FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)
   JOIN _System_OutboxEvent e ON e.Id = f.id
   WHERE e.Status = 'processing' AND e.LastModifiedDate = f.written
@@ -104,10 +104,10 @@ outside AS MATERIALIZED (
     LIMIT 1
   ) o
 )
-SELECT f.id FROM unnest($1::uuid[]) AS f(id)
+SELECT f.id FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)
 WHERE NOT EXISTS (
   SELECT 1 FROM held h
-  WHERE h.Id = f.id
+  WHERE h.Id = f.id AND h.written = f.written
     AND NOT EXISTS (
       SELECT 1 FROM outside o
       WHERE o.k = h.RecordKey AND (o.c, o.i) < (h.CreatedDate, h.Id)))";
