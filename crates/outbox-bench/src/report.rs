@@ -177,6 +177,7 @@ impl Report {
                 r.note
             );
         }
+        self.side_by_side(&mut out);
         if !self.targets.is_empty() {
             let _ = writeln!(out);
             let _ = writeln!(out, "| target | measured | met |");
@@ -192,6 +193,42 @@ impl Report {
             }
         }
         out
+    }
+
+    /// Ceiling (b) and the shipped pull workers' no-op drains, keyed and unkeyed, at each
+    /// connection count, in one table: the figures a comparison with another queue on the same
+    /// server needs (issue 37: run the peer's drain at the same worker counts beside it).
+    fn side_by_side(&self, out: &mut String) {
+        if self.ceiling_b.is_empty() {
+            return;
+        }
+        let drain = |workers: usize, keyed: bool| {
+            self.rows.iter().find(|r| {
+                r.dispatcher == "pull"
+                    && r.workers == Some(workers)
+                    && r.scenario.starts_with("drain ")
+                    && r.scenario.contains(" no-op, ")
+                    && r.scenario.contains("no RecordKey") != keyed
+            })
+        };
+        let cell = |row: Option<&Row>| match row.and_then(|r| r.per_second.zip(r.of_ceiling_b)) {
+            Some((rate, of_b)) => format!("{rate:.0}/s = {of_b:.2}x"),
+            None => "-".into(),
+        };
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "| workers | ceiling (b) | keyed drain (pull) | unkeyed drain (pull) |"
+        );
+        let _ = writeln!(out, "|--:|--:|--:|--:|");
+        for (&workers, &b) in &self.ceiling_b {
+            let _ = writeln!(
+                out,
+                "| {workers} | {b:.0}/s | {} | {} |",
+                cell(drain(workers, true)),
+                cell(drain(workers, false))
+            );
+        }
     }
 
     /// The JSON document.
