@@ -495,6 +495,24 @@ async fn sqlite_a_beat_of_many_claims_waits_for_the_lock_once() {
     );
 }
 
+/// A reply-loss proxy in front of `db`'s server, and a repository that connects through it.
+async fn through_reply_loss(
+    db: &TestDb,
+) -> (
+    outbox_tests::reply_loss::ReplyLoss,
+    std::sync::Arc<dyn OutboxRepository>,
+) {
+    let proxy = outbox_tests::reply_loss::ReplyLoss::start(&db.url);
+    let through = outbox_persistence::Database::connect(
+        &proxy.url,
+        outbox_persistence::ConnectConfig::for_workers(1),
+    )
+    .await
+    .unwrap()
+    .repository();
+    (proxy, through)
+}
+
 /// PostgreSQL: a claim whose `COMMIT` landed with its reply lost (the proxy closes the
 /// connection as the reply comes back) is read back and taken: the rows under exactly the
 /// fence the claim wrote are this claim's. Left to stale reclaim, each would have been counted
@@ -509,14 +527,7 @@ async fn postgres_a_claim_whose_commit_reply_was_lost_is_taken() {
         .map(|k| NewEvent::new("t", lead(&format!("L{k}"))))
         .collect();
     enqueue(&repo, &events).await;
-    let proxy = outbox_tests::reply_loss::ReplyLoss::start(&db.url);
-    let through = outbox_persistence::Database::connect(
-        &proxy.url,
-        outbox_persistence::ConnectConfig::for_workers(1),
-    )
-    .await
-    .unwrap()
-    .repository();
+    let (proxy, through) = through_reply_loss(&db).await;
     proxy.lose_next_commit_reply();
     let claims = through
         .claim_batch(policy(5), &Scope::All, 3)
@@ -560,14 +571,7 @@ async fn postgres_a_beat_whose_commit_reply_was_lost_is_read_back_by_its_version
         .unwrap()
         .pop()
         .unwrap();
-    let proxy = outbox_tests::reply_loss::ReplyLoss::start(&db.url);
-    let through = outbox_persistence::Database::connect(
-        &proxy.url,
-        outbox_persistence::ConnectConfig::for_workers(1),
-    )
-    .await
-    .unwrap()
-    .repository();
+    let (proxy, through) = through_reply_loss(&db).await;
     let (mut fence, mut last_writer) = (claim.fence, 0);
     for group in [false, true] {
         proxy.lose_next_commit_reply();

@@ -138,6 +138,20 @@ impl Lcg {
     }
 }
 
+/// The application's table the handlers write, with rows `ids` at zero.
+async fn app_rows(db: &TestDb, ids: &[i64]) {
+    db.execute(
+        "CREATE TABLE app_row (id BIGINT PRIMARY KEY, n BIGINT NOT NULL, seen BIGINT NOT NULL)",
+    )
+    .await;
+    for id in ids {
+        db.execute(&format!(
+            "INSERT INTO app_row (id, n, seen) VALUES ({id}, 0, 0)"
+        ))
+        .await;
+    }
+}
+
 /// One application transaction: upserts `rows` (ascending, so two applications never deadlock
 /// with each other) and enqueues an event for each, as a CRM saves records and their triggers.
 async fn application_transaction(
@@ -172,10 +186,7 @@ async fn application_transaction(
 /// handlers' row locks to one `COMMIT`, the application's upserts deadlocked with it; a batch
 /// now commits after each handler that kept effects, so it never holds two handlers' locks.
 async fn application_transactions_beside_batches_never_fail(db: TestDb) {
-    db.execute(
-        "CREATE TABLE app_row (id BIGINT PRIMARY KEY, n BIGINT NOT NULL, seen BIGINT NOT NULL)",
-    )
-    .await;
+    app_rows(&db, &[]).await;
     let repo = db.repository();
     let rows: Vec<u64> = (0..APP_ROWS).collect();
     application_transaction(&repo, &rows).await.unwrap();
@@ -245,12 +256,7 @@ async fn a_batch_holds_no_finished_handlers_row_locks(db: TestDb) {
     if db.backend() != Backend::Postgres {
         return;
     }
-    db.execute(
-        "CREATE TABLE app_row (id BIGINT PRIMARY KEY, n BIGINT NOT NULL, seen BIGINT NOT NULL)",
-    )
-    .await;
-    db.execute("INSERT INTO app_row (id, n, seen) VALUES (1, 0, 0), (2, 0, 0), (3, 0, 0)")
-        .await;
+    app_rows(&db, &[1, 2]).await;
     let repo = db.repository();
     let handler = Acting::default();
     let (held, go_on) = (handler.held.clone(), handler.go_on.clone());
@@ -469,12 +475,7 @@ async fn a_claim_lost_at_the_settle_costs_only_its_own_event(db: TestDb) {
     if db.backend() != Backend::Postgres {
         return; // SQLite's batch holds the write lock: nobody can take a claim over meanwhile.
     }
-    db.execute(
-        "CREATE TABLE app_row (id BIGINT PRIMARY KEY, n BIGINT NOT NULL, seen BIGINT NOT NULL)",
-    )
-    .await;
-    db.execute("INSERT INTO app_row (id, n, seen) VALUES (7, 0, 0)")
-        .await;
+    app_rows(&db, &[7]).await;
     let repo = db.repository();
     let handler = Acting::default();
     let (held, go_on, log) = (

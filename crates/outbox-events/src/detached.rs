@@ -9,7 +9,7 @@ use outbox_persistence::{
 };
 
 use crate::env::{AttemptEnv, AttemptOutcome, Failure, failure_outcome};
-use crate::heartbeat::Beat;
+use crate::heartbeat::{Beat, READ_BACK_FIRST_BACKOFF, READ_BACK_MAX_BACKOFF, READ_BACK_TRIES};
 
 /// Releases the claim without counting the attempt (see [`AttemptOutcome::Released`]), on a
 /// connection of its own, retried while the heartbeat keeps the claim alive as the detached
@@ -172,13 +172,6 @@ async fn read_back(env: &AttemptEnv, id: EventId) -> Option<outbox_persistence::
     tracing::warn!(event_id = %id, "could not read the row back; its claim is reported lost");
     None
 }
-
-/// How often a row is read back, the first pause between tries and the longest (about 4 s in
-/// all: a restart or a pooler's login retry lasts a few seconds; four tries over 0.75 s
-/// reported claims lost whose writes had landed, in the fault suite's PgBouncer run).
-const READ_BACK_TRIES: u32 = 8;
-const READ_BACK_FIRST_BACKOFF: Duration = Duration::from_millis(50);
-const READ_BACK_MAX_BACKOFF: Duration = Duration::from_secs(1);
 
 /// Gives back a claim whose handler never ran (uncounted, on a connection of its own): a
 /// release that lands is [`AttemptOutcome::NotRun`].

@@ -323,11 +323,13 @@ async fn own_beat_landed(repo: &Arc<dyn OutboxRepository>, state: &FenceState) -
     None
 }
 
-/// How often a beat whose reply was lost is read back, the first pause between tries and the
-/// longest (about 4 s in all, as the detached bookkeeping's read-backs).
-const READ_BACK_TRIES: u32 = 8;
-const READ_BACK_FIRST_BACKOFF: Duration = Duration::from_millis(50);
-const READ_BACK_MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// How often a row is read back after a write whose reply was lost (a beat here, the detached
+/// bookkeeping in `detached.rs`), the first pause between tries and the longest (about 4 s in
+/// all: a restart or a pooler's login retry lasts a few seconds; four tries over 0.75 s
+/// reported claims lost whose writes had landed, in the fault suite's PgBouncer run).
+pub(crate) const READ_BACK_TRIES: u32 = 8;
+pub(crate) const READ_BACK_FIRST_BACKOFF: Duration = Duration::from_millis(50);
+pub(crate) const READ_BACK_MAX_BACKOFF: Duration = Duration::from_secs(1);
 
 impl Drop for HeartbeatGuard {
     fn drop(&mut self) {
