@@ -9,8 +9,20 @@
 //! `pg_stat_xact_user_tables`), while a statement prepared the ordinary way on the same
 //! connection, the control, does scan, which shows that the check can fail.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_persistence::postgres::PgOutbox;
+use outbox_persistence::sqlx::PgPool;
+use outbox_persistence::sqlx::postgres::PgPoolOptions;
+use outbox_persistence::{
+    BeatOutcome, ClaimPolicy, FailureBookkeeping, Fence, FenceOutcome, NewEvent, OutboxRepository,
+    Scope,
+};
 use outbox_tests::TestDb;
 use sqlx::{Connection as _, PgConnection};
+
+use crate::repository::{enqueue, lead};
 
 /// A claim of `$1` rows: batches of one and of eight share the function's cached plan.
 const CLAIM: &str = "SELECT Id FROM _System_OutboxClaimBatch('0', '30 seconds', '10 seconds', 5, NULL, NULL, $1, '5000ms')";
@@ -107,4 +119,193 @@ async fn postgres_a_claim_planned_on_an_empty_queue_uses_the_indexes_after_it_gr
         "control: a statement prepared on the empty table should keep its sequential scans"
     );
     tx.rollback().await.unwrap();
+}
+
+/// Issue 37, "plans that hold": every statement the attempt's path sends (the claim and its
+/// chains, the heartbeats, the fence checks, the settles, the give-backs, and the heads
+/// triggers they fire) keeps an index plan when the table grows after the statements were
+/// prepared. A repository on one connection runs six rounds of that path on a small table
+/// (autovacuum off, so no ANALYZE invalidates a plan), the table then grows by 25,000 rows
+/// (20,000 processed, 5,000 pending and due in an hour, each on a record of its own), and one
+/// more round must read fewer outbox rows by sequential scan than the table holds (today: none;
+/// with the statements prepared by the client, one round read 260,273). The control, a
+/// client-prepared one-row read planned on the same connection before the growth, reads the
+/// whole table.
+#[tokio::test]
+async fn postgres_the_attempt_path_planned_on_a_small_table_uses_the_indexes_after_it_grows() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    // `pg_stat_force_next_flush` is PostgreSQL 15's; a pooler would move the connection.
+    let version = db
+        .count("SELECT current_setting('server_version_num')::bigint")
+        .await;
+    if db.behind_pooler() || version < 150_000 {
+        return;
+    }
+    db.execute("ALTER TABLE _System_OutboxEvent SET (autovacuum_enabled = false)")
+        .await;
+    db.execute("ALTER TABLE _System_OutboxHead SET (autovacuum_enabled = false)")
+        .await;
+    db.execute("VACUUM ANALYZE _System_OutboxEvent").await;
+    db.execute("VACUUM ANALYZE _System_OutboxHead").await;
+    let one = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.pg().unwrap().connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    let repo: Arc<dyn OutboxRepository> = Arc::new(PgOutbox::new(one.clone()));
+    let control = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE Id = $1 AND Status = 'processing'",
+        )
+        .bind(uuid::Uuid::nil())
+        .fetch_one(&one)
+        .await
+        .unwrap()
+    };
+    for round in 0..6 {
+        attempt_path_round(&repo, round).await;
+        assert_eq!(control().await, 0);
+    }
+    sqlx::query(GROW).execute(&one).await.unwrap();
+    let before = outbox_rows_scanned(&db, &one).await;
+    attempt_path_round(&repo, 6).await;
+    let after = outbox_rows_scanned(&db, &one).await;
+    assert!(
+        after - before < 1_000,
+        "one round of the attempt path read {} outbox rows by sequential scan: a plan made on the small table was kept",
+        after - before
+    );
+    assert_eq!(control().await, 0);
+    let control_read = outbox_rows_scanned(&db, &one).await - after;
+    assert!(
+        control_read >= 20_000,
+        "control: a statement prepared on the small table should keep its sequential scan (read {control_read})"
+    );
+    one.close().await;
+}
+
+/// The growth: 20,000 processed rows over 500 records and 5,000 pending rows, each on a record
+/// of its own, due in an hour (so no round claims them, and the heads table grows too).
+const GROW: &str = "\
+INSERT INTO _System_OutboxEvent
+  (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
+SELECT gen_random_uuid(), 'grown', '{}', CASE WHEN i <= 20000 THEN 'processed' ELSE 'pending' END,
+       0, CASE WHEN i <= 20000 THEN 'lead:g' || (i % 500) ELSE 'lead:later' || i END,
+       clock_timestamp() + interval '1 hour' + i * interval '1 microsecond',
+       clock_timestamp() + interval '1 hour'
+FROM generate_series(1, 25000) i";
+
+/// The outbox rows read by sequential scans so far, with `conn`'s counts flushed to the shared
+/// statistics first (`pg_stat_force_next_flush`: flushed before the call's reply is sent).
+async fn outbox_rows_scanned(db: &TestDb, conn: &PgPool) -> i64 {
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(conn)
+        .await
+        .unwrap();
+    db.count(
+        "SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables
+         WHERE relname = '_system_outboxevent'",
+    )
+    .await
+}
+
+/// One round of the attempt's path on records of their own (`round` names them): two records
+/// of three rows and two unkeyed rows claimed with chains, beaten together and alone, a chain's
+/// batch settled (two `processed`, one `failed`), single attempts (`processed`, a retry due in
+/// an hour, a give-back in the batch's attempt), the detached retry and release, a reclaim.
+async fn attempt_path_round(repo: &Arc<dyn OutboxRepository>, round: u32) {
+    let unkeyed = r#"{"kind":"unkeyed"}"#;
+    let mut events = Vec::new();
+    for record in ["a", "b"] {
+        for _ in 0..3 {
+            events.push(NewEvent::new("t", lead(&format!("p{round}{record}"))));
+        }
+    }
+    events.push(NewEvent::new("t", unkeyed));
+    events.push(NewEvent::new("t", unkeyed));
+    let ids = enqueue(repo, &events).await;
+    let policy = ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(10), 5);
+    let claims = repo.claim_chains(policy, &Scope::All, 8, 2).await.unwrap();
+    assert_eq!(claims.len(), 8, "round {round}: every row is claimed");
+    let fences: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
+    let fence = |outcomes: Vec<BeatOutcome>| -> Vec<Fence> {
+        outcomes
+            .into_iter()
+            .map(|o| match o {
+                BeatOutcome::Beaten(f) => f,
+                other => panic!("round {round}: a beat was {other:?}"),
+            })
+            .collect()
+    };
+    let mut beaten = fence(repo.heartbeat_many(fences).await.unwrap());
+    let by_id = |fences: &[Fence], id: uuid::Uuid| *fences.iter().find(|f| f.id == id).unwrap();
+    let first = by_id(&beaten, ids[0]);
+    let single = fence(vec![repo.heartbeat(first).await.unwrap()])[0];
+    beaten.retain(|f| f.id != single.id);
+    beaten.push(single);
+    let f: Vec<Fence> = ids.iter().map(|id| by_id(&beaten, *id)).collect();
+    settle_round(repo, &f).await;
+}
+
+/// The settles of [`attempt_path_round`] over its fences, in its enqueue order.
+async fn settle_round(repo: &Arc<dyn OutboxRepository>, f: &[Fence]) {
+    let lock = Duration::from_secs(5);
+    let (mut batch, lost) = repo
+        .begin_batch_attempt(lock, [&f[0..3], &f[6..8]].concat())
+        .await
+        .unwrap();
+    assert!(lost.is_empty());
+    let written = batch.mark_processed_chains(f[0..2].to_vec()).await.unwrap();
+    assert_eq!(written, vec![FenceOutcome::Written; 2]);
+    batch.savepoint().await.unwrap();
+    let failed = batch
+        .record_failure(f[2], FailureBookkeeping::Fail, "poison")
+        .await
+        .unwrap();
+    assert_eq!(failed, FenceOutcome::Written);
+    batch.savepoint().await.unwrap();
+    assert_eq!(
+        batch.mark_processed_many(vec![f[6]]).await.unwrap(),
+        vec![FenceOutcome::Written]
+    );
+    assert_eq!(
+        batch.release(f[7], "given back").await.unwrap(),
+        FenceOutcome::Written
+    );
+    batch.commit().await.unwrap();
+
+    let mut single = repo.begin_attempt(lock, f[3]).await.unwrap().unwrap();
+    assert_eq!(
+        single.mark_processed(f[3]).await.unwrap(),
+        FenceOutcome::Written
+    );
+    single.commit().await.unwrap();
+    // Due in an hour: no later round claims it, and it holds the record's last row back.
+    let retry = repo
+        .increment_retry(f[4], Duration::from_secs(3600), "later")
+        .await
+        .unwrap();
+    assert_eq!(retry, FenceOutcome::Written);
+    assert_eq!(
+        repo.release_claims(vec![f[5]], "unrun").await.unwrap(),
+        vec![FenceOutcome::Written]
+    );
+    // The unkeyed row given back in the batch is the only one eligible: claimed and settled.
+    let policy = ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(10), 5);
+    let again = repo.claim_next(policy, &Scope::All).await.unwrap().unwrap();
+    assert_eq!(again.event.id, f[7].id);
+    assert_eq!(
+        repo.release_claim(again.fence, "once more").await.unwrap(),
+        FenceOutcome::Written
+    );
+    let last = repo.claim_next(policy, &Scope::All).await.unwrap().unwrap();
+    let mut single = repo.begin_attempt(lock, last.fence).await.unwrap().unwrap();
+    let outcome = single
+        .record_failure(last.fence, FailureBookkeeping::Fail, "done")
+        .await
+        .unwrap();
+    assert_eq!(outcome, FenceOutcome::Written);
+    single.commit().await.unwrap();
 }

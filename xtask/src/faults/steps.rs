@@ -10,17 +10,18 @@
 //! |---|---|
 //! | begin | runs the segment's fence check ([`BEGIN_PATTERN`]) |
 //! | between handlers | is idle in its transaction (a handler runs, or the worker between statements) |
-//! | settle | runs a `processed` write ([`SETTLE_PATTERN`]) |
+//! | settle | runs an outcome write ([`SETTLE_PATTERN`]) |
 //! | commit | runs `COMMIT` |
 //!
 //! The patterns are copies of the library's statements (xtask depends on no workspace crate); a
 //! unit test keeps them in its sources.
 
 /// The fence check that begins a batched attempt's segment (`LOST_FENCES` in
-/// `crates/outbox-persistence/src/postgres/fenced.rs`).
-pub(super) const BEGIN_PATTERN: &str = "SELECT f.id%FROM unnest($1::uuid[], $2::timestamptz[])%";
-/// The settle's `processed` writes (`MARK_PROCESSED`, `_MANY` and `_CHAINS`).
-pub(super) const SETTLE_PATTERN: &str = "%SET Status = 'processed'%";
+/// `crates/outbox-persistence/src/postgres/fenced.rs`, a call of a function of migration 0012).
+pub(super) const BEGIN_PATTERN: &str = "SELECT * FROM _System_OutboxLostFences(%";
+/// The settle's outcome writes (`SETTLE`, one claim's, and `SETTLE_MANY`, a batch's `processed`
+/// writes). `_` in a `LIKE` pattern matches any one character, the `_` too.
+pub(super) const SETTLE_PATTERN: &str = "%_System_OutboxSettle%";
 /// How long one cut waits for its step.
 pub(super) const STEP_WAIT_MS: u64 = 700;
 
@@ -134,9 +135,6 @@ mod tests {
             }
         }
         let sql = cut_at_step_sql("db", Step::Settle);
-        assert!(
-            sql.contains("query LIKE '%SET Status = ''processed''%'"),
-            "{sql}"
-        );
+        assert!(sql.contains("query LIKE '%_System_OutboxSettle%'"), "{sql}");
     }
 }

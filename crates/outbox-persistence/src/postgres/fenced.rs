@@ -10,208 +10,57 @@ use chrono::{DateTime, Utc};
 use sqlx::PgExecutor;
 use sqlx::postgres::types::PgInterval;
 
-use super::sql::{db_now, lock_guard};
 use super::{Begin, CLAIM_LOST_SQLSTATE, PgOutbox, begin_sql, interval, span};
 use crate::attempt::{AttemptWrites, FencedWrite, OpenAttempt, SET_SAVEPOINT, fence_outcome};
 use crate::{
     Attempt, BeatOutcome, ClockShift, EventId, Fence, FenceOutcome, Result, Tx, clip_error,
 };
 
-const HEARTBEAT: &str = concat!(
-    "\
-UPDATE _System_OutboxEvent
-SET LastModifiedDate = GREATEST(",
-    db_now!(),
-    ", LastModifiedDate + interval '1 microsecond')
-WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
-    lock_guard!("4"),
-    "
-RETURNING LastModifiedDate, xmin::text::bigint"
-);
+/// One claim's beat (`_System_OutboxBeat`, migration 0012): the value written and the writing
+/// transaction, or no row when the claim is lost. Parameters: the clock shift, the id, its
+/// fence, the lock timeout.
+const HEARTBEAT: &str = "SELECT * FROM _System_OutboxBeat($1, $2, $3, $4)";
 
 /// Whether the row is still the version a beat wrote (`$3`: the beat's transaction id, the
 /// `xmin` of the version it wrote) under the fence it wrote (`$2`): read back after the beat's
 /// `COMMIT` got no answer. Every later write moves `LastModifiedDate` forward; the `xmin`
 /// also tells a rewrite of the same values apart (short of an xid reused after wraparound).
+/// Rare (a lost `COMMIT` reply), so planned at every call (`persistent(false)`): no cached plan
+/// can go stale (docs/queries.md, "Plan stability").
 const BEAT_LANDED: &str = "\
 SELECT EXISTS (SELECT 1 FROM _System_OutboxEvent
                WHERE Id = $1 AND Status = 'processing' AND LastModifiedDate = $2
                  AND xmin::text::bigint = $3)";
 
-/// Beats several claims in one statement: the rows (`$2`) still `processing` under their fence
-/// (`$3`, in the same order) that no other transaction holds locked move `LastModifiedDate`
-/// forward. One row per fence: its new `LastModifiedDate` when beaten, else whether it is still
-/// this worker's as last committed (`busy`: locked by someone else, not beaten this time) or
-/// lost. The outer `EXISTS` reads the statement's snapshot, from before the update.
-const HEARTBEAT_MANY: &str = concat!(
-    "\
-WITH f AS (SELECT * FROM unnest($2::uuid[], $3::timestamptz[]) AS f(id, written)),
-mine AS (
-  SELECT e.Id FROM _System_OutboxEvent e JOIN f ON e.Id = f.id
-  WHERE e.Status = 'processing' AND e.LastModifiedDate = f.written
-  ORDER BY e.Id
-  FOR UPDATE OF e SKIP LOCKED
-),
-beaten AS (
-  UPDATE _System_OutboxEvent e
-  SET LastModifiedDate = GREATEST(",
-    db_now!(),
-    ", e.LastModifiedDate + interval '1 microsecond')
-  FROM mine WHERE e.Id = mine.Id
-  RETURNING e.Id, e.LastModifiedDate, e.xmin::text::bigint AS writer
-)
-SELECT f.id, b.LastModifiedDate AS beaten, b.writer,
-  EXISTS (SELECT 1 FROM _System_OutboxEvent e
-          WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written) AS mine
-FROM f LEFT JOIN beaten b ON b.Id = f.id"
-);
+/// Beats several claims in one statement (`_System_OutboxBeatMany`, migration 0012): one row
+/// per fence, its new `LastModifiedDate` and writer when beaten, else whether it is still this
+/// worker's as last committed (`busy`: locked by someone else) or lost. Parameters: the clock
+/// shift, the ids, their fences in the same order.
+const HEARTBEAT_MANY: &str = "SELECT * FROM _System_OutboxBeatMany($1, $2, $3)";
 
 /// Raises [`CLAIM_LOST_SQLSTATE`] unless the row is still `processing` under the fence.
 const CHECK_FENCE: &str = "SELECT _System_OutboxCheckFence($1, $2)";
 
-/// A batch's fence check: the ids (`$1`) that may not run now: their row is no longer
-/// `processing` under its fence (`$2`, in the same order), or an older row of its record outside
-/// the batch is not terminal (an operator retry, or a row other code wrote, since the claim).
-/// One probe per record, not per member (issue 37, `../shared/repro/batches/f4_lost_fences_cost.sh`):
-/// the record's oldest open row outside the batch and older than its newest member, read with
-/// `ORDER BY … LIMIT 1` from the record's first index entry; a member waits when that row is
-/// older than it. Probing per member without a limit read the record's older entries (dead
-/// ones too, until vacuum) once for every member of a chain. `outside` is `MATERIALIZED`:
-/// inlined into the last `NOT EXISTS`, its probes ran once per member and record (32 x 32).
-const LOST_FENCES: &str = "\
-WITH held AS (
-  SELECT e.Id, f.written, e.RecordKey, e.CreatedDate
-  FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)
-  JOIN _System_OutboxEvent e ON e.Id = f.id
-  WHERE e.Status = 'processing' AND e.LastModifiedDate = f.written
-),
-newest AS (
-  SELECT DISTINCT ON (h.RecordKey) h.RecordKey AS k, h.CreatedDate AS c, h.Id AS i
-  FROM held h
-  WHERE h.RecordKey IS NOT NULL
-  ORDER BY h.RecordKey, h.CreatedDate DESC, h.Id DESC
-),
-outside AS MATERIALIZED (
-  SELECT n.k, o.CreatedDate AS c, o.Id AS i
-  FROM newest n
-  CROSS JOIN LATERAL (
-    SELECT older.CreatedDate, older.Id FROM _System_OutboxEvent older
-    WHERE older.RecordKey = n.k
-      AND (older.CreatedDate, older.Id) < (n.c, n.i)
-      AND older.Status NOT IN ('processed', 'failed')
-      AND older.Id <> ALL($1)
-    ORDER BY older.CreatedDate, older.Id
-    LIMIT 1
-  ) o
-)
-SELECT f.id FROM unnest($1::uuid[], $2::timestamptz[]) AS f(id, written)
-WHERE NOT EXISTS (
-  SELECT 1 FROM held h
-  WHERE h.Id = f.id AND h.written = f.written
-    AND NOT EXISTS (
-      SELECT 1 FROM outside o
-      WHERE o.k = h.RecordKey AND (o.c, o.i) < (h.CreatedDate, h.Id)))";
+/// A batch's fence check (`_System_OutboxLostFences`, migration 0012): the ids (`$1`) that may
+/// not run now: their row is no longer `processing` under its fence (`$2`, in the same order),
+/// or an older row of its record outside the batch is not terminal (an operator retry, or a row
+/// other code wrote, since the claim). One probe per record, with `ORDER BY … LIMIT 1` (issue
+/// 37, `../shared/repro/batches/f4_lost_fences_cost.sh`).
+const LOST_FENCES: &str = "SELECT * FROM _System_OutboxLostFences($1, $2)";
 
-const MARK_PROCESSED: &str = concat!(
-    "\
-UPDATE _System_OutboxEvent
-SET Status = 'processed',
-    LastModifiedDate = GREATEST(",
-    db_now!(),
-    ", LastModifiedDate + interval '1 microsecond'),
-    LastError = NULL
-WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
-    lock_guard!("4")
-);
+/// One claim's outcome, fenced (`_System_OutboxSettle`, migration 0012): the rows written (0 or
+/// 1). Parameters: the clock shift, the id, its fence, the error (`failed`, `retry`,
+/// `release`), the extra backoff (`retry`), the lock timeout, the outcome's name.
+const SETTLE: &str = "SELECT _System_OutboxSettle($1, $2, $3, $4, $5, $6, $7)";
 
-/// The `processed` write of several claims (`$2`, fenced on `$3` in the same order), after a
-/// `clock` CTE: the clock is read once, and each row's `processed` time follows its place in
-/// the claim order (a microsecond apart), so a record's rows written together keep their order
-/// in time whatever order the server updates them in.
-macro_rules! processed_in_claim_order {
-    () => {
-        "
-UPDATE _System_OutboxEvent e
-SET Status = 'processed',
-    LastModifiedDate = GREATEST((SELECT now FROM clock) + f.ord * interval '1 microsecond',
-                                e.LastModifiedDate + interval '1 microsecond'),
-    LastError = NULL
-FROM unnest($2::uuid[], $3::timestamptz[]) WITH ORDINALITY AS f(id, written, ord)
-WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written"
-    };
-}
-
-/// `processed` for several claims: the ids written. The heads trigger runs per row after the
-/// statement, so a record chain's rows move its head once each, to the record's oldest row
-/// still open.
-const MARK_PROCESSED_MANY: &str = concat!(
-    "WITH clock AS (SELECT ",
-    db_now!(),
-    " AS now)",
-    processed_in_claim_order!(),
-    lock_guard!("4"),
-    "
-RETURNING e.Id"
-);
-
-/// [`MARK_PROCESSED_MANY`] for a batch holding a chain: no row of a record is written while an
+/// `processed` for several claims (`_System_OutboxSettleMany`, migration 0012): the ids
+/// written, each at its place in the claim order (a microsecond apart) on one reading of the
+/// clock. With `$5` (a batch holding a record chain) no row of a record is written while an
 /// older row of the record outside the batch is not terminal (an operator retry of an older
-/// failed row, or a row other code wrote, that appeared after the segment's begin check):
-/// those rows are left `processing` under their fences, for the worker to give back (rule 3 of
-/// "Batched attempts"). One probe per record, from its oldest row in the batch.
-const MARK_PROCESSED_CHAINS: &str = concat!(
-    "WITH clock AS (SELECT ",
-    db_now!(),
-    " AS now),
-firsts AS (
-  SELECT DISTINCT ON (x.RecordKey) x.RecordKey AS k, x.CreatedDate AS c, x.Id AS i
-  FROM _System_OutboxEvent x
-  WHERE x.Id = ANY($2) AND x.RecordKey IS NOT NULL
-  ORDER BY x.RecordKey, x.CreatedDate, x.Id
-),
-waits AS (
-  SELECT fi.k FROM firsts fi
-  WHERE EXISTS (
-    SELECT 1 FROM _System_OutboxEvent older
-    WHERE older.RecordKey = fi.k
-      AND (older.CreatedDate, older.Id) < (fi.c, fi.i)
-      AND older.Status NOT IN ('processed', 'failed')
-      AND older.Id <> ALL($2))
-)",
-    processed_in_claim_order!(),
-    "
-  AND (e.RecordKey IS NULL OR e.RecordKey NOT IN (SELECT k FROM waits))",
-    lock_guard!("4"),
-    "
-RETURNING e.Id"
-);
-
-const MARK_FAILED: &str = concat!(
-    "\
-UPDATE _System_OutboxEvent
-SET Status = 'failed',
-    RetryCount = RetryCount + 1,
-    LastModifiedDate = GREATEST(",
-    db_now!(),
-    ", LastModifiedDate + interval '1 microsecond'),
-    LastError = $4
-WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
-    lock_guard!("5")
-);
-
-/// Back to `pending`: `LastModifiedDate` is the database's time plus the extra backoff (`$5`).
-const INCREMENT_RETRY: &str = concat!(
-    "\
-UPDATE _System_OutboxEvent
-SET Status = 'pending',
-    RetryCount = RetryCount + 1,
-    LastModifiedDate = GREATEST(",
-    db_now!(),
-    " + $5::interval, LastModifiedDate + interval '1 microsecond'),
-    LastError = $4
-WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
-    lock_guard!("6")
-);
+/// failed row, or a row other code wrote, after the segment's begin check): those rows are
+/// left `processing` under their fences, for the worker to give back (rule 3 of "Batched
+/// attempts"). Parameters: the clock shift, the ids, their fences, the lock timeout, chains.
+const SETTLE_MANY: &str = "SELECT * FROM _System_OutboxSettleMany($1, $2, $3, $4, $5)";
 
 /// A beat that wrote `written` in transaction `writer` and whose `COMMIT` failed with `e`:
 /// it may have landed (the reply was lost) or not.
@@ -231,60 +80,34 @@ async fn write_fenced<'c>(
     lock_timeout: &str,
     cached: bool,
 ) -> Result<FenceOutcome> {
-    let query = |sql| {
-        sqlx::query(sql)
-            .persistent(cached)
-            .bind(shift)
-            .bind(fence.id)
-            .bind(fence.last_written)
+    let (outcome, error, extra_delay) = match write {
+        FencedWrite::Processed => ("processed", None, None),
+        FencedWrite::Failed { error } => ("failed", Some(clip_error(error)), None),
+        FencedWrite::Retry { extra_delay, error } => {
+            ("retry", Some(clip_error(error)), Some(span(extra_delay)))
+        }
+        FencedWrite::Release { error } => ("release", Some(clip_error(error)), None),
     };
-    let query = match write {
-        FencedWrite::Processed => query(MARK_PROCESSED).bind(lock_timeout),
-        FencedWrite::Failed { error } => query(MARK_FAILED)
-            .bind(clip_error(error))
-            .bind(lock_timeout),
-        FencedWrite::Retry { extra_delay, error } => query(INCREMENT_RETRY)
-            .bind(clip_error(error))
-            .bind(span(extra_delay))
-            .bind(lock_timeout),
-        FencedWrite::Release { error } => query(RELEASE).bind(clip_error(error)).bind(lock_timeout),
-    };
-    let rows = query.execute(conn).await?.rows_affected();
-    Ok(fence_outcome(rows))
+    let rows: i32 = sqlx::query_scalar(SETTLE)
+        .persistent(cached)
+        .bind(shift)
+        .bind(fence.id)
+        .bind(fence.last_written)
+        .bind(error)
+        .bind(extra_delay)
+        .bind(lock_timeout)
+        .bind(outcome)
+        .fetch_one(conn)
+        .await?;
+    Ok(fence_outcome(u64::try_from(rows).unwrap_or(0)))
 }
 
-/// Back to `pending` with `RetryCount` unchanged: the attempt is not counted (its handler
-/// succeeded, and the outbox's own write of the outcome failed). `LastError` says why, unless
-/// it says a stale reclaim counted a dead worker (`WORKER_DIED`): that is kept, so a row given
-/// back by its reclaimer never reads as the earlier holder's own landed release
-/// (`released_by_us` in outbox-events).
-const RELEASE: &str = concat!(
-    "\
-UPDATE _System_OutboxEvent
-SET Status = 'pending',
-    LastModifiedDate = GREATEST(",
-    db_now!(),
-    ", LastModifiedDate + interval '1 microsecond'),
-    LastError = CASE WHEN LastError LIKE 'worker died:%' THEN LastError ELSE $4 END
-WHERE Id = $2 AND Status = 'processing' AND LastModifiedDate = $3",
-    lock_guard!("5")
-);
-
-/// [`RELEASE`] of several claims (`$2`, fenced on `$3` in the same order): the ids released.
-const RELEASE_MANY: &str = concat!(
-    "\
-UPDATE _System_OutboxEvent e
-SET Status = 'pending',
-    LastModifiedDate = GREATEST(",
-    db_now!(),
-    ", e.LastModifiedDate + interval '1 microsecond'),
-    LastError = CASE WHEN e.LastError LIKE 'worker died:%' THEN e.LastError ELSE $4 END
-FROM unnest($2::uuid[], $3::timestamptz[]) AS f(id, written)
-WHERE e.Id = f.id AND e.Status = 'processing' AND e.LastModifiedDate = f.written",
-    lock_guard!("5"),
-    "
-RETURNING e.Id"
-);
+/// The release of several claims uncounted (`_System_OutboxReleaseMany`, migration 0012): the
+/// ids released. `LastError` says why, unless it says a stale reclaim counted a dead worker
+/// (`WORKER_DIED`): that is kept, so a row given back by its reclaimer never reads as the
+/// earlier holder's own landed release (`released_by_us` in outbox-events). Parameters: the
+/// clock shift, the ids, their fences, the error, the lock timeout.
+const RELEASE_MANY: &str = "SELECT * FROM _System_OutboxReleaseMany($1, $2, $3, $4, $5)";
 
 /// What the PostgreSQL attempt adds to [`OpenAttempt`]: its clock shift and lock timeout.
 struct PgAttemptWrites {
@@ -316,30 +139,32 @@ impl AttemptWrites for PgAttemptWrites {
     }
 
     async fn processed_many(&self, tx: &mut Tx, fences: &[Fence]) -> Result<Vec<FenceOutcome>> {
-        self.processed_by(MARK_PROCESSED_MANY, tx, fences).await
+        self.processed_by(false, tx, fences).await
     }
 
     async fn processed_chains(&self, tx: &mut Tx, fences: &[Fence]) -> Result<Vec<FenceOutcome>> {
-        self.processed_by(MARK_PROCESSED_CHAINS, tx, fences).await
+        self.processed_by(true, tx, fences).await
     }
 }
 
 impl PgAttemptWrites {
-    /// `processed` for several claims with `statement` (the ids it returns are written).
+    /// `processed` for several claims, with the chains' rule when `chains` (the ids it returns
+    /// are written).
     async fn processed_by(
         &self,
-        statement: &'static str,
+        chains: bool,
         tx: &mut Tx,
         fences: &[Fence],
     ) -> Result<Vec<FenceOutcome>> {
         let ids: Vec<EventId> = fences.iter().map(|f| f.id).collect();
         let written: Vec<DateTime<Utc>> = fences.iter().map(|f| f.last_written).collect();
-        let done: Vec<EventId> = sqlx::query_scalar(statement)
+        let done: Vec<EventId> = sqlx::query_scalar(SETTLE_MANY)
             .persistent(self.cached)
             .bind(interval(self.shift.micros()))
             .bind(&ids)
             .bind(&written)
             .bind(&self.lock_timeout)
+            .bind(chains)
             .fetch_all(tx.postgres()?)
             .await?;
         Ok(ids
@@ -438,7 +263,7 @@ impl PgOutbox {
     pub(super) async fn read_back_beat(&self, written: Fence, writer: i64) -> Result<bool> {
         let mut tx = self.begin_read().await?;
         let landed: bool = sqlx::query_scalar(BEAT_LANDED)
-            .persistent(self.cached())
+            .persistent(false)
             .bind(written.id)
             .bind(written.last_written)
             .bind(writer)

@@ -12,21 +12,6 @@ macro_rules! db_now {
 }
 pub(super) use db_now;
 
-/// Bounds the statement's lock waits by the outbox's own lock timeout (parameter `$n`, text
-/// such as `5000ms`), for this statement's transaction only: the outbox never sets
-/// `lock_timeout` on a session, which the application may share. An uncorrelated subquery, so
-/// it runs once, before the statement waits for any row.
-macro_rules! lock_guard {
-    ($n:literal) => {
-        concat!(
-            "\n  AND (SELECT set_config('lock_timeout', $",
-            $n,
-            ", true)) IS NOT NULL"
-        )
-    };
-}
-pub(super) use lock_guard;
-
 /// The design's state rules for the candidate `e`: `pending` (a retried row once its retry
 /// delay passed, any row from its `LastModifiedDate` on) or a stale `processing` row. Needs a
 /// `clock` CTE, stale-after `$2` and the retry delay `$3`.
@@ -185,51 +170,14 @@ RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.C
     };
 }
 
-/// Record chains (see `docs/state-machine.md`, "Record chains"): in the claim's transaction,
-/// after its statement, each head just claimed (`$2` keys, `$3` their `CreatedDate`, `$4` their
-/// ids; keyed heads on a first attempt only) brings up to `$5` of its record's next
-/// non-terminal rows, in order, as long as each is `pending` on a first attempt (`RetryCount`
-/// 0), due (`LastModifiedDate` not in the future) and in scope (`$6`/`$7` as the claim's): the
-/// first row that is not ends the chain (`bool_and` over the rows so far), so a chain never
-/// skips a row of its record. At most `$8` rows in all, taken rank by rank across the chains
-/// (every chain's first row, then every chain's second, …), so each chain is a prefix of its
-/// record's rows. No other claim can take these rows meanwhile: each has an older non-terminal
-/// row (its head, locked by this transaction). `$1` the clock shift.
-pub(super) const CLAIM_CHAINS: &str = concat!(
-    "\
-WITH clock AS (SELECT ",
-    db_now!(),
-    " AS now),
-next AS (
-  SELECT n.Id,
-         bool_and(n.Status = 'pending' AND n.RetryCount = 0
-                  AND n.LastModifiedDate <= (SELECT now FROM clock)
-                  AND ($6::text[] IS NULL OR n.EventType = ANY($6))
-                  AND ($7::text[] IS NULL OR n.EventType <> ALL($7)))
-           OVER (PARTITION BY n.k ORDER BY n.CreatedDate, n.Id) AS unbroken,
-         row_number() OVER (PARTITION BY n.k ORDER BY n.CreatedDate, n.Id) AS rank,
-         n.c
-  FROM unnest($2::text[], $3::timestamptz[], $4::uuid[]) AS h(k, c, i)
-  CROSS JOIN LATERAL (
-    SELECT o.Id, h.k, h.c, o.CreatedDate, o.Status, o.RetryCount, o.LastModifiedDate, o.EventType
-    FROM _System_OutboxEvent o
-    WHERE o.RecordKey = h.k AND o.Status NOT IN ('processed', 'failed')
-      AND (o.CreatedDate, o.Id) > (h.c, h.i)
-    ORDER BY o.CreatedDate, o.Id
-    LIMIT $5
-  ) n
-),
-picked AS (
-  SELECT next.Id FROM next WHERE next.unbroken ORDER BY next.rank, next.c, next.Id LIMIT $8
-)
-UPDATE _System_OutboxEvent t
-SET Status = 'processing',
-    LastModifiedDate = GREATEST((SELECT now FROM clock), t.LastModifiedDate + interval '1 microsecond')
-FROM picked
-WHERE t.Id = picked.Id AND t.Status = 'pending' AND t.RetryCount = 0
-RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.CreatedDate,
-          t.LastModifiedDate, t.LastError, 'pending'::text AS old_status"
-);
+/// Record chains (see `docs/state-machine.md`, "Record chains"), `_System_OutboxClaimChains`
+/// (migration 0012): in the claim's transaction, after its statement, each head just claimed
+/// (`$2` keys, `$3` their `CreatedDate`, `$4` their ids; keyed heads on a first attempt only)
+/// brings up to `$5` of its record's next consecutive first-attempt rows that are due and in
+/// scope (`$6`/`$7` as the claim's), at most `$8` rows in all, rank by rank across the chains.
+/// `$1` the clock shift.
+pub(super) const CLAIM_CHAINS: &str =
+    "SELECT * FROM _System_OutboxClaimChains($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// The design's eligible-event query, as written in the design (identifiers unquoted); what
 /// `outbox explain` shows beside the claim. Parameters: `$1` stale cutoff, `$2` retry cutoff,
