@@ -33,6 +33,27 @@ fn mail(safeguard: Option<Safeguard>) -> Consumer {
     )
 }
 
+/// The mail consumer registered through the effect ledger, as the registry declares it.
+fn ledger_mail() -> Consumer {
+    struct Sends;
+    #[async_trait]
+    impl Handler for Sends {
+        async fn handle(
+            &self,
+            _event: &OutboxEvent,
+            ctx: &mut AttemptContext<'_>,
+        ) -> Result<(), HandlerError> {
+            ctx.effect("welcome")
+                .once(|_key| async { Ok::<_, HandlerError>(()) })
+                .await
+        }
+    }
+    let handlers = Handlers::new().register_with_ledger(mail(Some(Safeguard::Ledger)), Sends);
+    let consumers = handlers.consumers();
+    assert!(consumers[0].through_ledger());
+    consumers[0].clone()
+}
+
 fn lead(id: &str) -> String {
     format!(r#"{{"object":"Lead","record_id":"{id}","snapshot":{{}}}}"#)
 }
@@ -40,14 +61,30 @@ fn lead(id: &str) -> String {
 async fn gate_verdicts(db: TestDb) {
     let repo = db.repository();
 
-    // A passing gate: safe and protected consumers, no legacy rows.
-    let protected = [
-        capture(),
-        mail(Some(Safeguard::Contract("delivery ledger".into()))),
-    ];
+    // A passing gate: safe and protected consumers (an email sent through the effect ledger),
+    // no legacy rows.
+    let protected = [capture(), ledger_mail()];
     let report = evaluate_gate(&repo, &protected).await.unwrap();
     assert!(report.passes(), "{:?}", report.reasons);
     assert_eq!(report.consumers[1].1, Verdict::Protected);
+
+    // A described contract is not a mechanism the gate can check: an email consumer that
+    // only says it has a ledger is unverified, and one that declares the ledger without being
+    // registered through it is refused too.
+    for (said, why) in [
+        (
+            mail(Some(Safeguard::Contract("delivery ledger".into()))),
+            "unverified contract for a live external consumer (Email)",
+        ),
+        (
+            mail(Some(Safeguard::Ledger)),
+            "declares the effect ledger but was registered without it",
+        ),
+    ] {
+        let report = evaluate_gate(&repo, &[capture(), said]).await.unwrap();
+        assert!(!report.passes());
+        assert!(report.reasons[0].contains(why), "{:?}", report.reasons);
+    }
 
     // A blocked consumer: an external effect without a contract.
     let blocked = [capture(), mail(None)];
@@ -115,6 +152,15 @@ async fn gate_verdicts(db: TestDb) {
     let page = repo.backfill_record_keys(None, 100, false).await.unwrap();
     assert_eq!(page.updated, 3);
     assert!(evaluate_gate(&repo, &protected).await.unwrap().passes());
+
+    // The ledger's table is checked on the database, not assumed.
+    db.execute("DROP TABLE _System_OutboxEffect").await;
+    let report = evaluate_gate(&repo, &protected).await.unwrap();
+    assert_eq!(report.reasons.len(), 1, "{:?}", report.reasons);
+    assert!(
+        report.reasons[0].contains("the effect ledger's table (_System_OutboxEffect) is missing")
+    );
+    assert!(evaluate_gate(&repo, &[capture()]).await.unwrap().passes());
 }
 
 /// Counts its events and logs, across every handler sharing the log, the order events ran in.

@@ -11,6 +11,7 @@ mod equivalence;
 mod gate;
 mod heads;
 mod hostile;
+mod ledger;
 mod migrations;
 mod pause;
 mod plans;

@@ -366,11 +366,10 @@ pub fn consumer_map(consumers: &[Consumer]) -> Vec<MapRow> {
                 consumer: c.name.clone(),
                 effect_class: class_name(&e.kind),
                 effect: e.description.clone(),
-                contract_or_exclusion: match &e.safeguard {
-                    None => "-".into(),
-                    Some(Safeguard::Contract(c)) => format!("contract: {c}"),
-                    Some(Safeguard::Excluded(why)) => format!("excluded: {why}"),
-                },
+                contract_or_exclusion: e
+                    .safeguard
+                    .as_ref()
+                    .map_or_else(|| "-".into(), Safeguard::describe),
                 verdict: verdict.clone(),
             });
         }

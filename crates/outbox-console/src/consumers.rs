@@ -34,11 +34,7 @@ fn verdict_name(v: &Verdict) -> String {
 }
 
 fn safeguard_name(s: Option<&Safeguard>) -> String {
-    match s {
-        None => "-".into(),
-        Some(Safeguard::Contract(c)) => format!("contract: {c}"),
-        Some(Safeguard::Excluded(why)) => format!("excluded: {why}"),
-    }
+    s.map_or_else(|| "-".into(), Safeguard::describe)
 }
 
 /// `GET /consumers`.

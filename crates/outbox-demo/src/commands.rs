@@ -13,7 +13,7 @@ use outbox_persistence::{ClaimPolicy, ConnectConfig, OutboxRepository};
 use outbox_cli::db;
 
 use crate::args::{Cli, Command, SeedArgs};
-use crate::handlers::{Actions, consumers};
+use crate::handlers::{Actions, registered_consumers};
 use crate::sink::MailSink;
 use crate::{schema, verify, workload};
 
@@ -27,7 +27,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Verify(a)) => verify_command(url, a.json).await,
         Some(Command::Foreign(args)) => crate::foreign::foreign_command(url, args).await,
         Some(Command::Operator(command)) => {
-            let consumers = consumers(&Actions::new()?).to_vec();
+            let consumers = registered_consumers(Arc::new(Actions::new()?)).await?;
             outbox_cli::run_operator(url, command, &consumers).await
         }
     }

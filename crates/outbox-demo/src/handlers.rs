@@ -19,8 +19,10 @@ use super::workload::{
     ACCOUNT_UPDATED, LEAD_CONVERTED, LEAD_UPDATED, RECORD_TOUCHED, SLOW_REPORT, WELCOME_EMAIL,
 };
 
-/// The handler id the welcome mail's delivery ledger is keyed by.
-pub const WELCOME_HANDLER_ID: &str = "welcome-mail/v1";
+/// The welcome mail's consumer: its name is the handler id the effect ledger keys its sends by.
+pub const WELCOME_HANDLER_ID: &str = "welcome-mail";
+/// The welcome mail's effect, as the ledger names it.
+pub const WELCOME_EFFECT: &str = "welcome-mail";
 
 /// Faults injected into handler attempts, and what was injected.
 #[derive(Debug, Default)]
@@ -234,11 +236,11 @@ impl Handler for LeadConversion {
     }
 }
 
-/// Sends the welcome email through the simulated provider, behind a delivery ledger: the ledger
-/// row is written in the attempt transaction before the send and checked first, so a
-/// redelivery of an event whose attempt committed does not send again. The provider also
-/// receives the event id as its idempotency key, which absorbs the one case the ledger cannot
-/// cover: a send whose attempt then rolled back (a crash, or a failure after the send).
+/// Sends the welcome email through the simulated provider, through the library's effect
+/// ledger (`ctx.effect`): a redelivery of an event whose attempt committed, or a retry after a
+/// failure that followed the send, does not send again; the provider receives the ledger's
+/// idempotency key, which absorbs the one repeat the ledger cannot prevent (a process that died
+/// between the send and its commit).
 struct WelcomeMail {
     sink: MailSink,
     faults: Arc<Faults>,
@@ -261,36 +263,19 @@ impl Handler for WelcomeMail {
                 HandlerError::Permanent("welcome email without Email in the snapshot".into())
             })?
             .to_string();
-        let event_id = event.id.to_string();
-        let inserted = with_tx!(ctx.tx(), |conn| {
-            outbox_persistence::statement::query(
-                "INSERT INTO DemoDeliveryLedger (HandlerId, EventId) VALUES ($1, $2)
-                 ON CONFLICT (HandlerId, EventId) DO NOTHING",
-            )
-            .bind(WELCOME_HANDLER_ID)
-            .bind(&event_id)
-            .execute(conn)
-            .await
-            .map(|r| r.rows_affected())
-        })
-        .map_err(HandlerError::db)?;
-        if inserted == 1 {
-            let subject = format!(
-                "Welcome, {}",
-                envelope.record_id.as_deref().unwrap_or("customer")
-            );
-            self.sink
-                .send(
-                    &event_id,
-                    (event.retry_count, &event.last_modified_date.to_rfc3339()),
-                    &recipient,
-                    &subject,
-                )
-                .await
-                .map_err(|e| HandlerError::retryable_from("mail provider", e))?;
-        } else {
-            tracing::info!(event_id = %event.id, "welcome email already delivered by a committed attempt; not sending again");
-        }
+        let subject = format!(
+            "Welcome, {}",
+            envelope.record_id.as_deref().unwrap_or("customer")
+        );
+        let claim = event.last_modified_date.to_rfc3339();
+        let sink = &self.sink;
+        ctx.effect(WELCOME_EFFECT)
+            .once(|key| async move {
+                sink.send(&key, (event.retry_count, &claim), &recipient, &subject)
+                    .await
+                    .map_err(|e| HandlerError::retryable_from("mail provider", e))
+            })
+            .await?;
         log_effect(ctx, event).await?;
         self.faults.check(event, &envelope, 1)
     }
@@ -409,12 +394,12 @@ pub fn consumers(actions: &Actions) -> [Consumer; 6] {
         ),
         "DemoLead.Captured{Status,Revision} from the snapshot",
     );
-    let mail = Consumer::new("welcome-mail", WELCOME_EMAIL).effect(
-        EffectKind::External { kind: ExternalKind::Email },
-        "welcome email through the mail provider",
-        Some(Safeguard::Contract(format!(
-            "delivery ledger DemoDeliveryLedger({WELCOME_HANDLER_ID}, EventId) written in the attempt before the send; the event id is the provider's idempotency key"
-        ))),
+    let mail = Consumer::new(WELCOME_HANDLER_ID, WELCOME_EMAIL).effect(
+        EffectKind::External {
+            kind: ExternalKind::Email,
+        },
+        "welcome email through the mail provider, the ledger's idempotency key as the provider's",
+        Some(Safeguard::Ledger),
     );
     let slow = Consumer::new("slow-report", SLOW_REPORT).effect(
         EffectKind::DeterministicFieldSet,
@@ -427,6 +412,16 @@ pub fn consumers(actions: &Actions) -> [Consumer; 6] {
         None,
     );
     [account, lead, conversion, mail, slow, touched]
+}
+
+/// The consumers as the demo registers them: the registry's declarations (so the mail consumer
+/// shows as registered through the effect ledger), for the operator commands and the consumer
+/// map. The handlers are built around an in-memory provider that nothing sends to.
+pub async fn registered_consumers(actions: Arc<Actions>) -> anyhow::Result<Vec<Consumer>> {
+    let sink = MailSink {
+        db: outbox_persistence::Database::sqlite_in_memory().await?,
+    };
+    Ok(handlers(actions, sink, Arc::new(Faults::at(0.0))).consumers())
 }
 
 /// The demo's handlers, each registered with its consumer declaration and made
@@ -464,7 +459,7 @@ pub fn handlers(actions: Arc<Actions>, sink: MailSink, faults: Arc<Faults>) -> H
                 sink.clone(),
             ),
         )
-        .register_consumer(
+        .register_with_ledger(
             mail,
             Poisonable::new(
                 WelcomeMail {

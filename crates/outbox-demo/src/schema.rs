@@ -17,8 +17,6 @@ const POSTGRES: &[&str] = &[
         Name TEXT NOT NULL,
         CONSTRAINT demo_opportunity_natural_key UNIQUE (SourceLeadId, Relation),
         CONSTRAINT demo_opportunity_number UNIQUE (OpportunityNumber))",
-    "CREATE TABLE IF NOT EXISTS DemoDeliveryLedger (
-        HandlerId TEXT NOT NULL, EventId TEXT NOT NULL, PRIMARY KEY (HandlerId, EventId))",
     "CREATE TABLE IF NOT EXISTS DemoEffectLog (
         Seq BIGSERIAL PRIMARY KEY, EventId TEXT NOT NULL, RecordKey TEXT, EventType TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS demo_effect_log_event ON DemoEffectLog (EventId)",
@@ -36,8 +34,6 @@ const SQLITE: &[&str] = &[
         Name TEXT NOT NULL,
         CONSTRAINT demo_opportunity_natural_key UNIQUE (SourceLeadId, Relation),
         CONSTRAINT demo_opportunity_number UNIQUE (OpportunityNumber))",
-    "CREATE TABLE IF NOT EXISTS DemoDeliveryLedger (
-        HandlerId TEXT NOT NULL, EventId TEXT NOT NULL, PRIMARY KEY (HandlerId, EventId))",
     "CREATE TABLE IF NOT EXISTS DemoEffectLog (
         Seq INTEGER PRIMARY KEY AUTOINCREMENT, EventId TEXT NOT NULL, RecordKey TEXT,
         EventType TEXT NOT NULL)",

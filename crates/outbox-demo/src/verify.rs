@@ -9,7 +9,7 @@ use outbox_persistence::{Database, with_conn};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::handlers::INJECTED_ATTEMPT_TAG;
+use super::handlers::{INJECTED_ATTEMPT_TAG, WELCOME_EFFECT, WELCOME_HANDLER_ID};
 use super::integrity::check_integrity;
 pub use super::journal::Superseded;
 use super::sink::MailSink;
@@ -376,8 +376,9 @@ async fn check_captures(db: &Database, events: &[Row], checks: &mut Vec<Check>) 
     Ok(())
 }
 
-/// The external effect: one email per processed welcome event. Returns the emails delivered
-/// and the duplicate sends the provider absorbed.
+/// The external effect: one email per processed welcome event, sent through the library's
+/// effect ledger under the key it derives for the event. Returns the emails delivered and the
+/// duplicate sends the provider absorbed.
 async fn check_deliveries(
     db: &Database,
     sink: &MailSink,
@@ -386,41 +387,60 @@ async fn check_deliveries(
     checks: &mut Vec<Check>,
 ) -> Result<(i64, i64)> {
     let deliveries = sink.deliveries().await?;
-    let welcome: Vec<&Row> = events
+    // The key each welcome event's send carries, and back.
+    let welcome_keys: HashMap<String, &Row> = events
         .iter()
         .filter(|e| e.event_type == WELCOME_EMAIL)
+        .map(|e| {
+            let key = outbox_persistence::idempotency_key(WELCOME_HANDLER_ID, e.id, WELCOME_EFFECT);
+            (key, e)
+        })
         .collect();
-    let processed_welcome: Vec<String> = welcome
+    let processed_welcome: Vec<&String> = welcome_keys
         .iter()
-        .filter(|e| e.status == "processed")
-        .map(|e| e.id.to_string())
+        .filter(|(_, e)| e.status == "processed")
+        .map(|(k, _)| k)
         .collect();
     let not_sent = processed_welcome
         .iter()
-        .filter(|id| !deliveries.contains_key(*id))
+        .filter(|k| !deliveries.contains_key(k.as_str()))
         .count();
     let strangers = deliveries
         .keys()
         .filter(|k| {
-            by_id
-                .get(k.as_str())
-                .is_none_or(|e| e.event_type != WELCOME_EMAIL || e.status == "pending")
+            welcome_keys.get(k.as_str()).is_none_or(|e| {
+                by_id.get(e.id.to_string().as_str()).is_none() || e.status == "pending"
+            })
         })
         .count();
     let absorbed: i64 = deliveries.values().map(|n| n - 1).sum();
-    let ledger: i64 = with_conn!(db, |pool| {
-        outbox_persistence::statement::query_scalar("SELECT count(*) FROM DemoDeliveryLedger")
-            .fetch_one(pool)
-            .await
+    let ledger: Vec<String> = with_conn!(db, |pool| {
+        outbox_persistence::statement::query_scalar(
+            "SELECT IdempotencyKey FROM _System_OutboxEffect WHERE HandlerId = $1",
+        )
+        .bind(WELCOME_HANDLER_ID)
+        .fetch_all(pool)
+        .await
     })?;
+    // Every processed welcome event's send is in the ledger, and every send the ledger holds
+    // reached the provider (a failed attempt's send is kept too).
+    let unledgered = processed_welcome
+        .iter()
+        .filter(|k| !ledger.contains(k))
+        .count();
+    let ledger_undelivered = ledger
+        .iter()
+        .filter(|k| !deliveries.contains_key(k.as_str()))
+        .count();
     check(
         checks,
         "each external delivery sent once per processed event",
-        not_sent == 0 && strangers == 0 && ledger == processed_welcome.len() as i64,
+        not_sent == 0 && strangers == 0 && unledgered == 0 && ledger_undelivered == 0,
         format!(
-            "{} emails for {} processed welcome events; {not_sent} missing, {strangers} unexpected; ledger rows {ledger}; {absorbed} duplicate sends absorbed by the idempotency key",
+            "{} emails for {} processed welcome events; {not_sent} missing, {strangers} unexpected; effect ledger rows {} ({unledgered} processed events missing, {ledger_undelivered} never delivered); {absorbed} duplicate sends absorbed by the idempotency key",
             deliveries.len(),
-            processed_welcome.len()
+            processed_welcome.len(),
+            ledger.len()
         ),
     );
     Ok((deliveries.len() as i64, absorbed))

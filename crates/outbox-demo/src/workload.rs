@@ -1,6 +1,6 @@
 //! The demo CRM workload: accounts and leads created and updated (after-save field capture),
 //! leads converted (the #3477 related-record create), and welcome emails (an external effect
-//! behind a delivery ledger). Several events per record, so per-record order matters.
+//! through the library's effect ledger). Several events per record, so per-record order matters.
 //!
 //! Each application transaction writes its records and enqueues their events together, as the
 //! outbox requires.

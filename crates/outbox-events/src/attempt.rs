@@ -15,12 +15,13 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_persistence::{Attempt, Claim, FenceOutcome};
+use outbox_persistence::{Attempt, Claim, EffectRecord, FenceOutcome};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
 use crate::detached::{
-    DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed, detached, release,
+    DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed, detached, record_in,
+    record_on_side, release,
 };
 use crate::env::{AttemptEnv, AttemptOutcome, Failure, STOPPING, failure_outcome};
 use crate::handler::{AttemptContext, HandlerError};
@@ -191,15 +192,19 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> (AttemptOu
     let lost = beat.lost.clone();
     let lost = &lost;
 
-    let handler = env.handlers.get(&claim.event.event_type).cloned();
+    let handler = env
+        .handlers
+        .get_named(&claim.event.event_type)
+        .map(|(name, h)| (name.to_owned(), h.clone()));
     let mut handler_time = Duration::ZERO;
+    let mut sent = Vec::new();
     let result = match handler {
         None => Ok(Err(HandlerError::Permanent(format!(
             "no handler registered for event type {:?}",
             claim.event.event_type
         )))),
-        Some(handler) => {
-            let mut ctx = AttemptContext::for_attempt(tx.as_mut());
+        Some((name, handler)) => {
+            let mut ctx = AttemptContext::for_attempt(tx.as_mut(), &name, claim.event.id);
             let started = Instant::now();
             let result = tokio::select! {
                 biased;
@@ -210,6 +215,7 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> (AttemptOu
             handler_time = started.elapsed();
             env.metrics
                 .handler_ran(&claim.event.event_type, handler_time);
+            sent = ctx.take_sent();
             result
         }
     };
@@ -225,12 +231,13 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> (AttemptOu
     };
 
     let outcome = match result {
-        Ok(()) => finish_success(env, claim, beat, tx).await,
+        Ok(()) => finish_success(env, claim, beat, tx, sent).await,
         Err(error) => {
             if error.is_lock_timeout() {
                 env.metrics.lock_timeout(&claim.event.event_type);
             }
-            let failure = env.failure(claim, error.is_retryable(), error.to_string());
+            let mut failure = env.failure(claim, error.is_retryable(), error.to_string());
+            failure.effects = sent;
             tracing::info!(error = %failure.message, "handler failed");
             finish_failure(env, claim, beat, tx, failure).await
         }
@@ -243,6 +250,7 @@ async fn finish_success(
     claim: &Claim,
     beat: &Beat<'_>,
     mut tx: Box<dyn Attempt>,
+    sent: Vec<EffectRecord>,
 ) -> AttemptOutcome {
     let fence = beat.fence.clone();
     let state = fence.lock_for_write(&env.repo).await;
@@ -260,7 +268,8 @@ async fn finish_success(
                 // The effects did not commit (or the outcome is unknown): record a retry on
                 // the side. If the commit did land, the row is `processed` and the fenced
                 // write finds nothing to change.
-                let failure = env.failure(claim, true, format!("commit failed: {}", e.chain()));
+                let mut failure = env.failure(claim, true, format!("commit failed: {}", e.chain()));
+                failure.effects = sent;
                 detached(env, claim, beat, failure, Some(Landed::Processed)).await
             }
         },
@@ -282,9 +291,11 @@ async fn finish_success(
                 // again without being counted. (A lost connection is the attempt transaction
                 // dying, which is counted: the event may be what kills it.)
                 tracing::warn!(error = %message, "the handler succeeded but its outcome could not be written; releasing the claim uncounted");
+                record_on_side(env, &sent).await;
                 return release(env, beat, &message).await;
             }
-            let failure = env.failure(claim, true, message);
+            let mut failure = env.failure(claim, true, message);
+            failure.effects = sent;
             detached(env, claim, beat, failure, None).await
         }
     }
@@ -309,9 +320,13 @@ async fn finish_failure(
         rollback_quietly(tx.as_mut()).await;
         return AttemptOutcome::LostClaim;
     }
-    let written = tx
-        .record_failure(state.fence, failure.bookkeeping, &failure.message)
-        .await;
+    let written = match record_in(tx.as_mut(), &failure.effects).await {
+        Ok(()) => {
+            tx.record_failure(state.fence, failure.bookkeeping, &failure.message)
+                .await
+        }
+        Err(e) => Err(e),
+    };
     match written {
         Ok(FenceOutcome::Written) => match tx.commit().await {
             Ok(()) => failure_outcome(&failure),

@@ -9,7 +9,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use outbox_persistence::{Attempt, Claim, RecordKey};
+use outbox_persistence::{Attempt, Claim, EffectRecord, RecordKey};
 use tokio::sync::OwnedMutexGuard;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -191,15 +191,20 @@ struct Decision {
     failure: Option<Failure>,
     /// Why it is given back uncounted (a release), if it is.
     release: Option<&'static str>,
+    /// The effects its handler ran through the ledger (a failed handler's are its failure's):
+    /// in the transaction while it is `processed`; written again with its release if it is
+    /// given back after it ran, and on the side if the transaction rolls back.
+    effects: Vec<EffectRecord>,
 }
 
 impl Decision {
-    fn processed(kept_effects: bool) -> Self {
+    fn processed(kept_effects: bool, effects: Vec<EffectRecord>) -> Self {
         Self {
             outcome: AttemptOutcome::Processed,
             kept_effects,
             failure: None,
             release: None,
+            effects,
         }
     }
 
@@ -209,6 +214,7 @@ impl Decision {
             kept_effects: false,
             failure: Some(failure),
             release: None,
+            effects: Vec::new(),
         }
     }
 
@@ -218,7 +224,25 @@ impl Decision {
             kept_effects: false,
             failure: None,
             release: Some(why),
+            effects: Vec::new(),
         }
+    }
+
+    /// Given back uncounted (`why`) after it was decided: the effects its handler ran stay
+    /// with it, to be recorded with the release.
+    fn give_back(&mut self, why: &'static str) {
+        let effects = self.take_effects();
+        *self = Decision::not_run(why);
+        self.effects = effects;
+    }
+
+    /// The effects its handler ran through the ledger, taken (a failure's too).
+    fn take_effects(&mut self) -> Vec<EffectRecord> {
+        let mut effects = std::mem::take(&mut self.effects);
+        if let Some(failure) = &mut self.failure {
+            effects.append(&mut failure.effects);
+        }
+        effects
     }
 
     /// What its row shows if a `COMMIT` that reported an error landed after all.

@@ -49,11 +49,35 @@ pub enum EffectKind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "safeguard", content = "detail", rename_all = "snake_case")]
 pub enum Safeguard {
-    /// A durable idempotency contract (for example a delivery ledger keyed by handler and event
-    /// id, or the receiver's own dedup key), described.
+    /// The effect runs through the library's effect ledger (`ctx.effect(name).once(…)`, see
+    /// docs/state-machine.md, "The effect ledger"). Protects the effect only when the consumer
+    /// is registered with [`crate::Handlers::register_with_ledger`]; the gate then also checks
+    /// that the ledger's table is migrated.
+    Ledger,
+    /// The receiver deduplicates by a key the outbox derives from the event, in a window the
+    /// sender checks against the broker before it runs: the NATS relay's `Nats-Msg-Id` and
+    /// the stream's duplicate window, which the relay verifies at every start (built by
+    /// `outbox-relay`), described.
+    BrokerDedup(String),
+    /// A durable idempotency contract the consumer describes but the gate cannot check. Enough
+    /// for a database effect (a state-dependent or non-deterministic field set); for an
+    /// external effect it is shown as unverified and blocks the gate: run the effect through
+    /// the ledger instead, or exclude the consumer.
     Contract(String),
     /// Kept off the pull-worker path: the consumer's events run on the legacy path.
     Excluded(String),
+}
+
+impl Safeguard {
+    /// How the consumer map and the console show it.
+    pub fn describe(&self) -> String {
+        match self {
+            Safeguard::Ledger => "ledger: the library's effect ledger (ctx.effect)".into(),
+            Safeguard::BrokerDedup(how) => format!("broker dedup (checked at start): {how}"),
+            Safeguard::Contract(c) => format!("contract (unverified): {c}"),
+            Safeguard::Excluded(why) => format!("excluded: {why}"),
+        }
+    }
 }
 
 /// One declared effect.
@@ -79,6 +103,9 @@ pub struct Consumer {
     pub effects: Vec<DeclaredEffect>,
     /// Whether the effects were declared at all.
     pub declared: bool,
+    /// Whether it was registered with [`crate::Handlers::register_with_ledger`]: its effects
+    /// declared [`Safeguard::Ledger`] then count as protected.
+    through_ledger: bool,
 }
 
 /// Whether a consumer lets `OUTBOX_PULL_WORKER` flip.
@@ -103,6 +130,7 @@ impl Consumer {
             event_type: event_type.into(),
             effects: Vec::new(),
             declared: true,
+            through_ledger: false,
         }
     }
 
@@ -114,7 +142,26 @@ impl Consumer {
             event_type,
             effects: Vec::new(),
             declared: false,
+            through_ledger: false,
         }
+    }
+
+    /// Whether it was registered with [`crate::Handlers::register_with_ledger`].
+    pub fn through_ledger(&self) -> bool {
+        self.through_ledger
+    }
+
+    /// Marks it registered through the ledger (by `Handlers::register_with_ledger` only).
+    pub(crate) fn through_the_ledger(mut self) -> Self {
+        self.through_ledger = true;
+        self
+    }
+
+    /// Whether one of its effects is declared through the ledger.
+    pub fn uses_ledger(&self) -> bool {
+        self.effects
+            .iter()
+            .any(|e| e.safeguard == Some(Safeguard::Ledger))
     }
 
     /// Adds an effect.
@@ -146,7 +193,17 @@ impl Consumer {
         }
         let mut protected = false;
         for effect in &self.effects {
-            let contract = matches!(effect.safeguard, Some(Safeguard::Contract(_)));
+            if effect.safeguard == Some(Safeguard::Ledger) && !self.through_ledger {
+                return Verdict::Blocked(format!(
+                    "declares the effect ledger but was registered without it (Handlers::register_with_ledger): {}",
+                    effect.description
+                ));
+            }
+            let verified = matches!(
+                effect.safeguard,
+                Some(Safeguard::Ledger | Safeguard::BrokerDedup(_))
+            );
+            let contract = verified || matches!(effect.safeguard, Some(Safeguard::Contract(_)));
             match &effect.kind {
                 EffectKind::DeterministicFieldSet | EffectKind::NaturalKeyCreate { .. } => {}
                 EffectKind::NonDeterministicFieldSet { reasons } if !contract => {
@@ -165,6 +222,12 @@ impl Consumer {
                 EffectKind::External { kind } if !contract => {
                     return Verdict::Blocked(format!(
                         "unprotected live external consumer ({kind:?}): {}",
+                        effect.description
+                    ));
+                }
+                EffectKind::External { kind } if !verified => {
+                    return Verdict::Blocked(format!(
+                        "unverified contract for a live external consumer ({kind:?}): {}: the gate cannot check a described contract; run the effect through the effect ledger (ctx.effect, Handlers::register_with_ledger) or exclude the consumer",
                         effect.description
                     ));
                 }
@@ -211,8 +274,18 @@ mod tests {
         assert!(
             matches!(mail(None).verdict(), Verdict::Blocked(r) if r.contains("unprotected live external consumer"))
         );
+        assert!(
+            matches!(mail(Some(Safeguard::Contract("ledger".into()))).verdict(), Verdict::Blocked(r) if r.starts_with("unverified contract"))
+        );
+        assert!(
+            matches!(mail(Some(Safeguard::Ledger)).verdict(), Verdict::Blocked(r) if r.contains("registered without it"))
+        );
         assert_eq!(
-            mail(Some(Safeguard::Contract("ledger".into()))).verdict(),
+            mail(Some(Safeguard::Ledger)).through_the_ledger().verdict(),
+            Verdict::Protected
+        );
+        assert_eq!(
+            mail(Some(Safeguard::BrokerDedup("Nats-Msg-Id".into()))).verdict(),
             Verdict::Protected
         );
         assert_eq!(

@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use outbox_persistence::{
-    Claim, EventId, EventStatus, FailureBookkeeping, FenceOutcome, Terminal, clip_error,
+    Attempt, Claim, EffectRecord, EventId, EventStatus, FailureBookkeeping, FenceOutcome, Terminal,
+    clip_error, record_effect,
 };
 
 use crate::env::{AttemptEnv, AttemptOutcome, Failure, failure_outcome};
@@ -282,6 +283,8 @@ pub(crate) async fn detached(
         return outcome;
     }
     env.metrics.detached_bookkeeping(&claim.event.event_type);
+    // The effects the handler ran are facts whoever holds the claim: recorded first.
+    record_on_side(env, &failure.effects).await;
     // The claim must stay visibly alive while the bookkeeping lands (at once: on a backend that
     // serializes writers it went without beats during the attempt).
     beat.ensure_running(true);
@@ -355,4 +358,40 @@ async fn lost_or_landed(
         }
     }
     AttemptOutcome::LostClaim
+}
+
+/// Records `effects` in the ledger in the attempt's transaction (after a rollback to its
+/// savepoint undid them with the handler's writes).
+pub(crate) async fn record_in(
+    tx: &mut dyn Attempt,
+    effects: &[EffectRecord],
+) -> outbox_persistence::Result<()> {
+    for effect in effects {
+        record_effect(tx.tx(), effect).await?;
+    }
+    Ok(())
+}
+
+/// Records `effects` in the ledger on a transaction of its own (their attempt's transaction
+/// rolled back), a few tries; a failure is logged: the effect then runs again on the next
+/// attempt, with the same idempotency key.
+pub(crate) async fn record_on_side(env: &AttemptEnv, effects: &[EffectRecord]) {
+    if effects.is_empty() {
+        return;
+    }
+    let mut backoff = Duration::from_millis(20);
+    for _ in 0..5 {
+        match env.repo.record_effects(effects).await {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::warn!(error = %e.chain(), "recording completed effects in the ledger failed; trying again");
+                tokio::time::sleep(backoff).await;
+                backoff *= 4;
+            }
+        }
+    }
+    tracing::error!(
+        effects = effects.len(),
+        "could not record completed effects in the ledger: the next attempt runs them again, with the same idempotency keys"
+    );
 }

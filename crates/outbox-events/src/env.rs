@@ -97,6 +97,10 @@ impl AttemptEnv {
 pub(crate) struct Failure {
     pub(crate) bookkeeping: FailureBookkeeping,
     pub(crate) message: String,
+    /// The effects the handler ran through the ledger before it failed: recorded with the
+    /// failure's bookkeeping (after the rollback that undid the handler's writes), so a retry
+    /// does not run them again.
+    pub(crate) effects: Vec<outbox_persistence::EffectRecord>,
 }
 
 impl AttemptEnv {
@@ -112,6 +116,7 @@ impl AttemptEnv {
         Failure {
             bookkeeping,
             message,
+            effects: Vec::new(),
         }
     }
 }

@@ -148,6 +148,11 @@ pub async fn evaluate_gate(
             ));
         }
     }
+    if consumers.iter().any(|(c, _)| c.uses_ledger()) && !repo.effect_ledger_ready().await? {
+        reasons.push(
+            "the effect ledger's table (_System_OutboxEffect) is missing on this database, and a consumer runs its effects through it: run `outbox migrate`".into(),
+        );
+    }
     let missing = repo.count_missing_record_keys().await?;
     if missing > 0 {
         reasons.push(format!(

@@ -4,9 +4,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_persistence::{Attempt, OutboxEvent, Tx};
+use outbox_persistence::{Attempt, EffectRecord, OutboxEvent, Tx};
 
 use crate::consumer::Consumer;
+use crate::effect::{Effect, EffectScope};
 
 /// A boxed error kept as the cause of a [`HandlerError`] (any `std::error::Error + Send + Sync`,
 /// `anyhow::Error`, a `String` converts into it).
@@ -181,6 +182,12 @@ pub struct AttemptContext<'a> {
     /// Whether the handler asked for the transaction: one that never did has no effects in
     /// it to keep or undo (a batch then needs no savepoint after it, nor a rollback).
     touched: bool,
+    /// The event and handler, for the effect ledger's keys (`None`: a unit test's context
+    /// built with [`AttemptContext::new`]).
+    scope: Option<EffectScope>,
+    /// The effects run through the ledger in this attempt ([`AttemptContext::effect`]): kept
+    /// in the ledger if the transaction rolls back while the worker lives.
+    pub(crate) sent: Vec<EffectRecord>,
 }
 
 /// The workers' attempt, or a transaction a test opened.
@@ -195,15 +202,64 @@ impl<'a> AttemptContext<'a> {
         Self {
             inner: Inner::Tx(tx),
             touched: false,
+            scope: None,
+            sent: Vec::new(),
         }
     }
 
-    /// The context the workers give a handler: the attempt's transaction.
-    pub(crate) fn for_attempt(attempt: &'a mut dyn Attempt) -> Self {
+    /// A context around `tx` for `event` run by the consumer named `handler_id`: for a unit
+    /// test of a handler that runs effects through the ledger ([`AttemptContext::effect`]).
+    pub fn for_event(tx: &'a mut Tx, handler_id: impl Into<String>, event: &OutboxEvent) -> Self {
+        Self {
+            scope: Some(EffectScope {
+                event_id: event.id,
+                handler_id: handler_id.into(),
+            }),
+            ..Self::new(tx)
+        }
+    }
+
+    /// The context the workers give a handler: the attempt's transaction, for `event_id` run
+    /// by the consumer named `handler_id`.
+    pub(crate) fn for_attempt(
+        attempt: &'a mut dyn Attempt,
+        handler_id: &str,
+        event_id: outbox_persistence::EventId,
+    ) -> Self {
         Self {
             inner: Inner::Attempt(attempt),
             touched: false,
+            scope: Some(EffectScope {
+                event_id,
+                handler_id: handler_id.to_owned(),
+            }),
+            sent: Vec::new(),
         }
+    }
+
+    /// An external effect of this handler for this event, named `name` (stable across
+    /// releases: it keys the ledger): run it with [`Effect::once`], which runs it at most once
+    /// per committed attempt and hands back what it returned (docs/state-machine.md, "The
+    /// effect ledger").
+    pub fn effect(&mut self, name: impl Into<String>) -> Effect<'_, 'a> {
+        Effect {
+            ctx: self,
+            name: name.into(),
+        }
+    }
+
+    /// The event and handler the ledger keys effects by.
+    pub(crate) fn effect_scope(&self) -> Result<&EffectScope, HandlerError> {
+        self.scope.as_ref().ok_or_else(|| {
+            HandlerError::Permanent(
+                "ctx.effect needs the event and its handler: the workers give them; a unit test builds its context with AttemptContext::for_event".into(),
+            )
+        })
+    }
+
+    /// The effects run through the ledger in this attempt, taken.
+    pub(crate) fn take_sent(&mut self) -> Vec<EffectRecord> {
+        std::mem::take(&mut self.sent)
     }
 
     /// Whether the handler asked for the transaction (so may have written to it).
@@ -270,9 +326,24 @@ impl Handlers {
         self
     }
 
+    /// Registers `handler` for its consumer's event type as running its external effects
+    /// through the effect ledger ([`AttemptContext::effect`]): its effects declared with
+    /// [`crate::Safeguard::Ledger`] then count as protected for the rollout gate, which also
+    /// checks that the ledger's table is migrated on the database.
+    pub fn register_with_ledger(self, consumer: Consumer, handler: impl Handler) -> Self {
+        self.register_arc(consumer.through_the_ledger(), Arc::new(handler))
+    }
+
     /// The handler of `event_type`.
     pub fn get(&self, event_type: &str) -> Option<&Arc<dyn Handler>> {
         self.by_type.get(event_type).map(|(_, h)| h)
+    }
+
+    /// The handler of `event_type` with its consumer's name (the ledger's handler id).
+    pub(crate) fn get_named(&self, event_type: &str) -> Option<(&str, &Arc<dyn Handler>)> {
+        self.by_type
+            .get(event_type)
+            .map(|(c, h)| (c.name.as_str(), h))
     }
 
     /// The consumer declarations, sorted by event type.

@@ -23,6 +23,7 @@ mod config;
 mod consumer;
 mod detached;
 mod dispatcher;
+mod effect;
 mod env;
 mod gate;
 mod gauges;
@@ -46,6 +47,7 @@ pub use config::{
 };
 pub use consumer::{Consumer, DeclaredEffect, EffectKind, ExternalKind, Safeguard, Verdict};
 pub use dispatcher::{DECIDE_RETRY_FOR, Dispatcher, DispatcherHandle, ShutdownReport, StartError};
+pub use effect::Effect;
 pub use env::AttemptOutcome;
 pub use gate::{GateReport, ModeDecision, evaluate_gate};
 pub use handler::{AttemptContext, BoxError, Handler, HandlerError, Handlers};
@@ -67,9 +69,9 @@ pub use trace::{TraceParent, TraceParentError, enqueue};
 pub use async_trait::async_trait;
 pub use outbox_persistence::{
     self as persistence, Attempt, BeatOutcome, Claim, ClaimPolicy, ConnectConfig, Database,
-    EventEnvelope, EventFilter, EventId, EventRow, EventStatus, FailureBookkeeping, Fence,
-    FenceOutcome, MIGRATIONS_TABLE, NewEvent, OutboxEvent, OutboxRepository, RecordKey, Scope, Tx,
-    with_conn, with_pool, with_tx,
+    EffectRecord, EventEnvelope, EventFilter, EventId, EventRow, EventStatus, FailureBookkeeping,
+    Fence, FenceOutcome, MIGRATIONS_TABLE, NewEvent, OutboxEvent, OutboxRepository, RecordKey,
+    Scope, Tx, idempotency_key, with_conn, with_pool, with_tx,
 };
 pub use outbox_persistence::{AuditEntry, PausedType, PrunePolicy, PruneReport, RetryFilter};
 pub use tokio_util::sync::CancellationToken;
@@ -88,8 +90,8 @@ pub mod prelude {
     };
     pub use crate::{
         AttemptContext, AttemptOutcome, BoxError, ClaimRunner, Consumer, DispatchMode, Dispatcher,
-        DispatcherHandle, Handler, HandlerError, Handlers, ModeDecision, RetentionConfig,
-        Safeguard, ShutdownReport, StartError, WorkerConfig,
+        DispatcherHandle, Effect, EffectKind, ExternalKind, Handler, HandlerError, Handlers,
+        ModeDecision, RetentionConfig, Safeguard, ShutdownReport, StartError, WorkerConfig,
     };
     /// `sqlx`'s statement constructors for the service's own SQL beside the outbox, unnamed
     /// behind a transaction pooler.

@@ -24,6 +24,7 @@ mod backfill;
 mod beat;
 pub mod console;
 mod database;
+mod effects;
 mod error;
 mod heads;
 mod keys;
@@ -37,6 +38,7 @@ pub mod statement;
 mod stats;
 #[cfg(feature = "test-support")]
 pub mod test_support;
+mod tx;
 
 use std::time::Duration;
 
@@ -55,12 +57,14 @@ pub use database::{
     CONNECTIONS_BESIDE_WORKERS, ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
     Database, MIGRATE_LOCK_NAMESPACE, MIGRATIONS_TABLE, MIN_POSTGRES_VERSION, redact as redact_url,
 };
+pub use effects::{EffectRecord, find_effect, idempotency_key, ledger_table_exists, record_effect};
 pub use error::{Error, ErrorClass, classify as classify_error};
 pub use heads::{DEFAULT_HEADS_REPAIR_KEYS, HeadsRepair};
 pub use keys::{BlockedKey, HeadState, KeyReport, explain_head, key_report};
 pub use listing::{EventFilter, EventRow};
 pub use model::*;
 pub use pause::{AuditEntry, PausedType};
+pub use tx::Tx;
 
 pub(crate) use backfill::{UNKEYED_PAGE_ROWS, classify_backfill, derivable_keys};
 /// The payload's envelope (`object`, `record_id`, `snapshot`) that the `RecordKey` is derived
@@ -87,65 +91,6 @@ pub const OUTBOX_TABLE: &str = "_System_OutboxEvent";
 /// read back compares equal to the value written (the fence relies on it).
 pub fn truncate_micros(t: DateTime<Utc>) -> DateTime<Utc> {
     t.trunc_subsecs(6)
-}
-
-/// An open transaction on either backend: the application's own (for `enqueue` next to its
-/// record write) or an attempt's (for a handler's effects).
-pub enum Tx {
-    /// A PostgreSQL transaction.
-    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
-    /// A SQLite transaction.
-    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
-}
-
-impl Tx {
-    /// The backend's name, for messages.
-    pub fn backend_name(&self) -> &'static str {
-        match self {
-            Tx::Postgres(_) => "postgres",
-            Tx::Sqlite(_) => "sqlite",
-        }
-    }
-
-    /// Commits the transaction.
-    pub async fn commit(self) -> Result<()> {
-        match self {
-            Tx::Postgres(tx) => tx.commit().await?,
-            Tx::Sqlite(tx) => tx.commit().await?,
-        }
-        Ok(())
-    }
-
-    /// Rolls the transaction back.
-    pub async fn rollback(self) -> Result<()> {
-        match self {
-            Tx::Postgres(tx) => tx.rollback().await?,
-            Tx::Sqlite(tx) => tx.rollback().await?,
-        }
-        Ok(())
-    }
-
-    /// The PostgreSQL connection, or [`Error::BackendMismatch`].
-    pub(crate) fn postgres(&mut self) -> Result<&mut sqlx::PgConnection> {
-        match self {
-            Tx::Postgres(tx) => Ok(&mut **tx),
-            other => Err(Error::BackendMismatch {
-                expected: "postgres",
-                given: other.backend_name(),
-            }),
-        }
-    }
-
-    /// The SQLite connection, or [`Error::BackendMismatch`].
-    pub(crate) fn sqlite(&mut self) -> Result<&mut sqlx::SqliteConnection> {
-        match self {
-            Tx::Sqlite(tx) => Ok(&mut **tx),
-            other => Err(Error::BackendMismatch {
-                expected: "sqlite",
-                given: other.backend_name(),
-            }),
-        }
-    }
 }
 
 /// The most rows one [`OutboxRepository::claim_batch`] call claims.
@@ -341,6 +286,18 @@ pub trait OutboxRepository: Send + Sync + 'static {
             outcomes.push(self.release_claim(fence, error).await?);
         }
         Ok(outcomes)
+    }
+
+    /// Records completed external effects in the effect ledger, in a transaction of its own
+    /// (their attempt's rolled back while the worker lives). Kept rows stay; not fenced: a
+    /// ledger row states that an effect ran, whoever holds the claim now.
+    async fn record_effects(&self, effects: &[EffectRecord]) -> Result<()> {
+        effects::record_on_own_tx(self.begin().await?, effects).await
+    }
+
+    /// Whether the effect ledger's table is migrated on this database (the gate checks it).
+    async fn effect_ledger_ready(&self) -> Result<bool> {
+        effects::ledger_ready(self.begin().await?).await
     }
 
     /// `UpdateStatus` on a connection of its own: a terminal status, fenced. `failed` also

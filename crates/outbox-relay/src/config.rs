@@ -159,7 +159,7 @@ impl RelayConfig {
                         "publish to NATS JetStream subject {subject} (stream {}), acked before processed",
                         self.stream
                     ),
-                    Some(Safeguard::Contract(format!(
+                    Some(Safeguard::BrokerDedup(format!(
                         "broker dedup: Nats-Msg-Id = event id, dropped as a duplicate within the stream's duplicate_window, which the relay checks at every start to be at least {} (these retry and stale settings); a redelivery after the window would publish twice, so downstream consumers still dedupe on Nats-Msg-Id",
                         human(window)
                     ))),
@@ -296,8 +296,8 @@ mod tests {
         assert_eq!(consumers.len(), 2);
         for consumer in &consumers {
             assert_eq!(consumer.verdict(), outbox_events::Verdict::Protected);
-            let Some(Safeguard::Contract(text)) = &consumer.effects[0].safeguard else {
-                panic!("a contract")
+            let Some(Safeguard::BrokerDedup(text)) = &consumer.effects[0].safeguard else {
+                panic!("broker dedup")
             };
             assert!(text.contains("at least 2m30s"), "{text}");
         }

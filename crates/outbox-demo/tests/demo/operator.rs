@@ -234,7 +234,7 @@ async fn consumer_map(db: TestDb) {
         mail["contract_or_exclusion"]
             .as_str()
             .unwrap()
-            .contains("delivery ledger")
+            .contains("effect ledger")
     );
     assert!(rows.iter().any(|r| {
         r["effect_class"]

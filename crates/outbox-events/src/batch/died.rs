@@ -6,7 +6,7 @@
 use outbox_persistence::Claim;
 
 use super::{BATCH_DIED, Batch, Decision, Step};
-use crate::detached::{Landed, detached, give_back, give_back_landed, release};
+use crate::detached::{Landed, detached, give_back, give_back_landed, record_on_side, release};
 use crate::env::{AttemptOutcome, Failure};
 use crate::heartbeat::Beat;
 
@@ -70,8 +70,14 @@ impl Batch<'_> {
         // written: every give-back and outcome then reads the row back when the claim turns
         // out gone (a reclaim is told apart by its count and error).
         let may_have_landed = matches!(ending, Ending::Died { commit: true, .. });
-        for (i, step) in std::mem::take(&mut self.steps).into_iter().enumerate() {
+        for (i, mut step) in std::mem::take(&mut self.steps).into_iter().enumerate() {
             let (claim, beat) = (self.members[i].claim, self.members[i].beat);
+            // The effects its handler ran were rolled back with the transaction: kept in the
+            // ledger on the side (a failure's with its bookkeeping, on the detached path).
+            if let Step::Decided(d) | Step::Written(d, _) = &mut step {
+                let effects = std::mem::take(&mut d.effects);
+                record_on_side(self.env, &effects).await;
+            }
             let why = ending.why();
             let outcome = match step {
                 Step::Done(outcome) => outcome,

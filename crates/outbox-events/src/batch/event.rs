@@ -20,17 +20,21 @@ impl Batch<'_> {
         let Member { claim, beat, .. } = self.members[i];
         self.ran += 1;
         self.steps[i] = Step::Ran(None);
-        let handler = env.handlers.get(&claim.event.event_type).cloned();
-        let (result, touched) = match handler {
+        let handler = env
+            .handlers
+            .get_named(&claim.event.event_type)
+            .map(|(name, h)| (name.to_owned(), h.clone()));
+        let (result, touched, sent) = match handler {
             None => (
                 Ok(Err(HandlerError::Permanent(format!(
                     "no handler registered for event type {:?}",
                     claim.event.event_type
                 )))),
                 false,
+                Vec::new(),
             ),
-            Some(handler) => {
-                let mut ctx = AttemptContext::for_attempt(tx);
+            Some((name, handler)) => {
+                let mut ctx = AttemptContext::for_attempt(tx, &name, claim.event.id);
                 let started = Instant::now();
                 let result = self
                     .unstarted
@@ -46,7 +50,8 @@ impl Batch<'_> {
                 let took = started.elapsed();
                 self.handler_time += took;
                 env.metrics.handler_ran(&claim.event.event_type, took);
-                (result, ctx.touched())
+                let sent = ctx.take_sent();
+                (result, ctx.touched(), sent)
             }
         };
         match result {
@@ -64,14 +69,15 @@ impl Batch<'_> {
                 Ok(false)
             }
             Ok(Ok(())) => {
-                self.decide(i, Decision::processed(touched));
+                self.decide(i, Decision::processed(touched, sent));
                 Ok(touched)
             }
             Ok(Err(error)) => {
                 if error.is_lock_timeout() {
                     env.metrics.lock_timeout(&claim.event.event_type);
                 }
-                let failure = env.failure(claim, error.is_retryable(), error.to_string());
+                let mut failure = env.failure(claim, error.is_retryable(), error.to_string());
+                failure.effects = sent;
                 tracing::info!(error = %failure.message, "handler failed");
                 if let Err(stop) = undo(tx, touched).await {
                     self.steps[i] = Step::Ran(Some(failure));

@@ -9,6 +9,7 @@ use outbox_persistence::{Attempt, Error, EventStatus, Fence, FenceOutcome, Recor
 use tokio::sync::OwnedMutexGuard;
 
 use super::{Batch, Decision, Step, Stop};
+use crate::detached::record_in;
 use crate::env::AttemptOutcome;
 use crate::heartbeat::FenceState;
 
@@ -42,7 +43,7 @@ impl Batch<'_> {
             for (i, decision, _) in &mut held {
                 if self.after_lost(*i, &lost) && decision.release.is_none() {
                     undo |= decision.kept_effects;
-                    *decision = Decision::not_run(OLDER_LOST);
+                    decision.give_back(OLDER_LOST);
                 }
             }
             if undo {
@@ -50,7 +51,7 @@ impl Batch<'_> {
                 rolled_back_to_savepoint(tx).await?;
                 for (_, decision, _) in &mut held {
                     if decision.kept_effects {
-                        *decision = Decision::not_run(EFFECTS_ROLLED_BACK);
+                        decision.give_back(EFFECTS_ROLLED_BACK);
                     }
                 }
             }
@@ -92,7 +93,7 @@ impl Batch<'_> {
                 rolled_back_to_savepoint(tx).await?;
                 for (_, decision, _) in &mut held {
                     if decision.kept_effects {
-                        *decision = Decision::not_run(EFFECTS_ROLLED_BACK);
+                        decision.give_back(EFFECTS_ROLLED_BACK);
                     }
                 }
                 effects_lost = false;
@@ -152,7 +153,7 @@ impl Batch<'_> {
             }
             if is_processed(&decision) && self.still_ours(&fence).await {
                 waits_with_effects |= decision.kept_effects;
-                decision = Decision::not_run(OLDER_REOPENED);
+                decision.give_back(OLDER_REOPENED);
                 self.block(i);
                 unwritten.push(kept.len());
                 kept.push((i, decision, fence));
@@ -294,8 +295,13 @@ async fn write_all(
     }
     for (k, (_, decision, fence)) in held.iter().enumerate() {
         outcomes[k] = match (&decision.release, &decision.failure) {
-            (Some(why), _) => tx.release(fence.fence, why).await?,
+            (Some(why), _) => {
+                // Effects its handler ran before it was given back are kept (the ledger).
+                record_in(tx, &decision.effects).await?;
+                tx.release(fence.fence, why).await?
+            }
             (None, Some(failure)) => {
+                record_in(tx, &failure.effects).await?;
                 tx.record_failure(fence.fence, failure.bookkeeping, &failure.message)
                     .await?
             }

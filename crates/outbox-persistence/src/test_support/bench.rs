@@ -52,8 +52,8 @@ RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.C
 
 /// Empties the outbox table and refreshes its statistics.
 pub async fn reset(pool: &PgPool) -> Result<()> {
-    // (Its truncate trigger empties the heads table too.)
-    sqlx::raw_sql("TRUNCATE _System_OutboxEvent")
+    // (Its truncate trigger empties the heads table too; the effect ledger references it.)
+    sqlx::raw_sql("TRUNCATE _System_OutboxEvent, _System_OutboxEffect")
         .execute(pool)
         .await?;
     vacuum_analyze(pool).await
@@ -101,7 +101,7 @@ pub async fn seed_backlog(pool: &PgPool, shape: Backlog) -> Result<()> {
         in_flight,
     } = shape;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "TRUNCATE _System_OutboxEvent;
+        "TRUNCATE _System_OutboxEvent, _System_OutboxEffect;
          INSERT INTO _System_OutboxEvent
            (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
          SELECT gen_random_uuid(), 'bench', '{{}}', 'pending', 0, 'lead:hot', t, t

@@ -1,0 +1,89 @@
+//! External effects through the effect ledger (docs/state-machine.md, "The effect ledger"):
+//! `ctx.effect("welcome-mail").once(|key| provider.send(key, …))`.
+
+use std::future::Future;
+
+use outbox_persistence::{EffectRecord, EventId, find_effect, idempotency_key, record_effect};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::handler::{AttemptContext, HandlerError};
+
+/// Which event and handler an attempt context runs, for the ledger's keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EffectScope {
+    /// The event.
+    pub(crate) event_id: EventId,
+    /// The handler: its consumer's name.
+    pub(crate) handler_id: String,
+}
+
+/// One named external effect of a handler, for this event ([`AttemptContext::effect`]).
+#[must_use = "an effect does nothing until `once` runs it"]
+pub struct Effect<'c, 'a> {
+    pub(crate) ctx: &'c mut AttemptContext<'a>,
+    pub(crate) name: String,
+}
+
+impl Effect<'_, '_> {
+    /// The effect's idempotency key: the same for every attempt of this event, different for
+    /// every other event, handler or effect name. Pass it to the receiver (a provider's
+    /// idempotency key, a webhook id) so that it can absorb the one repeat the ledger cannot
+    /// prevent (an attempt that died between the send and its commit).
+    pub fn key(&self) -> Result<String, HandlerError> {
+        let scope = self.ctx.effect_scope()?;
+        Ok(idempotency_key(
+            &scope.handler_id,
+            scope.event_id,
+            &self.name,
+        ))
+    }
+
+    /// Runs `send` with the effect's idempotency key, unless the ledger already records this
+    /// effect for this event (a committed attempt ran it, or a failed attempt ran it before it
+    /// failed): then `send` is not called, and what it returned then is returned again. When
+    /// `send` succeeds, what it returned is recorded in the attempt's transaction (with the
+    /// handler's own writes) and kept if the handler fails later (written again after the
+    /// rollback, with the failure's bookkeeping), so a retry does not repeat it. When `send`
+    /// fails, nothing is recorded and its error is the handler's to return.
+    ///
+    /// The value must serialize to JSON and read back as the same type: keep what the handler
+    /// needs to write its own rows (a provider's message id, a status).
+    pub async fn once<T, F, Fut>(self, send: F) -> Result<T, HandlerError>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError>>,
+    {
+        let scope = self.ctx.effect_scope()?.clone();
+        let recorded =
+            find_effect(self.ctx.tx(), scope.event_id, &scope.handler_id, &self.name).await?;
+        if let Some(result) = recorded {
+            tracing::info!(event_id = %scope.event_id, effect = %self.name, "effect recorded by an earlier attempt; not run again");
+            return decode(&self.name, result.as_deref());
+        }
+        let key = idempotency_key(&scope.handler_id, scope.event_id, &self.name);
+        let value = send(key).await?;
+        let result = serde_json::to_string(&value).map_err(|e| {
+            HandlerError::permanent_from(
+                format!("effect {:?}: its result does not serialize", self.name),
+                e,
+            )
+        })?;
+        let record = EffectRecord::new(scope.event_id, scope.handler_id, self.name, Some(result));
+        // Kept before the write: if the write fails, the failure's bookkeeping records it.
+        self.ctx.sent.push(record.clone());
+        record_effect(self.ctx.tx(), &record).await?;
+        Ok(value)
+    }
+}
+
+/// What an earlier attempt's effect returned, as the handler's type.
+fn decode<T: DeserializeOwned>(name: &str, result: Option<&str>) -> Result<T, HandlerError> {
+    serde_json::from_str(result.unwrap_or("null")).map_err(|e| {
+        HandlerError::permanent_from(
+            format!("effect {name:?}: the result an earlier attempt recorded no longer reads as this handler's type"),
+            e,
+        )
+    })
+}

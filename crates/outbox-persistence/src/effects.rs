@@ -1,0 +1,186 @@
+//! The effect ledger (`_System_OutboxEffect`, docs/state-machine.md, "The effect ledger"): one
+//! row per external effect a handler completed for an event, keyed by the event, the handler
+//! (its consumer's name) and the effect's name, with the idempotency key it was given and what
+//! it returned. Written in the attempt's transaction, so a row commits with the handler's own
+//! writes; a later attempt finds it and hands the result back instead of running the effect.
+
+use chrono::{DateTime, Utc};
+
+use crate::{EventId, Result, Tx};
+
+/// One completed effect, as the ledger keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EffectRecord {
+    /// The event the effect was for.
+    pub event_id: EventId,
+    /// The handler that ran it: its consumer's name.
+    pub handler_id: String,
+    /// The effect's name in the handler (`ctx.effect("welcome-mail")`).
+    pub effect_key: String,
+    /// The key the effect was given ([`idempotency_key`] of the three above).
+    pub idempotency_key: String,
+    /// What the effect returned (JSON text), handed back to later attempts.
+    pub result: Option<String>,
+}
+
+impl EffectRecord {
+    /// The record of `effect_key` run by `handler_id` for `event_id`, with its derived key.
+    pub fn new(
+        event_id: EventId,
+        handler_id: impl Into<String>,
+        effect_key: impl Into<String>,
+        result: Option<String>,
+    ) -> Self {
+        let (handler_id, effect_key) = (handler_id.into(), effect_key.into());
+        Self {
+            idempotency_key: idempotency_key(&handler_id, event_id, &effect_key),
+            event_id,
+            handler_id,
+            effect_key,
+            result,
+        }
+    }
+}
+
+/// The namespace of the ledger's idempotency keys (UUID version 5 names).
+const KEY_NAMESPACE: uuid::Uuid = uuid::Uuid::from_u128(0x6f75_7462_6f78_4c65_8467_6572_3338_0001);
+
+/// The idempotency key of an effect: the same for every attempt of the event, different for
+/// every other event, handler or effect name: `outbox-` and a name-based UUID (version 5) of the
+/// three, each length-prefixed so no two triples spell the same name.
+pub fn idempotency_key(handler_id: &str, event_id: EventId, effect_key: &str) -> String {
+    let name = format!(
+        "{}:{handler_id}|{event_id}|{}:{effect_key}",
+        handler_id.len(),
+        effect_key.len()
+    );
+    format!(
+        "outbox-{}",
+        uuid::Uuid::new_v5(&KEY_NAMESPACE, name.as_bytes()).hyphenated()
+    )
+}
+
+/// The result the ledger holds for the effect, if a committed attempt (or this transaction)
+/// recorded it: `Some(result)`, `result` being `None` when the effect returned nothing.
+pub async fn find_effect(
+    tx: &mut Tx,
+    event_id: EventId,
+    handler_id: &str,
+    effect_key: &str,
+) -> Result<Option<Option<String>>> {
+    const FIND: &str = "SELECT Result FROM _System_OutboxEffect
+                        WHERE EventId = $1 AND HandlerId = $2 AND EffectKey = $3";
+    let found: Option<Option<String>> = match tx {
+        Tx::Postgres(tx) => {
+            sqlx::query_scalar(FIND)
+                .bind(event_id)
+                .bind(handler_id)
+                .bind(effect_key)
+                .fetch_optional(&mut **tx)
+                .await?
+        }
+        Tx::Sqlite(tx) => {
+            sqlx::query_scalar(FIND)
+                .bind(event_id.to_string())
+                .bind(handler_id)
+                .bind(effect_key)
+                .fetch_optional(&mut **tx)
+                .await?
+        }
+    };
+    Ok(found)
+}
+
+/// Records `effect` in `tx`; `false` when the ledger already held it (a row written by
+/// another attempt of the event, or earlier in this transaction), which is kept.
+pub async fn record_effect(tx: &mut Tx, effect: &EffectRecord) -> Result<bool> {
+    const RECORD: &str = "INSERT INTO _System_OutboxEffect
+                            (EventId, HandlerId, EffectKey, IdempotencyKey, Result, RecordedDate)
+                          VALUES ($1, $2, $3, $4, $5, $6)
+                          ON CONFLICT (EventId, HandlerId, EffectKey) DO NOTHING";
+    let inserted = match tx {
+        Tx::Postgres(tx) => sqlx::query(RECORD)
+            .bind(effect.event_id)
+            .bind(&effect.handler_id)
+            .bind(&effect.effect_key)
+            .bind(&effect.idempotency_key)
+            .bind(&effect.result)
+            .bind(Utc::now())
+            .execute(&mut **tx)
+            .await?
+            .rows_affected(),
+        Tx::Sqlite(tx) => sqlx::query(RECORD)
+            .bind(effect.event_id.to_string())
+            .bind(&effect.handler_id)
+            .bind(&effect.effect_key)
+            .bind(&effect.idempotency_key)
+            .bind(&effect.result)
+            .bind(crate::sqlite::format_ts(now_micros()))
+            .execute(&mut **tx)
+            .await?
+            .rows_affected(),
+    };
+    Ok(inserted == 1)
+}
+
+fn now_micros() -> DateTime<Utc> {
+    crate::truncate_micros(Utc::now())
+}
+
+/// Whether the ledger's table is there (the outbox's migrations that carry it applied).
+pub async fn ledger_table_exists(tx: &mut Tx) -> Result<bool> {
+    let exists = match tx {
+        Tx::Postgres(tx) => {
+            sqlx::query_scalar("SELECT to_regclass('_system_outboxeffect') IS NOT NULL")
+                .fetch_one(&mut **tx)
+                .await?
+        }
+        Tx::Sqlite(tx) => {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table'
+                 AND name = '_System_OutboxEffect' COLLATE NOCASE",
+            )
+            .fetch_one(&mut **tx)
+            .await?
+                == 1
+        }
+    };
+    Ok(exists)
+}
+
+/// Records `effects` in `tx` and commits it (`OutboxRepository::record_effects`).
+pub(crate) async fn record_on_own_tx(mut tx: Tx, effects: &[EffectRecord]) -> Result<()> {
+    for effect in effects {
+        record_effect(&mut tx, effect).await?;
+    }
+    tx.commit().await
+}
+
+/// Whether the ledger's table exists, read in `tx`, rolled back after
+/// (`OutboxRepository::effect_ledger_ready`).
+pub(crate) async fn ledger_ready(mut tx: Tx) -> Result<bool> {
+    let exists = ledger_table_exists(&mut tx).await?;
+    tx.rollback().await?;
+    Ok(exists)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_is_stable_and_names_its_three_parts() {
+        let event = uuid::Uuid::from_u128(7);
+        let key = idempotency_key("welcome-mail", event, "send");
+        assert_eq!(key, idempotency_key("welcome-mail", event, "send"));
+        assert!(key.starts_with("outbox-") && key.len() == "outbox-".len() + 36);
+        for other in [
+            idempotency_key("welcome-mail", uuid::Uuid::from_u128(8), "send"),
+            idempotency_key("welcome-mai", event, "lsend"),
+            idempotency_key("welcome-mail", event, "send2"),
+            idempotency_key("other", event, "send"),
+        ] {
+            assert_ne!(key, other);
+        }
+    }
+}
