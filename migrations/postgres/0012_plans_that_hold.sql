@@ -61,7 +61,10 @@ $fn$;
 -- forward. One row per fence: its new `LastModifiedDate` and writer when beaten, else whether
 -- it is still this worker's as last committed (`busy`: locked by someone else, not beaten this
 -- time) or lost. The outer `EXISTS` reads the statement's snapshot, from before the update. No
--- lock wait: the rows are locked with SKIP LOCKED.
+-- lock wait: the rows are locked with SKIP LOCKED, in the mode the UPDATE takes (FOR NO KEY
+-- UPDATE), which does not conflict with the FOR KEY SHARE that the attempt's own effect-ledger
+-- rows take on their event's row (migration 0013's foreign key): FOR UPDATE did, and skipped
+-- the beat of every claim whose handler had run an effect until its transaction ended.
 CREATE FUNCTION _System_OutboxBeatMany(clock_shift interval, event_ids uuid[], written timestamptz[])
 RETURNS TABLE (event_id uuid, beaten timestamptz, writer bigint, mine boolean)
 LANGUAGE plpgsql
@@ -81,7 +84,7 @@ held AS (
   SELECT e.Id FROM _System_OutboxEvent e JOIN f ON e.Id = f.id
   WHERE e.Status = 'processing' AND e.LastModifiedDate = f.written
   ORDER BY e.Id
-  FOR UPDATE OF e SKIP LOCKED
+  FOR NO KEY UPDATE OF e SKIP LOCKED
 ),
 moved AS (
   UPDATE _System_OutboxEvent e

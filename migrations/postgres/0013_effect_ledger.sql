@@ -9,9 +9,13 @@
 -- again after the handler's failure is rolled back (so a retry does not repeat it).
 --
 -- The event id leads the primary key so that deleting an event (retention's prune) removes its
--- rows through the cascade below with one index probe.
+-- rows through the cascade below with one index probe. The foreign key is checked at COMMIT
+-- (DEFERRABLE INITIALLY DEFERRED): its check takes FOR KEY SHARE on the event's row, which,
+-- taken at the insert, would sit on the claimed row for the rest of the handler and hold back a
+-- stale reclaim's FOR UPDATE (and a FOR UPDATE heartbeat) until the attempt's transaction ends.
 CREATE TABLE _System_OutboxEffect (
-    EventId        uuid        NOT NULL REFERENCES _System_OutboxEvent (Id) ON DELETE CASCADE,
+    EventId        uuid        NOT NULL REFERENCES _System_OutboxEvent (Id) ON DELETE CASCADE
+                               DEFERRABLE INITIALLY DEFERRED,
     HandlerId      text        NOT NULL,
     EffectKey      text        NOT NULL,
     IdempotencyKey text        NOT NULL,

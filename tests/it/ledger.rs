@@ -249,9 +249,25 @@ fn assert_sent_once(sends: &[String], ids: &[uuid::Uuid]) {
 /// effect runs once, and the retry writes the message id the first run got. A redelivery of
 /// every event (their rows set back to `pending`) runs each handler again and sends nothing.
 async fn an_effect_runs_once_and_its_result_is_handed_back(db: TestDb) {
+    runs_once_and_hands_back(db, config(2)).await;
+}
+
+/// The same with one event per attempt: a failed handler's effects are written after the
+/// rollback to its savepoint, before its retry (`finish_failure`).
+async fn an_effect_runs_once_with_one_event_per_attempt(db: TestDb) {
+    runs_once_and_hands_back(db, config(2).without_batches()).await;
+}
+
+/// The same in batches (one worker, a long budget): a failed handler's effects are written at
+/// the settle with its failure.
+async fn an_effect_runs_once_in_batches(db: TestDb) {
+    runs_once_and_hands_back(db, config(1).with_batches(32, Duration::from_secs(5))).await;
+}
+
+async fn runs_once_and_hands_back(db: TestDb, config: WorkerConfig) {
     let ids = enqueue(&db, &["ok", "ok", "ok", "fail", "fail", "fail"]).await;
     let receiver = Arc::new(Receiver::default());
-    let handle = start(&db, &receiver).await;
+    let handle = start_with(&db, &receiver, config.clone()).await;
     drain(&db.repository(), Duration::from_secs(30)).await;
     handle.shutdown().await;
 
@@ -277,7 +293,7 @@ async fn an_effect_runs_once_and_its_result_is_handed_back(db: TestDb) {
     // A redelivery of events whose attempts committed: every handler runs, nothing is sent.
     db.execute("UPDATE _System_OutboxEvent SET Status = 'pending'")
         .await;
-    let handle = start(&db, &receiver).await;
+    let handle = start_with(&db, &receiver, config).await;
     drain(&db.repository(), Duration::from_secs(30)).await;
     handle.shutdown().await;
     assert_eq!(receiver.sends(), sends, "a redelivery sent again");
@@ -325,6 +341,8 @@ async fn an_attempt_that_died_after_its_send_repeats_it_with_the_same_key(db: Te
 
 backend_tests!(
     an_effect_runs_once_and_its_result_is_handed_back,
+    an_effect_runs_once_with_one_event_per_attempt,
+    an_effect_runs_once_in_batches,
     an_attempt_that_died_after_its_send_repeats_it_with_the_same_key,
 );
 

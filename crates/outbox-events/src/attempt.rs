@@ -224,7 +224,11 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> (AttemptOu
         Err(interrupted) => {
             rollback_quietly(tx.as_mut()).await;
             if interrupted == AttemptOutcome::Cancelled {
+                // Past the shutdown timeout nothing more is written: like a death, the effects
+                // it ran repeat on the reclaim, with their keys.
                 tracing::warn!("attempt cancelled by shutdown; the row is left to stale reclaim");
+            } else {
+                record_on_side(env, &sent).await;
             }
             return (interrupted, handler_time);
         }
@@ -257,6 +261,7 @@ async fn finish_success(
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;
+        record_on_side(env, &sent).await;
         return AttemptOutcome::LostClaim;
     }
     let written = tx.mark_processed(state.fence).await;
@@ -276,6 +281,7 @@ async fn finish_success(
         Ok(FenceOutcome::Lost) => {
             drop(state);
             rollback_quietly(tx.as_mut()).await;
+            record_on_side(env, &sent).await;
             AttemptOutcome::LostClaim
         }
         Err(e) => {
@@ -318,6 +324,7 @@ async fn finish_failure(
     if state.lost {
         drop(state);
         rollback_quietly(tx.as_mut()).await;
+        record_on_side(env, &failure.effects).await;
         return AttemptOutcome::LostClaim;
     }
     let written = match record_in(tx.as_mut(), &failure.effects).await {
@@ -339,6 +346,7 @@ async fn finish_failure(
         Ok(FenceOutcome::Lost) => {
             drop(state);
             rollback_quietly(tx.as_mut()).await;
+            record_on_side(env, &failure.effects).await;
             AttemptOutcome::LostClaim
         }
         Err(e) => {

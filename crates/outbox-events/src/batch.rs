@@ -280,6 +280,10 @@ struct Batch<'a> {
     claimed_at: Instant,
     handler_time: Duration,
     ran: usize,
+    /// Effects that ran for events whose outcome will not carry them (a claim lost, a
+    /// transaction that died): recorded in the ledger on the side once the segment's
+    /// transaction has ended (before that, its uncommitted rows would hold the side write).
+    on_side: Vec<EffectRecord>,
 }
 
 /// How a segment of the batch (one transaction) ended its events.
@@ -311,6 +315,7 @@ impl<'a> Batch<'a> {
             claimed_at,
             handler_time: Duration::ZERO,
             ran: 0,
+            on_side: Vec::new(),
         }
     }
 
@@ -352,6 +357,8 @@ impl<'a> Batch<'a> {
                     Err((stop, false))
                 }
             };
+            let on_side = std::mem::take(&mut self.on_side);
+            crate::detached::record_on_side(self.env, &on_side).await;
             match ended {
                 Ok(()) => {
                     self.committed();

@@ -283,11 +283,11 @@ pub(crate) async fn detached(
         return outcome;
     }
     env.metrics.detached_bookkeeping(&claim.event.event_type);
-    // The effects the handler ran are facts whoever holds the claim: recorded first.
-    record_on_side(env, &failure.effects).await;
     // The claim must stay visibly alive while the bookkeeping lands (at once: on a backend that
     // serializes writers it went without beats during the attempt).
     beat.ensure_running(true);
+    // The effects the handler ran are facts whoever holds the claim: recorded first.
+    record_on_side(env, &failure.effects).await;
     let (fence, lost) = (beat.fence.clone(), beat.lost.clone());
     let mut backoff = DETACHED_FIRST_BACKOFF;
     // Once a try failed it may have landed with its reply lost: a claim found gone after that
@@ -373,20 +373,23 @@ pub(crate) async fn record_in(
 }
 
 /// Records `effects` in the ledger on a transaction of its own (their attempt's transaction
-/// rolled back), a few tries; a failure is logged: the effect then runs again on the next
+/// rolled back), five tries over about 0.3 s; a failure is logged: the effect then runs again on the next
 /// attempt, with the same idempotency key.
 pub(crate) async fn record_on_side(env: &AttemptEnv, effects: &[EffectRecord]) {
     if effects.is_empty() {
         return;
     }
     let mut backoff = Duration::from_millis(20);
-    for _ in 0..5 {
+    for tries_left in (0..5).rev() {
         match env.repo.record_effects(effects).await {
             Ok(()) => return,
-            Err(e) => {
+            Err(e) if tries_left > 0 => {
                 tracing::warn!(error = %e.chain(), "recording completed effects in the ledger failed; trying again");
                 tokio::time::sleep(backoff).await;
-                backoff *= 4;
+                backoff *= 2;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e.chain(), "recording completed effects in the ledger failed")
             }
         }
     }

@@ -64,15 +64,22 @@ impl Effect<'_, '_> {
         }
         let key = idempotency_key(&scope.handler_id, scope.event_id, &self.name);
         let value = send(key).await?;
-        let result = serde_json::to_string(&value).map_err(|e| {
-            HandlerError::permanent_from(
+        let result = serde_json::to_string(&value);
+        let record = EffectRecord::new(
+            scope.event_id,
+            scope.handler_id,
+            self.name.clone(),
+            result.as_ref().ok().cloned(),
+        );
+        // Kept before the write: if the write fails, the failure's bookkeeping records it (also
+        // when the result does not serialize: the effect ran, and must not run again).
+        self.ctx.sent.push(record.clone());
+        if let Err(e) = result {
+            return Err(HandlerError::permanent_from(
                 format!("effect {:?}: its result does not serialize", self.name),
                 e,
-            )
-        })?;
-        let record = EffectRecord::new(scope.event_id, scope.handler_id, self.name, Some(result));
-        // Kept before the write: if the write fails, the failure's bookkeeping records it.
-        self.ctx.sent.push(record.clone());
+            ));
+        }
         record_effect(self.ctx.tx(), &record).await?;
         Ok(value)
     }

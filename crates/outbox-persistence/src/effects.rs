@@ -94,18 +94,22 @@ pub async fn find_effect(
 /// Records `effect` in `tx`; `false` when the ledger already held it (a row written by
 /// another attempt of the event, or earlier in this transaction), which is kept.
 pub async fn record_effect(tx: &mut Tx, effect: &EffectRecord) -> Result<bool> {
+    // PostgreSQL dates the row with its own clock (the column's default), as every queue time.
+    const RECORD_PG: &str = "INSERT INTO _System_OutboxEffect
+                               (EventId, HandlerId, EffectKey, IdempotencyKey, Result)
+                             VALUES ($1, $2, $3, $4, $5)
+                             ON CONFLICT (EventId, HandlerId, EffectKey) DO NOTHING";
     const RECORD: &str = "INSERT INTO _System_OutboxEffect
                             (EventId, HandlerId, EffectKey, IdempotencyKey, Result, RecordedDate)
                           VALUES ($1, $2, $3, $4, $5, $6)
                           ON CONFLICT (EventId, HandlerId, EffectKey) DO NOTHING";
     let inserted = match tx {
-        Tx::Postgres(tx) => sqlx::query(RECORD)
+        Tx::Postgres(tx) => sqlx::query(RECORD_PG)
             .bind(effect.event_id)
             .bind(&effect.handler_id)
             .bind(&effect.effect_key)
             .bind(&effect.idempotency_key)
             .bind(&effect.result)
-            .bind(Utc::now())
             .execute(&mut **tx)
             .await?
             .rows_affected(),

@@ -57,13 +57,16 @@ impl Batch<'_> {
         match result {
             Err(AttemptOutcome::Cancelled) => Err(Stop::Cancelled),
             // Lost (found by its beat while the handler ran, or as it ended): its effects must
-            // not commit, and nothing is written for it.
+            // not commit, and nothing is written for it; the external ones it ran are kept in
+            // the ledger on the side.
             Err(_) => {
+                self.on_side.extend(sent);
                 undo(tx, touched).await?;
                 self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
                 Ok(false)
             }
             Ok(Ok(())) if beat.lost.is_cancelled() => {
+                self.on_side.extend(sent);
                 undo(tx, touched).await?;
                 self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
                 Ok(false)

@@ -48,12 +48,7 @@ impl Batch<'_> {
             }
             if undo {
                 // No effects are left in the segment after this: a later round has none to undo.
-                rolled_back_to_savepoint(tx).await?;
-                for (_, decision, _) in &mut held {
-                    if decision.kept_effects {
-                        decision.give_back(EFFECTS_ROLLED_BACK);
-                    }
-                }
+                held = self.undo_writes(tx, held).await?;
             }
             if held.is_empty() {
                 return Ok(());
@@ -90,23 +85,44 @@ impl Batch<'_> {
                 // effects of a lost claim, or of an event that must wait for an older row):
                 // undo every write of this settle and write again. Each round ends one more
                 // claim lost or given back, so this ends.
-                rolled_back_to_savepoint(tx).await?;
-                for (_, decision, _) in &mut held {
-                    if decision.kept_effects {
-                        decision.give_back(EFFECTS_ROLLED_BACK);
-                    }
-                }
+                held = self.undo_writes(tx, held).await?;
                 effects_lost = false;
                 continue;
             }
-            self.release_unwritten(tx, &held, unwritten, &mut lost)
-                .await?;
+            if let Err(stop) = self
+                .release_unwritten(tx, &held, unwritten, &mut lost)
+                .await
+            {
+                held.retain(|(i, _, _)| !matches!(self.steps[*i], Step::Done(_)));
+                self.undecided(held);
+                return Err(stop);
+            }
             held.retain(|(i, _, _)| !matches!(self.steps[*i], Step::Done(_)));
             for (i, decision, fence) in held {
                 self.steps[i] = Step::Written(decision, Some(fence));
             }
             return Ok(());
         }
+    }
+
+    /// Rolls the segment back to its savepoint, undoing this settle's writes and its one
+    /// handler's effects: that handler's event is given back. When the rollback fails (the
+    /// transaction dying), the held events go back to decided, for the detached path.
+    async fn undo_writes(
+        &mut self,
+        tx: &mut dyn Attempt,
+        mut held: Vec<Held>,
+    ) -> Result<Vec<Held>, Stop> {
+        if let Err(stop) = rolled_back_to_savepoint(tx).await {
+            self.undecided(held);
+            return Err(stop);
+        }
+        for (_, decision, _) in &mut held {
+            if decision.kept_effects {
+                decision.give_back(EFFECTS_ROLLED_BACK);
+            }
+        }
+        Ok(held)
     }
 
     /// Writes the releases of the events that must wait for an older row of their record
@@ -162,6 +178,7 @@ impl Batch<'_> {
             drop(fence);
             *effects_lost |= decision.kept_effects;
             found_lost = true;
+            self.on_side.extend(decision.take_effects());
             self.lost_here(i, lost);
         }
         (kept, unwritten, found_lost, waits_with_effects)
@@ -214,6 +231,8 @@ impl Batch<'_> {
             if fence.lost {
                 drop(fence);
                 effects_lost |= decision.kept_effects;
+                let mut decision = decision;
+                self.on_side.extend(decision.take_effects());
                 self.lost_here(i, &mut lost);
                 continue;
             }
