@@ -340,7 +340,7 @@ async fn an_attempt_that_died_after_its_send_repeats_it_with_the_same_key(db: Te
 }
 
 backend_tests!(
-    an_effect_runs_once_and_its_result_is_handed_back,
+    with_pgbouncer: an_effect_runs_once_and_its_result_is_handed_back,
     an_effect_runs_once_with_one_event_per_attempt,
     an_effect_runs_once_in_batches,
     an_attempt_that_died_after_its_send_repeats_it_with_the_same_key,

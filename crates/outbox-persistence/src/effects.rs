@@ -3,6 +3,7 @@
 //! (its consumer's name) and the effect's name, with the idempotency key it was given and what
 //! it returned. Written in the attempt's transaction, so a row commits with the handler's own
 //! writes; a later attempt finds it and hands the result back instead of running the effect.
+//! Its statements are prepared unnamed behind a transaction pooler (`statement`).
 
 use chrono::{DateTime, Utc};
 
@@ -72,7 +73,7 @@ pub async fn find_effect(
                         WHERE EventId = $1 AND HandlerId = $2 AND EffectKey = $3";
     let found: Option<Option<String>> = match tx {
         Tx::Postgres(tx) => {
-            sqlx::query_scalar(FIND)
+            crate::statement::query_scalar(FIND)
                 .bind(event_id)
                 .bind(handler_id)
                 .bind(effect_key)
@@ -80,7 +81,7 @@ pub async fn find_effect(
                 .await?
         }
         Tx::Sqlite(tx) => {
-            sqlx::query_scalar(FIND)
+            crate::statement::query_scalar(FIND)
                 .bind(event_id.to_string())
                 .bind(handler_id)
                 .bind(effect_key)
@@ -104,7 +105,7 @@ pub async fn record_effect(tx: &mut Tx, effect: &EffectRecord) -> Result<bool> {
                           VALUES ($1, $2, $3, $4, $5, $6)
                           ON CONFLICT (EventId, HandlerId, EffectKey) DO NOTHING";
     let inserted = match tx {
-        Tx::Postgres(tx) => sqlx::query(RECORD_PG)
+        Tx::Postgres(tx) => crate::statement::query(RECORD_PG)
             .bind(effect.event_id)
             .bind(&effect.handler_id)
             .bind(&effect.effect_key)
@@ -113,7 +114,7 @@ pub async fn record_effect(tx: &mut Tx, effect: &EffectRecord) -> Result<bool> {
             .execute(&mut **tx)
             .await?
             .rows_affected(),
-        Tx::Sqlite(tx) => sqlx::query(RECORD)
+        Tx::Sqlite(tx) => crate::statement::query(RECORD)
             .bind(effect.event_id.to_string())
             .bind(&effect.handler_id)
             .bind(&effect.effect_key)
@@ -135,12 +136,12 @@ fn now_micros() -> DateTime<Utc> {
 pub async fn ledger_table_exists(tx: &mut Tx) -> Result<bool> {
     let exists = match tx {
         Tx::Postgres(tx) => {
-            sqlx::query_scalar("SELECT to_regclass('_system_outboxeffect') IS NOT NULL")
+            crate::statement::query_scalar("SELECT to_regclass('_system_outboxeffect') IS NOT NULL")
                 .fetch_one(&mut **tx)
                 .await?
         }
         Tx::Sqlite(tx) => {
-            sqlx::query_scalar::<_, i64>(
+            crate::statement::query_scalar::<_, i64>(
                 "SELECT count(*) FROM sqlite_master WHERE type = 'table'
                  AND name = '_System_OutboxEffect' COLLATE NOCASE",
             )
