@@ -36,6 +36,18 @@ WHERE e.Status = 'pending'
 ORDER BY h.CreatedDate, h.Id
 LIMIT 1";
 
+/// The outbox and its heads analyzed as they are now (small), with autovacuum off: no ANALYZE
+/// may invalidate the cached plans between the growth and the checks.
+async fn statistics_of_a_small_table(db: &TestDb) {
+    for table in ["_System_OutboxEvent", "_System_OutboxHead"] {
+        db.execute(&format!(
+            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+        ))
+        .await;
+        db.execute(&format!("VACUUM ANALYZE {table}")).await;
+    }
+}
+
 /// Sequential scans of the outbox table and its heads counted by this backend and not yet
 /// flushed to the shared statistics.
 async fn seq_scans(conn: &mut PgConnection) -> i64 {
@@ -54,12 +66,7 @@ async fn postgres_a_claim_planned_on_an_empty_queue_uses_the_indexes_after_it_gr
         return;
     };
     // No autovacuum ANALYZE may invalidate the cached plans between the growth and the checks.
-    db.execute("ALTER TABLE _System_OutboxEvent SET (autovacuum_enabled = false)")
-        .await;
-    db.execute("ALTER TABLE _System_OutboxHead SET (autovacuum_enabled = false)")
-        .await;
-    db.execute("VACUUM ANALYZE _System_OutboxEvent").await;
-    db.execute("VACUUM ANALYZE _System_OutboxHead").await;
+    statistics_of_a_small_table(&db).await;
 
     let mut conn = PgConnection::connect(&db.url).await.unwrap();
     for i in 0..8 {
@@ -143,12 +150,7 @@ async fn postgres_the_attempt_path_planned_on_a_small_table_uses_the_indexes_aft
     if db.behind_pooler() || version < 150_000 {
         return;
     }
-    db.execute("ALTER TABLE _System_OutboxEvent SET (autovacuum_enabled = false)")
-        .await;
-    db.execute("ALTER TABLE _System_OutboxHead SET (autovacuum_enabled = false)")
-        .await;
-    db.execute("VACUUM ANALYZE _System_OutboxEvent").await;
-    db.execute("VACUUM ANALYZE _System_OutboxHead").await;
+    statistics_of_a_small_table(&db).await;
     let one = PgPoolOptions::new()
         .max_connections(1)
         .connect_with(db.pg().unwrap().connect_options().as_ref().clone())
