@@ -303,13 +303,8 @@ async fn runs_once_and_hands_back(db: TestDb, config: WorkerConfig) {
     assert_eq!(ledger(&db).await, rows);
 }
 
-/// The one repeat the ledger cannot prevent: the attempt dies (here: cut by a shutdown past its
-/// timeout) between the send and its commit. The stale reclaim runs the handler again, which
-/// sends again, with the same key, so a receiver that honours the key absorbs it.
-async fn an_attempt_that_died_after_its_send_repeats_it_with_the_same_key(db: TestDb) {
-    let ids = enqueue(&db, &["hold"]).await;
-    let receiver = Arc::new(Receiver::default());
-    let handle = start(&db, &receiver).await;
+/// Waits for the `hold` event's send.
+async fn until_held(receiver: &Receiver) {
     let waited = std::time::Instant::now();
     while !receiver.held.load(Ordering::SeqCst) {
         assert!(
@@ -318,11 +313,83 @@ async fn an_attempt_that_died_after_its_send_repeats_it_with_the_same_key(db: Te
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// A hard shutdown (past its timeout) cuts an attempt after its send: its row is left to stale
+/// reclaim, and the send it made gets one bounded try in the ledger. The reclaim's run skips
+/// it and gets its result back.
+async fn a_hard_shutdown_records_what_its_attempt_sent(db: TestDb) {
+    hard_shutdown_after_a_send(db, config(2).without_batches(), &["hold"]).await;
+}
+
+/// The same in a batch: the held event runs in a batch's segment (after an event alone, which
+/// a worker measures first, and one in the batch before it).
+async fn a_hard_shutdown_records_what_its_batch_sent(db: TestDb) {
+    let batches = config(1).with_batches(32, Duration::from_secs(5));
+    hard_shutdown_after_a_send(db, batches, &["ok", "ok", "hold"]).await;
+}
+
+async fn hard_shutdown_after_a_send(db: TestDb, config: WorkerConfig, what: &[&str]) {
+    let ids = enqueue(&db, what).await;
+    let held = *ids.last().unwrap();
+    let receiver = Arc::new(Receiver::default());
+    let handle = start_with(&db, &receiver, config.clone()).await;
+    until_held(&receiver).await;
     assert!(!handle.shutdown().await.graceful);
+    let key = idempotency_key(HANDLER_ID, held, EFFECT);
     assert!(
-        ledger(&db).await.is_empty(),
-        "the cut attempt recorded nothing"
+        ledger(&db).await.contains(&(held.to_string(), key.clone())),
+        "the cut attempt's send is in the ledger"
     );
+    let event = db.repository().get_event(held).await.unwrap().unwrap();
+    assert_eq!(event.status.as_str(), "processing", "left to stale reclaim");
+
+    let handle = start_with(&db, &receiver, config).await;
+    drain(&db.repository(), Duration::from_secs(30)).await;
+    handle.shutdown().await;
+    assert_sent_once(&receiver.sends(), &ids);
+    assert_eq!(receiver.runs.lock().unwrap()[&held], 2);
+    let event = db.repository().get_event(held).await.unwrap().unwrap();
+    assert_eq!(event.retry_count, 1, "the cut attempt is counted by its reclaim");
+    // The reclaim's run got the cut run's message id back.
+    let sent_as = receiver.sends().iter().position(|k| *k == key).unwrap() + 1;
+    assert_eq!(message_id(&db, held).await, format!("msg-{sent_as}"));
+}
+
+/// The one repeat the ledger cannot prevent: the attempt dies (its process: here its runtime,
+/// dropped with every task and connection, no code of the worker running after) between the
+/// send and its commit. The stale reclaim runs the handler again, which sends again, with the
+/// same key, so a receiver that honours the key absorbs it.
+async fn an_attempt_that_died_after_its_send_repeats_it_with_the_same_key(db: TestDb) {
+    let ids = enqueue(&db, &["hold"]).await;
+    let receiver = Arc::new(Receiver::default());
+    let process = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (url, receiver_there) = (db.url.clone(), receiver.clone());
+    let db_url = db.pg().map(|_| db.url.clone());
+    process.spawn(async move {
+        let own = outbox_persistence::Database::connect(&url, Default::default())
+            .await
+            .unwrap();
+        let mail = Mail {
+            receiver: receiver_there,
+            db_url,
+        };
+        let handlers = Handlers::new().register_with_ledger(consumer(), mail);
+        let handle = Dispatcher::new(own.repository(), handlers, config(2))
+            .start_pull()
+            .await
+            .unwrap();
+        // Never shut down: the process dies with it.
+        std::future::pending::<()>().await;
+        drop(handle);
+    });
+    until_held(&receiver).await;
+    process.shutdown_background();
+    assert!(ledger(&db).await.is_empty(), "the dead attempt recorded nothing");
 
     let handle = start(&db, &receiver).await;
     drain(&db.repository(), Duration::from_secs(30)).await;
@@ -343,6 +410,8 @@ backend_tests!(
     with_pgbouncer: an_effect_runs_once_and_its_result_is_handed_back,
     an_effect_runs_once_with_one_event_per_attempt,
     an_effect_runs_once_in_batches,
+    a_hard_shutdown_records_what_its_attempt_sent,
+    a_hard_shutdown_records_what_its_batch_sent,
     an_attempt_that_died_after_its_send_repeats_it_with_the_same_key,
 );
 

@@ -425,6 +425,11 @@ pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> 
     for &workers in sizes.workers {
         for keyed in [true, false] {
             for variant in VARIANTS {
+                if std::env::var_os("OUTBOX_BENCH_AB").is_some()
+                    && !(variant.shipped_pull() && workers == 8)
+                {
+                    continue;
+                }
                 let (rate, cpu_us) =
                     drain_variant(db, sizes, report, (workers, keyed), variant).await?;
                 if !(variant.shipped_pull() && workers == 8) {

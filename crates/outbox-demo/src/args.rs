@@ -92,6 +92,14 @@ pub struct SeedArgs {
     /// How long a slow event's handler sleeps, in milliseconds.
     #[arg(long, default_value_t = 5_000)]
     pub slow_ms: u64,
+    /// Welcome emails whose attempt waits `--held-ms` after its send before it commits
+    /// (`Account:H000000`, …), spread over the workload: a window for the fault suite's kills
+    /// between a send and its commit.
+    #[arg(long, default_value_t = 0)]
+    pub held_sends: usize,
+    /// How long a held send's attempt waits after the send, in milliseconds.
+    #[arg(long, default_value_t = 2_000)]
+    pub held_ms: u64,
     /// Poison records to add first (`Account:P000000`, …): each has a poison event, whose
     /// handler aborts the `outbox-demo work` process on every attempt until the event is counted
     /// `failed`, and a younger event that must run after it. Run them under a supervisor that

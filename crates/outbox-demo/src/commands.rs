@@ -95,6 +95,10 @@ pub async fn seed_command(url: Option<&str>, args: SeedArgs) -> Result<ExitCode>
                 count: args.slow_events,
                 sleep_ms: args.slow_ms,
             },
+            held: workload::SlowEvents {
+                count: args.held_sends,
+                sleep_ms: args.held_ms,
+            },
             poison: args.poison_events,
             feed: false,
         },
@@ -104,8 +108,13 @@ pub async fn seed_command(url: Option<&str>, args: SeedArgs) -> Result<ExitCode>
     // to create them.
     MailSink::open(url.unwrap_or_default()).await?.close().await;
     println!(
-        "seeded {} events over {} records ({} marked to fail their first attempt, {} slow, {} poison)",
-        seeded.events, seeded.records, seeded.marked_faults, args.slow_events, seeded.poison
+        "seeded {} events over {} records ({} marked to fail their first attempt, {} slow, {} held sends, {} poison)",
+        seeded.events,
+        seeded.records,
+        seeded.marked_faults,
+        args.slow_events,
+        args.held_sends,
+        seeded.poison
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -269,17 +269,40 @@ impl Handler for WelcomeMail {
         );
         let claim = event.last_modified_date.to_rfc3339();
         let sink = &self.sink;
+        let sent_now = std::sync::atomic::AtomicBool::new(false);
+        let sent = &sent_now;
         ctx.effect(WELCOME_EFFECT)
             .once(|key| async move {
                 sink.send(&key, (event.retry_count, &claim), &recipient, &subject)
                     .await
-                    .map_err(|e| HandlerError::retryable_from("mail provider", e))
+                    .map_err(|e| HandlerError::retryable_from("mail provider", e))?;
+                sent.store(true, Ordering::Relaxed);
+                Ok(())
             })
             .await?;
+        if let Some(ms) = envelope
+            .snapshot
+            .get(HOLD_AFTER_SEND_MS)
+            .and_then(|v| v.as_u64())
+            .filter(|_| sent_now.load(Ordering::Relaxed))
+        {
+            // A held send (this attempt sent; a skip holds nothing): journaled on the side,
+            // then the attempt waits before it commits (its heartbeat keeps the claim), a
+            // window the fault suite aims its kills at.
+            let id = event.id.to_string();
+            if let Err(e) = sink.journal(Mark::Sent, &id, event.retry_count).await {
+                tracing::warn!(error = %e, "could not journal a held send");
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
         log_effect(ctx, event).await?;
         self.faults.check(event, &envelope, 1)
     }
 }
+
+/// The snapshot field that makes a welcome email's attempt wait after its send, before it
+/// commits (`outbox-demo seed --held-sends`).
+pub const HOLD_AFTER_SEND_MS: &str = "HoldAfterSendMs";
 
 /// A slow handler: sleeps the snapshot's `SleepMs` (its heartbeat keeps the claim alive),
 /// journaling its start and the end of its sleep on the side, then writes its effect-log row.

@@ -10,8 +10,9 @@ use outbox_persistence::WORKER_DIED;
 use serde::Serialize;
 
 use super::handlers::is_poison;
-use super::journal::{self, JournalFindings, WorkRun};
-use super::sink::MailSink;
+use super::handlers::{WELCOME_EFFECT, WELCOME_HANDLER_ID};
+use super::journal::{self, Entry, JournalFindings, Mark, WorkRun};
+use super::sink::{MailSink, Send};
 use super::verify::{Check, EventRow, check};
 
 /// What the integrity checks read.
@@ -36,6 +37,17 @@ pub struct Integrity {
     /// Sends repeated by a later attempt, after a counted failure or death or an uncounted
     /// release (expected: the design never claims exactly-once delivery).
     pub sends_redelivered: i64,
+    /// Sends followed by another send of the same key whose process died (the attempt died
+    /// between its send and its commit, so the ledger never got the send).
+    pub sends_repeated_after_a_death: i64,
+    /// Sends followed by another send of the same key whose process lived on: the ledger
+    /// lost a send it should have kept (expected: none).
+    pub sends_repeated_by_a_live_process: i64,
+    /// Kills the fault suite aimed between a held send and its commit (journaled `killed` with
+    /// the event), and of those, the ones whose send the receiver then got again with the
+    /// same key from a later attempt.
+    pub kills_after_a_send: i64,
+    pub kills_after_a_send_repeated: i64,
     /// Poison events seeded.
     pub poison: i64,
     /// Poison events `failed` with a `LastError` that says their worker died.
@@ -76,29 +88,18 @@ pub async fn check_integrity(
         ),
     );
 
-    out.journal = journal::analyse(&sink.journal_entries().await?);
+    let entries = sink.journal_entries().await?;
+    out.journal = journal::analyse(&entries);
     out.superseded_while_alive = out
         .journal
         .superseded
         .iter()
         .filter(|s| !s.death_before_reclaim && lived.get(&s.pid) == Some(&true))
         .count();
-    // One attempt is one claim: an event given back uncounted after its handler ran (its
-    // outcome could not be written) runs again at the same `RetryCount` under a new claim,
-    // a redelivery like any other, absorbed by the idempotency key.
-    let mut per_attempt: HashMap<(String, i32, String), i64> = HashMap::new();
-    let mut attempts_per_key: HashMap<String, i64> = HashMap::new();
-    for send in sink.sends().await? {
-        let n = per_attempt
-            .entry((send.key.clone(), send.retry_count, send.claim.clone()))
-            .or_default();
-        *n += 1;
-        if *n == 1 {
-            *attempts_per_key.entry(send.key).or_default() += 1;
-        }
-    }
-    out.sent_twice_in_one_attempt = per_attempt.values().map(|n| n - 1).sum();
-    out.sends_redelivered = attempts_per_key.values().map(|n| n - 1).sum();
+    let sends = sink.sends().await?;
+    count_sends(&sends, &mut out);
+    repeated_sends(&sends, &lived, &mut out);
+    kills_after_a_send(&entries, &sends, &mut out);
     let j = &out.journal;
     check(
         checks,
@@ -118,9 +119,96 @@ pub async fn check_integrity(
             out.sends_redelivered
         ),
     );
+    check_repeats(&out, checks);
     check_poison(events, &mut out, checks);
     out.runs = runs;
     Ok(out)
+}
+
+/// "Repeated sends equal the attempts that died between send and commit".
+fn check_repeats(out: &Integrity, checks: &mut Vec<Check>) {
+    check(
+        checks,
+        "repeated sends equal the attempts that died between send and commit",
+        out.sends_repeated_by_a_live_process == 0
+            && out.sends_repeated_after_a_death == out.sends_redelivered
+            && out.kills_after_a_send_repeated == out.kills_after_a_send,
+        format!(
+            "{} sends repeated by a later attempt (same key): {} after their sender's process died before its attempt committed, {} while it lived on; {} kills aimed between a held send and its commit, {} of them repeated by a later attempt with the same key",
+            out.sends_redelivered,
+            out.sends_repeated_after_a_death,
+            out.sends_repeated_by_a_live_process,
+            out.kills_after_a_send,
+            out.kills_after_a_send_repeated
+        ),
+    );
+}
+
+/// Counts the sends repeated within one attempt and by later attempts. One attempt is one
+/// claim: an event given back uncounted after its handler ran (its outcome could not be
+/// written) runs again at the same `RetryCount` under a new claim, a redelivery like any other,
+/// absorbed by the idempotency key.
+fn count_sends(sends: &[Send], out: &mut Integrity) {
+    let mut per_attempt: HashMap<(&str, i32, &str), i64> = HashMap::new();
+    let mut attempts_per_key: HashMap<&str, i64> = HashMap::new();
+    for send in sends {
+        let n = per_attempt
+            .entry((&send.key, send.retry_count, &send.claim))
+            .or_default();
+        *n += 1;
+        if *n == 1 {
+            *attempts_per_key.entry(&send.key).or_default() += 1;
+        }
+    }
+    out.sent_twice_in_one_attempt = per_attempt.values().map(|n| n - 1).sum();
+    out.sends_redelivered = attempts_per_key.values().map(|n| n - 1).sum();
+}
+
+/// Counts the sends that another send of their key followed (read from the provider's own
+/// log, in order), by whether their process died. With the effect ledger, a send is repeated
+/// only when its attempt neither committed nor recorded it on the side: its process died
+/// between the send and the commit (docs/state-machine.md, "The effect ledger").
+fn repeated_sends(sends: &[Send], lived: &HashMap<i64, bool>, out: &mut Integrity) {
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    for (i, send) in sends.iter().enumerate() {
+        last.insert(send.key.as_str(), i);
+    }
+    for (i, send) in sends.iter().enumerate() {
+        if last.get(send.key.as_str()) == Some(&i) {
+            continue;
+        }
+        if lived.get(&send.pid) == Some(&true) {
+            out.sends_repeated_by_a_live_process += 1;
+        } else {
+            out.sends_repeated_after_a_death += 1;
+        }
+    }
+}
+
+/// The kills aimed between a held send and its commit (journaled `killed` with the event and
+/// the `RetryCount` of the attempt that sent): each must show in the receiver's log as that
+/// process's send at that count, followed by a send of the same key from a later attempt.
+fn kills_after_a_send(entries: &[Entry], sends: &[Send], out: &mut Integrity) {
+    for kill in entries
+        .iter()
+        .filter(|e| e.mark == Mark::Killed && !e.event_id.is_empty())
+    {
+        out.kills_after_a_send += 1;
+        let Ok(id) = uuid::Uuid::parse_str(&kill.event_id) else {
+            continue;
+        };
+        let key = outbox_persistence::idempotency_key(WELCOME_HANDLER_ID, id, WELCOME_EFFECT);
+        let sent_at = sends.iter().position(|s| {
+            s.key == key && s.pid == kill.pid && s.retry_count == kill.retry_count
+        });
+        if let Some(at) = sent_at
+            && sends[at + 1..]
+                .iter()
+                .any(|s| s.key == key && s.retry_count > kill.retry_count)
+        {
+            out.kills_after_a_send_repeated += 1;
+        }
+    }
 }
 
 /// "Poison events ended failed, their records' later events processed".

@@ -4,7 +4,9 @@
 //! - `DemoAttemptJournal`: the slow and the poison handlers write `start` when they begin and
 //!   `finish`, `dropped` (their future was dropped: the claim was lost, or a shutdown cancelled
 //!   the attempt) or `died` (a poison event is about to abort the process) when they end; the
-//!   fault suite writes `killed` after it SIGKILLed a process. Rows are ordered by the store's
+//!   fault suite writes `killed` after it SIGKILLed a process (with the event and `RetryCount`
+//!   of the held send it aimed at, if it did). A welcome email with a held send writes `sent`
+//!   after the send, before its attempt waits to commit. Rows are ordered by the store's
 //!   own sequence, never by a host clock, so a worker whose clock runs behind cannot blur them.
 //! - `DemoWorkRun`: one row per `outbox-demo work` process (and per demo run), written before
 //!   its workers start, updated with its counters every few seconds and completed when it exits.
@@ -35,8 +37,11 @@ pub enum Mark {
     Dropped,
     /// Its process is about to abort (a poison event): every attempt of that process dies.
     Died,
-    /// The fault suite SIGKILLed the process (written by `cargo xtask faults`).
+    /// The fault suite SIGKILLed the process (written by `cargo xtask faults`); with an event
+    /// id when the kill was aimed at that event's held send (see [`Mark::Sent`]).
     Killed,
+    /// A welcome email's held send happened; its attempt waits before it commits.
+    Sent,
 }
 
 impl Mark {
@@ -48,6 +53,7 @@ impl Mark {
             Mark::Dropped => "dropped",
             Mark::Died => "died",
             Mark::Killed => "killed",
+            Mark::Sent => "sent",
         }
     }
 
@@ -58,6 +64,7 @@ impl Mark {
             Mark::Dropped,
             Mark::Died,
             Mark::Killed,
+            Mark::Sent,
         ]
         .into_iter()
         .find(|m| m.as_str() == text)
@@ -384,6 +391,7 @@ pub fn analyse(entries: &[Entry]) -> JournalFindings {
                 }
             }
             Mark::Killed => deaths.entry(e.pid).or_default().push(e.seq),
+            Mark::Sent => {}
         }
     }
     (findings.runs, findings.poison_deaths) = (runs.len(), poisoned.len());

@@ -95,6 +95,8 @@ pub struct Send {
     /// back uncounted after its handler ran runs again with the same `RetryCount` under a new
     /// claim.
     pub claim: String,
+    /// The sending process.
+    pub pid: i64,
 }
 
 /// The provider's inbox.
@@ -185,7 +187,56 @@ impl MailSink {
 
     /// Delivers one email sent by the attempt at `retry_count`; a repeated idempotency key is
     /// absorbed and counted. Each send is also recorded with its attempt and process.
+    ///
+    /// A send whose reply is lost (a connection cut or a restart while it committed) is asked
+    /// about by its key, as a client asks a provider that honours idempotency keys: one that
+    /// landed is a success, so that the sender does not repeat a send it made. A send that did
+    /// not land, or whose fate stays unknown for about 20 s, is an error.
     pub async fn send(
+        &self,
+        idempotency_key: &str,
+        attempt: (i32, &str),
+        recipient: &str,
+        subject: &str,
+    ) -> Result<()> {
+        let Err(error) = self
+            .deliver(idempotency_key, attempt, recipient, subject)
+            .await
+        else {
+            return Ok(());
+        };
+        let mut backoff = std::time::Duration::from_millis(50);
+        for _ in 0..9 {
+            match self.landed(idempotency_key, attempt).await {
+                Ok(true) => return Ok(()),
+                Ok(false) => return Err(error),
+                Err(_) => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+                }
+            }
+        }
+        Err(error)
+    }
+
+    /// Whether this process's send of `idempotency_key` by `attempt` reached the provider.
+    async fn landed(&self, idempotency_key: &str, (retry_count, claim): (i32, &str)) -> Result<bool> {
+        let found: Option<i64> = with_conn!(&self.db, |pool| {
+            outbox_persistence::statement::query_scalar(
+                "SELECT Seq FROM DemoMailSend
+                 WHERE IdempotencyKey = $1 AND RetryCount = $2 AND Claim = $3 AND Pid = $4",
+            )
+            .bind(idempotency_key)
+            .bind(retry_count)
+            .bind(claim)
+            .bind(i64::from(std::process::id()))
+            .fetch_optional(pool)
+            .await
+        })?;
+        Ok(found.is_some())
+    }
+
+    async fn deliver(
         &self,
         idempotency_key: &str,
         (retry_count, claim): (i32, &str),
@@ -225,19 +276,20 @@ impl MailSink {
 
     /// Every send the provider received, in order.
     pub async fn sends(&self) -> Result<Vec<Send>> {
-        let rows: Vec<(String, i32, String)> = with_conn!(&self.db, |pool| {
+        let rows: Vec<(String, i32, String, i64)> = with_conn!(&self.db, |pool| {
             outbox_persistence::statement::query_as(
-                "SELECT IdempotencyKey, RetryCount, Claim FROM DemoMailSend ORDER BY Seq",
+                "SELECT IdempotencyKey, RetryCount, Claim, Pid FROM DemoMailSend ORDER BY Seq",
             )
             .fetch_all(pool)
             .await
         })?;
         Ok(rows
             .into_iter()
-            .map(|(key, retry_count, claim)| Send {
+            .map(|(key, retry_count, claim, pid)| Send {
                 key,
                 retry_count,
                 claim,
+                pid,
             })
             .collect())
     }

@@ -60,6 +60,13 @@ pub struct Verification {
     pub sent_twice_in_one_attempt: i64,
     /// Sends repeated by a later attempt after a counted failure or death (expected).
     pub sends_redelivered: i64,
+    /// Repeated sends whose earlier send's process died before its attempt committed.
+    pub sends_repeated_after_a_death: i64,
+    /// Repeated sends whose earlier send's process lived on (expected: none).
+    pub sends_repeated_by_a_live_process: i64,
+    /// Kills aimed between a held send and its commit, and those repeated with the same key.
+    pub kills_after_a_send: i64,
+    pub kills_after_a_send_repeated: i64,
     /// Stale reclaims that counted a dead attempt (retry-audit rows whose `LastError` says
     /// the worker died).
     pub reclaims: i64,
@@ -155,6 +162,10 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         ran_twice: (integrity.journal.ran_twice + integrity.superseded_while_alive) as i64,
         sent_twice_in_one_attempt: integrity.sent_twice_in_one_attempt,
         sends_redelivered: integrity.sends_redelivered,
+        sends_repeated_after_a_death: integrity.sends_repeated_after_a_death,
+        sends_repeated_by_a_live_process: integrity.sends_repeated_by_a_live_process,
+        kills_after_a_send: integrity.kills_after_a_send,
+        kills_after_a_send_repeated: integrity.kills_after_a_send_repeated,
         worker_deaths: integrity.worker_deaths,
         poison: integrity.poison,
         poison_failed: integrity.poison_failed,

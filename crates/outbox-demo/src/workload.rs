@@ -58,6 +58,8 @@ pub struct Workload {
     pub seed: u64,
     /// Slow events to add.
     pub slow: SlowEvents,
+    /// Welcome emails whose attempt waits after the send (`sleep_ms`) before it commits.
+    pub held: SlowEvents,
     /// Poison records to add (see [`poison_writes`]).
     pub poison: usize,
     /// Whether each write also enqueues its change-feed event ([`FEED_TYPES`]).
@@ -293,8 +295,19 @@ pub async fn seed(
         .iter()
         .filter(|w| w.event.payload.contains(FAIL_FIRST_ATTEMPT))
         .count();
+    // The slow events and the held sends, interleaved.
+    let mut extra: Vec<NewEvent> = Vec::with_capacity(slow.count + w.held.count);
+    for n in 0..slow.count.max(w.held.count) {
+        if n < slow.count {
+            extra.push(slow_event(n, slow.sleep_ms));
+        }
+        if n < w.held.count {
+            extra.push(held_send(n, w.held.sleep_ms));
+        }
+    }
+    let extras = extra.len();
+    let mut extra = extra.into_iter();
     let batches = writes.len().div_ceil(SEED_BATCH).max(1);
-    let mut slow_left = slow.count;
     for (index, batch) in writes.chunks(SEED_BATCH).enumerate() {
         let mut tx = repo.begin().await?;
         for write in batch {
@@ -304,30 +317,27 @@ pub async fn seed(
             .iter()
             .flat_map(|write| events_of(write, w.feed))
             .collect();
-        // Spread the slow events evenly over the batches, so they run while the rest flows.
-        let due = slow.count * (index + 1) / batches;
-        while slow.count - slow_left < due {
-            new_events.push(slow_event(slow.count - slow_left, slow.sleep_ms));
-            slow_left -= 1;
-        }
+        // Spread the slow events and held sends evenly over the batches, so they run while
+        // the rest flows.
+        let due = extras * (index + 1) / batches - extras * index / batches;
+        new_events.extend(extra.by_ref().take(due));
         repo.enqueue(&mut tx, &new_events).await?;
         tx.commit().await?;
     }
-    if slow_left > 0 {
+    let rest: Vec<NewEvent> = extra.collect();
+    if !rest.is_empty() {
         let mut tx = repo.begin().await?;
-        let rest: Vec<NewEvent> = (slow.count - slow_left..slow.count)
-            .map(|n| slow_event(n, slow.sleep_ms))
-            .collect();
         repo.enqueue(&mut tx, &rest).await?;
         tx.commit().await?;
     }
     Ok(Seeded {
-        events: writes.len() + slow.count + if w.feed { writes.len() } else { 0 },
+        events: writes.len() + extras + if w.feed { writes.len() } else { 0 },
         records: if w.events == 0 {
             0
         } else {
             w.records.max(1).min(w.events)
-        } + w.poison,
+        } + w.poison
+            + w.held.count,
         marked_faults,
         poison: w.poison,
         feed: if w.feed { writes.len() } else { 0 },
@@ -354,6 +364,24 @@ fn slow_event(n: usize, sleep_ms: u64) -> NewEvent {
         SLOW_REPORT,
         json!({"object": "Report", "record_id": format!("R{n:06}"), "snapshot": {"SleepMs": sleep_ms}})
             .to_string(),
+    )
+}
+
+/// The `n`th held send: a welcome email on an account of its own (`H…`, no account row:
+/// the handler needs only the snapshot's `Email`) whose attempt waits `hold_ms` after the
+/// send before it commits.
+fn held_send(n: usize, hold_ms: u64) -> NewEvent {
+    NewEvent::new(
+        WELCOME_EMAIL,
+        json!({
+            "object": "Account",
+            "record_id": format!("H{n:06}"),
+            "snapshot": {
+                "Email": format!("held{n}@example.com"),
+                "HoldAfterSendMs": hold_ms, // super::handlers::HOLD_AFTER_SEND_MS
+            }
+        })
+        .to_string(),
     )
 }
 

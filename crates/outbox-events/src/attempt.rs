@@ -21,7 +21,7 @@ use tracing::{Instrument, field};
 
 use crate::detached::{
     DETACHED_FIRST_BACKOFF, DETACHED_MAX_BACKOFF, DETACHED_MAX_TRIES, Landed, detached, record_in,
-    record_on_side, release,
+    record_on_side, record_on_side_briefly, release,
 };
 use crate::env::{AttemptEnv, AttemptOutcome, Failure, STOPPING, failure_outcome};
 use crate::handler::{AttemptContext, HandlerError};
@@ -224,9 +224,10 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> (AttemptOu
         Err(interrupted) => {
             rollback_quietly(tx.as_mut()).await;
             if interrupted == AttemptOutcome::Cancelled {
-                // Past the shutdown timeout nothing more is written: like a death, the effects
-                // it ran repeat on the reclaim, with their keys.
+                // Past the shutdown timeout the row is left to stale reclaim; the effects its
+                // handler ran get one bounded try in the ledger, so that the reclaim skips them.
                 tracing::warn!("attempt cancelled by shutdown; the row is left to stale reclaim");
+                record_on_side_briefly(env, &sent).await;
             } else {
                 record_on_side(env, &sent).await;
             }

@@ -357,8 +357,15 @@ impl<'a> Batch<'a> {
                     Err((stop, false))
                 }
             };
-            let on_side = std::mem::take(&mut self.on_side);
-            crate::detached::record_on_side(self.env, &on_side).await;
+            let mut on_side = std::mem::take(&mut self.on_side);
+            if matches!(ended, Err((Stop::Cancelled, _))) {
+                // The effects its handlers ran would have committed with the segment: one
+                // bounded try on the side, so that the stale reclaim skips them.
+                on_side.extend(self.uncommitted_effects());
+                crate::detached::record_on_side_briefly(self.env, &on_side).await;
+            } else {
+                crate::detached::record_on_side(self.env, &on_side).await;
+            }
             match ended {
                 Ok(()) => {
                     self.committed();
@@ -550,6 +557,22 @@ impl<'a> Batch<'a> {
                 *step = Step::Done(decision.outcome.clone());
             }
         }
+    }
+
+    /// The effects of the events whose outcomes were decided or written in a segment that
+    /// did not commit, taken.
+    fn uncommitted_effects(&mut self) -> Vec<EffectRecord> {
+        let mut effects = Vec::new();
+        for step in &mut self.steps {
+            match step {
+                Step::Decided(decision) | Step::Written(decision, _) => {
+                    effects.append(&mut decision.take_effects());
+                }
+                Step::Ran(Some(failure)) => effects.append(&mut failure.effects),
+                _ => {}
+            }
+        }
+        effects
     }
 
     /// A hard shutdown rolled the batch back: what was not ended is left to stale reclaim.

@@ -373,26 +373,55 @@ pub(crate) async fn record_in(
 }
 
 /// Records `effects` in the ledger on a transaction of its own (their attempt's transaction
-/// rolled back), five tries over about 0.3 s; a failure is logged: the effect then runs again on the next
-/// attempt, with the same idempotency key.
+/// rolled back or is gone), tried with the detached bookkeeping's backoff and for as long
+/// (about 40 s): an effect that ran is a fact whoever holds the claim, and a record that
+/// lands keeps the next attempt from running it again. What stops it early: a hard shutdown
+/// (then one last try, [`record_on_side_briefly`]). A record that never lands is logged: the
+/// effect then runs again on the next attempt, with the same idempotency key.
 pub(crate) async fn record_on_side(env: &AttemptEnv, effects: &[EffectRecord]) {
     if effects.is_empty() {
         return;
     }
-    let mut backoff = Duration::from_millis(20);
-    for tries_left in (0..5).rev() {
+    let mut backoff = DETACHED_FIRST_BACKOFF;
+    for try_number in 1..=DETACHED_MAX_TRIES {
         match env.repo.record_effects(effects).await {
             Ok(()) => return,
-            Err(e) if tries_left > 0 => {
-                tracing::warn!(error = %e.chain(), "recording completed effects in the ledger failed; trying again");
-                tokio::time::sleep(backoff).await;
-                backoff *= 2;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e.chain(), "recording completed effects in the ledger failed")
-            }
+            Err(e) => tracing::warn!(
+                error = %e.chain(),
+                try_number,
+                "recording completed effects in the ledger failed; trying again"
+            ),
         }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = env.hard_stop.cancelled() => return record_on_side_briefly(env, effects).await,
+        }
+        backoff = (backoff * 2).min(DETACHED_MAX_BACKOFF);
     }
+    unrecorded(effects);
+}
+
+/// How long a hard shutdown waits for the one try of recording the effects its attempts ran.
+pub(crate) const RECORD_AT_HARD_STOP: Duration = Duration::from_secs(2);
+
+/// One try, bounded by [`RECORD_AT_HARD_STOP`], of recording `effects` on the side: what a
+/// hard shutdown still does for the effects its cancelled attempts ran (their rows are left to
+/// stale reclaim, whose attempt then skips them).
+pub(crate) async fn record_on_side_briefly(env: &AttemptEnv, effects: &[EffectRecord]) {
+    if effects.is_empty() {
+        return;
+    }
+    match tokio::time::timeout(RECORD_AT_HARD_STOP, env.repo.record_effects(effects)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e.chain(), "recording completed effects in the ledger failed");
+            unrecorded(effects);
+        }
+        Err(_) => unrecorded(effects),
+    }
+}
+
+fn unrecorded(effects: &[EffectRecord]) {
     tracing::error!(
         effects = effects.len(),
         "could not record completed effects in the ledger: the next attempt runs them again, with the same idempotency keys"

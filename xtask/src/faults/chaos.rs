@@ -44,6 +44,8 @@ pub(super) enum Phase {
 pub(super) struct Chaos {
     /// The processes killed with SIGKILL.
     pub(super) kills: Vec<u32>,
+    /// Kills that found their process between a held send and its commit.
+    pub(super) kills_after_a_send: u64,
     /// Processes a poison event aborted (SIGABRT after `POISON_LOG`), each replaced.
     pub(super) poison_deaths: usize,
     /// The skewed processes started (a poison abort may end one; another replaces it).

@@ -29,6 +29,9 @@ pub(super) struct Profile {
     pub(super) workers: usize,
     pub(super) slow_events: usize,
     pub(super) slow_ms: u64,
+    /// Welcome emails whose attempt waits [`HELD_MS`] after its send before it commits: the
+    /// kills aim at them (`Suite::kill_one`).
+    pub(super) held_sends: usize,
     /// Poison events: each aborts every process that runs it until it is counted `failed`.
     pub(super) poison_events: usize,
     /// Between two SIGKILLs.
@@ -65,6 +68,7 @@ pub(super) const FULL: Profile = Profile {
     workers: 4,
     slow_events: 20,
     slow_ms: 5_000,
+    held_sends: 12,
     poison_events: 1,
     kill_every: Duration::from_secs(3),
     cut_every: Duration::from_secs(2),
@@ -85,6 +89,7 @@ pub(super) const QUICK: Profile = Profile {
     workers: 4,
     slow_events: 4,
     slow_ms: 4_000,
+    held_sends: 6,
     poison_events: 1,
     kill_every: Duration::from_millis(1_500),
     cut_every: Duration::from_secs(1),
@@ -108,6 +113,7 @@ impl Profile {
                 events: self.events / 8,
                 records: self.records / 2,
                 slow_events: self.slow_events / 4,
+                held_sends: self.held_sends / 3,
                 slow_ms: STALE_AFTER_MS + 500,
                 kill_every: self.kill_every * 2,
                 chaos_limit: self.chaos_limit / 2,
@@ -117,6 +123,9 @@ impl Profile {
         }
     }
 }
+
+/// How long a held send's attempt waits after its send, before it commits.
+pub(super) const HELD_MS: u64 = 2_000;
 
 /// Worker settings of every `outbox-demo work` process: short heartbeats so that reclaims
 /// happen within the run.

@@ -159,6 +159,12 @@ impl Suite<'_> {
             .collect())
     }
 
+    /// The `RetryCount` of every row in `processing`, by id.
+    pub(super) fn processing_counts(&self) -> Result<HashMap<String, i64>> {
+        let rows = self.events(&["--status", "processing", "--limit", NO_LIMIT])?;
+        Ok(rows.into_iter().map(|r| (r.id, r.retry_count)).collect())
+    }
+
     /// The status and `LastModifiedDate` of the rows with these ids.
     pub(super) fn rows_by_id(&self, ids: &[&str]) -> Result<HashMap<String, (String, String)>> {
         let limit = ids.len().to_string();

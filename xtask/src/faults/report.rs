@@ -220,8 +220,9 @@ impl Suite<'_> {
             },
         ));
         let mut coverage = format!(
-            "{} SIGKILLs, {} poison aborts",
+            "{} SIGKILLs ({} between a held send and its commit), {} poison aborts",
             chaos.kills.len(),
+            chaos.kills_after_a_send,
             chaos.poison_deaths
         );
         write!(coverage, ", {} foreign rows", chaos.foreign_rows).ok();
@@ -436,10 +437,14 @@ impl Suite<'_> {
         add(
             "external sends (welcome emails)",
             format!(
-                "{} delivered; {} redelivered by a later attempt after a counted failure or death, {} repeated within one attempt; {} duplicates absorbed by the provider's idempotency key",
+                "{} delivered; {} redelivered by a later attempt ({} after their sender died between send and commit, {} while it lived on), {} repeated within one attempt; {} kills aimed between a held send and its commit, {} of them repeated with the same key; {} duplicates absorbed by the provider's idempotency key",
                 v["emails"],
                 v["sends_redelivered"],
+                v["sends_repeated_after_a_death"],
+                v["sends_repeated_by_a_live_process"],
                 v["sent_twice_in_one_attempt"],
+                v["kills_after_a_send"],
+                v["kills_after_a_send_repeated"],
                 v["duplicate_sends_absorbed"]
             ),
         );

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use super::chaos::Chaos;
-use super::profile::{Backend, HEARTBEAT_MS, Profile, STALE_AFTER_MS};
+use super::profile::{Backend, HEARTBEAT_MS, HELD_MS, Profile, STALE_AFTER_MS};
 use super::reply_loss::ReplyLoss;
 use super::skew::Skew;
 use super::{Rng, unix_ms};
@@ -241,6 +241,7 @@ impl<'a> Suite<'a> {
             p.slow_ms.to_string(),
             p.poison_events.to_string(),
         );
+        let (held, held_ms) = (p.held_sends.to_string(), HELD_MS.to_string());
         let said = self.demo(&[
             "seed",
             "--events",
@@ -253,6 +254,10 @@ impl<'a> Suite<'a> {
             &slow,
             "--slow-ms",
             &slow_ms,
+            "--held-sends",
+            &held,
+            "--held-ms",
+            &held_ms,
             "--poison-events",
             &poison,
         ])?;
@@ -282,11 +287,17 @@ impl<'a> Suite<'a> {
     /// Runs a statement on the side store (the demo's mail provider and journals: the same
     /// database on PostgreSQL, a sibling file on SQLite).
     pub(super) fn side_execute(&self, sql: &str) -> Result<()> {
+        self.side_query(sql).map(|_| ())
+    }
+
+    /// Runs a query on the side store and returns its rows, one per line, columns separated
+    /// by `|`.
+    pub(super) fn side_query(&self, sql: &str) -> Result<String> {
         match self.backend {
-            Backend::Postgres => postgres::psql(&self.url, sql).map(|_| ()),
+            Backend::Postgres => postgres::psql(&self.url, sql),
             Backend::Sqlite => {
                 let path = format!("{}-mailbox.db", self.url.trim_start_matches("sqlite://"));
-                sqlite3(&path, sql).map(|_| ())
+                sqlite3(&path, sql)
             }
         }
     }

@@ -134,7 +134,6 @@ impl Suite<'_> {
         if candidates.is_empty() {
             return Ok(None);
         }
-        let mut w = workers.remove(candidates[rng.below(candidates.len())]);
         // Rows that do not move over a heartbeat interval before the kill were orphaned
         // already (a poison abort, an earlier kill): not this kill's to measure.
         let before: HashMap<String, String> = self.processing_rows()?.into_iter().collect();
@@ -144,6 +143,13 @@ impl Suite<'_> {
             .into_iter()
             .filter(|(id, lmd)| before.get(id) != Some(lmd))
             .collect();
+        // A process between a held send and its commit, when one is: the kill aims at it.
+        let held = self.held_send(workers, &candidates)?;
+        let index = match held {
+            Some((i, _, _)) => i,
+            None => candidates[rng.below(candidates.len())],
+        };
+        let mut w = workers.remove(index);
         w.child.kill()?;
         let status = w.child.wait()?;
         if status.signal() != Some(SIGKILL) {
@@ -155,8 +161,17 @@ impl Suite<'_> {
         }
         let pid = w.child.id();
         chaos.kills.push(pid);
+        // The held send's row still `processing` at the sender's count once the process is
+        // gone: the attempt died between its send and its commit.
+        let (event_id, count) = match held {
+            Some((_, id, count)) if self.still_processing_at(&id, count)? => {
+                chaos.kills_after_a_send += 1;
+                (id, count)
+            }
+            _ => (String::new(), 0),
+        };
         self.side_execute(&format!(
-            "INSERT INTO DemoAttemptJournal (Mark, EventId, RetryCount, Pid) VALUES ('killed', '', 0, {pid})"
+            "INSERT INTO DemoAttemptJournal (Mark, EventId, RetryCount, Pid) VALUES ('killed', '{event_id}', {count}, {pid})"
         ))?;
         let watch = KillWatch {
             at: Instant::now(),
@@ -168,6 +183,58 @@ impl Suite<'_> {
         let worker = self.spawn(chaos, workers)?;
         workers.push(worker);
         Ok(Some(watch))
+    }
+
+    /// A process among `candidates` (indexes into `workers`) whose journal says it made a held
+    /// send (`sent`) whose row is still `processing` at the sender's `RetryCount`: its index,
+    /// the event and the count.
+    fn held_send(
+        &self,
+        workers: &[Worker],
+        candidates: &[usize],
+    ) -> Result<Option<(usize, String, i64)>> {
+        let sent = self.side_query(
+            "SELECT EventId, RetryCount, Pid FROM DemoAttemptJournal WHERE Mark = 'sent'
+             ORDER BY Seq DESC LIMIT 50",
+        )?;
+        if sent.trim().is_empty() {
+            return Ok(None);
+        }
+        let processing = self.processing_counts()?;
+        for line in sent.lines() {
+            let mut cols = line.split('|');
+            let (Some(id), Some(count), Some(pid)) = (cols.next(), cols.next(), cols.next())
+            else {
+                continue;
+            };
+            let (Ok(count), Ok(pid)) = (count.trim().parse::<i64>(), pid.trim().parse::<u32>())
+            else {
+                continue;
+            };
+            if processing.get(id) != Some(&count) {
+                continue;
+            }
+            if let Some(&i) = candidates.iter().find(|&&i| workers[i].child.id() == pid) {
+                return Ok(Some((i, id.to_string(), count)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether the row `id` is `processing` at `RetryCount` `count` and frozen, read a moment
+    /// after its process was killed (a `COMMIT` it sent just before has landed by then) and
+    /// again two heartbeat intervals later: a row that still moves is another process's claim
+    /// at the same count (the killed one's attempt had given it back uncounted).
+    fn still_processing_at(&self, id: &str, count: i64) -> Result<bool> {
+        std::thread::sleep(Duration::from_millis(300));
+        let row = |suite: &Self| -> Result<Option<(i64, String)>> {
+            let counts = suite.processing_counts()?;
+            let dates: HashMap<String, String> = suite.processing_rows()?.into_iter().collect();
+            Ok(counts.get(id).copied().zip(dates.get(id).cloned()))
+        };
+        let first = row(self)?;
+        std::thread::sleep(Duration::from_millis(2 * HEARTBEAT_MS));
+        Ok(first.as_ref().is_some_and(|(c, _)| *c == count) && row(self)? == first)
     }
 
     /// Starts a chaos process: the skewed one when the skew is available and none of

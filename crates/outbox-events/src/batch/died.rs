@@ -70,14 +70,18 @@ impl Batch<'_> {
         // written: every give-back and outcome then reads the row back when the claim turns
         // out gone (a reclaim is told apart by its count and error).
         let may_have_landed = matches!(ending, Ending::Died { commit: true, .. });
-        for (i, mut step) in std::mem::take(&mut self.steps).into_iter().enumerate() {
-            let (claim, beat) = (self.members[i].claim, self.members[i].beat);
-            // The effects its handler ran were rolled back with the transaction: kept in the
-            // ledger on the side (a failure's with its bookkeeping, on the detached path).
-            if let Step::Decided(d) | Step::Written(d, _) = &mut step {
-                let effects = std::mem::take(&mut d.effects);
-                record_on_side(self.env, &effects).await;
+        // The effects the handlers ran were rolled back with the transaction: kept in the
+        // ledger on the side, in one write (a failure's with its bookkeeping, on the detached
+        // path).
+        let mut effects = Vec::new();
+        for step in &mut self.steps {
+            if let Step::Decided(d) | Step::Written(d, _) = step {
+                effects.append(&mut d.effects);
             }
+        }
+        record_on_side(self.env, &effects).await;
+        for (i, step) in std::mem::take(&mut self.steps).into_iter().enumerate() {
+            let (claim, beat) = (self.members[i].claim, self.members[i].beat);
             let why = ending.why();
             let outcome = match step {
                 Step::Done(outcome) => outcome,

@@ -55,7 +55,10 @@ impl Batch<'_> {
             }
         };
         match result {
-            Err(AttemptOutcome::Cancelled) => Err(Stop::Cancelled),
+            Err(AttemptOutcome::Cancelled) => {
+                self.on_side.extend(sent);
+                Err(Stop::Cancelled)
+            }
             // Lost (found by its beat while the handler ran, or as it ended): its effects must
             // not commit, and nothing is written for it; the external ones it ran are kept in
             // the ledger on the side.
