@@ -191,7 +191,8 @@ impl MailSink {
     /// A send whose reply is lost (a connection cut or a restart while it committed) is asked
     /// about by its key, as a client asks a provider that honours idempotency keys: one that
     /// landed is a success, so that the sender does not repeat a send it made. A send that did
-    /// not land, or whose fate stays unknown for about 20 s, is an error.
+    /// not land (not found three times over about 0.3 s), or whose fate stays unknown for
+    /// about 30 s, is an error.
     pub async fn send(
         &self,
         idempotency_key: &str,
@@ -205,11 +206,19 @@ impl MailSink {
         else {
             return Ok(());
         };
-        let mut backoff = std::time::Duration::from_millis(50);
-        for _ in 0..9 {
+        // A server still finishing the commit of a cut connection shows the send a moment
+        // later: "not there" counts after three looks over about 0.3 s.
+        let (mut backoff, mut absent) = (std::time::Duration::from_millis(50), 0);
+        for _ in 0..12 {
             match self.landed(idempotency_key, attempt).await {
                 Ok(true) => return Ok(()),
-                Ok(false) => return Err(error),
+                Ok(false) => {
+                    absent += 1;
+                    if absent == 3 {
+                        return Err(error);
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+                }
                 Err(_) => {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(std::time::Duration::from_secs(5));

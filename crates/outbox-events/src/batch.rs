@@ -357,15 +357,9 @@ impl<'a> Batch<'a> {
                     Err((stop, false))
                 }
             };
-            let mut on_side = std::mem::take(&mut self.on_side);
-            if matches!(ended, Err((Stop::Cancelled, _))) {
-                // The effects its handlers ran would have committed with the segment: one
-                // bounded try on the side, so that the stale reclaim skips them.
-                on_side.extend(self.uncommitted_effects());
-                crate::detached::record_on_side_briefly(self.env, &on_side).await;
-            } else {
-                crate::detached::record_on_side(self.env, &on_side).await;
-            }
+            // The effects of claims lost in the segment (`on_side`) are written on the side
+            // once the segment's transaction has ended: here after a commit, with the dead or
+            // given-back segment's own in `account` (its fences let go first).
             match ended {
                 Ok(()) => {
                     self.committed();
@@ -374,8 +368,15 @@ impl<'a> Batch<'a> {
                         // workers: its claims must not look silent meanwhile.
                         self.beat_waiting();
                     }
+                    let on_side = std::mem::take(&mut self.on_side);
+                    crate::detached::record_on_side(self.env, &on_side).await;
                 }
                 Err((Stop::Cancelled, _)) => {
+                    // The effects its handlers ran would have committed with the segment: one
+                    // bounded try on the side, so that the stale reclaim skips them.
+                    let mut on_side = std::mem::take(&mut self.on_side);
+                    on_side.extend(self.uncommitted_effects());
+                    crate::detached::record_on_side_briefly(self.env, &on_side).await;
                     self.cancelled();
                     break;
                 }

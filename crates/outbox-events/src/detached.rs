@@ -373,24 +373,39 @@ pub(crate) async fn record_in(
 }
 
 /// Records `effects` in the ledger on a transaction of its own (their attempt's transaction
-/// rolled back or is gone), tried with the detached bookkeeping's backoff and for as long
-/// (about 40 s): an effect that ran is a fact whoever holds the claim, and a record that
-/// lands keeps the next attempt from running it again. What stops it early: a hard shutdown
-/// (then one last try, [`record_on_side_briefly`]). A record that never lands is logged: the
-/// effect then runs again on the next attempt, with the same idempotency key.
+/// rolled back or is gone), tried with the detached bookkeeping's backoff and as often (12
+/// tries over about 36 s, each bounded by [`SIDE_TRY_LIMIT`]): an effect that ran is a fact
+/// whoever holds the claim, and a record that lands keeps the next attempt from running it
+/// again. A hard shutdown ends it early, with one last bounded try
+/// ([`record_on_side_briefly`]). A record that never lands is logged: the effect then runs
+/// again on the next attempt, with the same idempotency key.
 pub(crate) async fn record_on_side(env: &AttemptEnv, effects: &[EffectRecord]) {
     if effects.is_empty() {
         return;
     }
     let mut backoff = DETACHED_FIRST_BACKOFF;
     for try_number in 1..=DETACHED_MAX_TRIES {
-        match env.repo.record_effects(effects).await {
-            Ok(()) => return,
-            Err(e) => tracing::warn!(
+        if env.hard_stop.is_cancelled() {
+            return record_on_side_briefly(env, effects).await;
+        }
+        let tried = tokio::select! {
+            tried = tokio::time::timeout(SIDE_TRY_LIMIT, env.repo.record_effects(effects)) => tried,
+            _ = env.hard_stop.cancelled() => return record_on_side_briefly(env, effects).await,
+        };
+        match tried {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => tracing::warn!(
                 error = %e.chain(),
                 try_number,
-                "recording completed effects in the ledger failed; trying again"
+                "recording completed effects in the ledger failed"
             ),
+            Err(_) => tracing::warn!(
+                try_number,
+                "recording completed effects in the ledger timed out"
+            ),
+        }
+        if try_number == DETACHED_MAX_TRIES {
+            break;
         }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
@@ -400,6 +415,10 @@ pub(crate) async fn record_on_side(env: &AttemptEnv, effects: &[EffectRecord]) {
     }
     unrecorded(effects);
 }
+
+/// The longest one try of [`record_on_side`] may take (a lock it meets, a pool that cannot
+/// connect): the try is then dropped (its transaction with it) and the next one made.
+pub(crate) const SIDE_TRY_LIMIT: Duration = Duration::from_secs(10);
 
 /// How long a hard shutdown waits for the one try of recording the effects its attempts ran.
 pub(crate) const RECORD_AT_HARD_STOP: Duration = Duration::from_secs(2);

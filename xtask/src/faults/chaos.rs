@@ -46,6 +46,8 @@ pub(super) struct Chaos {
     pub(super) kills: Vec<u32>,
     /// Kills that found their process between a held send and its commit.
     pub(super) kills_after_a_send: u64,
+    /// The events whose held send a kill aimed at (each at most once).
+    pub(super) aimed: std::collections::HashSet<String>,
     /// Processes a poison event aborted (SIGABRT after `POISON_LOG`), each replaced.
     pub(super) poison_deaths: usize,
     /// The skewed processes started (a poison abort may end one; another replaces it).

@@ -159,10 +159,13 @@ impl Suite<'_> {
             .collect())
     }
 
-    /// The `RetryCount` of every row in `processing`, by id.
-    pub(super) fn processing_counts(&self) -> Result<HashMap<String, i64>> {
+    /// The `RetryCount` and `LastModifiedDate` (as text) of every row in `processing`, by id.
+    pub(super) fn processing_state(&self) -> Result<HashMap<String, (i64, String)>> {
         let rows = self.events(&["--status", "processing", "--limit", NO_LIMIT])?;
-        Ok(rows.into_iter().map(|r| (r.id, r.retry_count)).collect())
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.id, (r.retry_count, r.last_modified)))
+            .collect())
     }
 
     /// The status and `LastModifiedDate` of the rows with these ids.

@@ -3,7 +3,7 @@
 //! ended, and killing one with SIGKILL while watching the rows it held until they are
 //! reclaimed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
@@ -143,8 +143,12 @@ impl Suite<'_> {
             .into_iter()
             .filter(|(id, lmd)| before.get(id) != Some(lmd))
             .collect();
-        // A process between a held send and its commit, when one is: the kill aims at it.
-        let held = self.held_send(workers, &candidates)?;
+        // A process between a held send and its commit, when one is: the kill aims at it (at
+        // each event once: a resend holds again).
+        let held = self.held_send(workers, &candidates, &chaos.aimed)?;
+        if let Some((_, id, _)) = &held {
+            chaos.aimed.insert(id.clone());
+        }
         let index = match held {
             Some((i, _, _)) => i,
             None => candidates[rng.below(candidates.len())],
@@ -159,22 +163,18 @@ impl Suite<'_> {
             workers.push(worker);
             return Ok(None);
         }
+        let at = Instant::now();
         let pid = w.child.id();
         chaos.kills.push(pid);
-        // The held send's row still `processing` at the sender's count once the process is
-        // gone: the attempt died between its send and its commit.
-        let (event_id, count) = match held {
-            Some((_, id, count)) if self.still_processing_at(&id, count)? => {
-                chaos.kills_after_a_send += 1;
-                (id, count)
-            }
-            _ => (String::new(), 0),
-        };
+        // Journaled at once (a rerun is judged against it), with the held send it aimed at.
+        let (event_id, count) = held
+            .as_ref()
+            .map_or((String::new(), 0), |(_, id, count)| (id.clone(), *count));
         self.side_execute(&format!(
             "INSERT INTO DemoAttemptJournal (Mark, EventId, RetryCount, Pid) VALUES ('killed', '{event_id}', {count}, {pid})"
         ))?;
         let watch = KillWatch {
-            at: Instant::now(),
+            at,
             rows: rows
                 .into_iter()
                 .map(|(id, lmd)| (id, (lmd, false)))
@@ -182,6 +182,19 @@ impl Suite<'_> {
         };
         let worker = self.spawn(chaos, workers)?;
         workers.push(worker);
+        // The held send's row still `processing` at the sender's count once the process is
+        // gone: the attempt died between its send and its commit. Otherwise the kill was not
+        // aimed after all (the attempt had ended, or given the row back): the journal says so.
+        if let Some((_, id, count)) = held {
+            if self.still_processing_at(&id, count)? {
+                chaos.kills_after_a_send += 1;
+            } else {
+                self.side_execute(&format!(
+                    "UPDATE DemoAttemptJournal SET EventId = '', RetryCount = 0
+                     WHERE Mark = 'killed' AND Pid = {pid}"
+                ))?;
+            }
+        }
         Ok(Some(watch))
     }
 
@@ -192,6 +205,7 @@ impl Suite<'_> {
         &self,
         workers: &[Worker],
         candidates: &[usize],
+        aimed: &HashSet<String>,
     ) -> Result<Option<(usize, String, i64)>> {
         let sent = self.side_query(
             "SELECT EventId, RetryCount, Pid FROM DemoAttemptJournal WHERE Mark = 'sent'
@@ -200,7 +214,7 @@ impl Suite<'_> {
         if sent.trim().is_empty() {
             return Ok(None);
         }
-        let processing = self.processing_counts()?;
+        let processing = self.processing_state()?;
         for line in sent.lines() {
             let mut cols = line.split('|');
             let (Some(id), Some(count), Some(pid)) = (cols.next(), cols.next(), cols.next())
@@ -211,7 +225,7 @@ impl Suite<'_> {
             else {
                 continue;
             };
-            if processing.get(id) != Some(&count) {
+            if aimed.contains(id) || processing.get(id).map(|(c, _)| *c) != Some(count) {
                 continue;
             }
             if let Some(&i) = candidates.iter().find(|&&i| workers[i].child.id() == pid) {
@@ -227,14 +241,10 @@ impl Suite<'_> {
     /// at the same count (the killed one's attempt had given it back uncounted).
     fn still_processing_at(&self, id: &str, count: i64) -> Result<bool> {
         std::thread::sleep(Duration::from_millis(300));
-        let row = |suite: &Self| -> Result<Option<(i64, String)>> {
-            let counts = suite.processing_counts()?;
-            let dates: HashMap<String, String> = suite.processing_rows()?.into_iter().collect();
-            Ok(counts.get(id).copied().zip(dates.get(id).cloned()))
-        };
-        let first = row(self)?;
+        let first = self.processing_state()?.remove(id);
         std::thread::sleep(Duration::from_millis(2 * HEARTBEAT_MS));
-        Ok(first.as_ref().is_some_and(|(c, _)| *c == count) && row(self)? == first)
+        Ok(first.as_ref().is_some_and(|(c, _)| *c == count)
+            && self.processing_state()?.remove(id) == first)
     }
 
     /// Starts a chaos process: the skewed one when the skew is available and none of

@@ -73,10 +73,16 @@ impl Batch<'_> {
         // The effects the handlers ran were rolled back with the transaction: kept in the
         // ledger on the side, in one write (a failure's with its bookkeeping, on the detached
         // path).
-        let mut effects = Vec::new();
-        for step in &mut self.steps {
+        // With them, those of the segment's lost claims (`on_side`). The claims not ended beat
+        // meanwhile (on a backend that serializes writers they went without beats during the
+        // segment).
+        let mut effects = std::mem::take(&mut self.on_side);
+        for (i, step) in self.steps.iter_mut().enumerate() {
             if let Step::Decided(d) | Step::Written(d, _) = step {
                 effects.append(&mut d.effects);
+            }
+            if !matches!(step, Step::Done(_)) {
+                self.members[i].beat.ensure_running(true);
             }
         }
         record_on_side(self.env, &effects).await;
