@@ -264,7 +264,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     if wanted("drain") {
         scenarios::drains(db, &sizes, &mut report).await?;
     }
-    if wanted("writing-drain") {
+    if wanted("writing-drain") && std::env::var_os("OUTBOX_BENCH_AB").is_none() {
         writing::writing_drains(db, &sizes, &mut report).await?;
     }
     if wanted("relay") {

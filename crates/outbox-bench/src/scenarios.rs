@@ -425,8 +425,10 @@ pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> 
     for &workers in sizes.workers {
         for keyed in [true, false] {
             for variant in VARIANTS {
-                if std::env::var_os("OUTBOX_BENCH_AB").is_some()
-                    && !(variant.shipped_pull() && workers == 8)
+                if let Ok(ab) = std::env::var("OUTBOX_BENCH_AB")
+                    && (!(variant.shipped_pull() && workers == 8)
+                        || ab == "keyed" && !keyed
+                        || ab == "unkeyed" && keyed)
                 {
                     continue;
                 }

@@ -29,7 +29,7 @@ const HEARTBEAT: &str = "SELECT * FROM _System_OutboxBeat($1, $2, $3, $4)";
 /// can go stale (docs/queries.md, "Plan stability").
 const BEAT_LANDED: &str = "\
 SELECT EXISTS (SELECT 1 FROM _System_OutboxEvent
-               WHERE Id = $1 AND Status = 'processing' AND LastModifiedDate = $2
+               WHERE Id = $1 AND Status = 'processing' COLLATE \"C\" AND LastModifiedDate = $2
                  AND xmin::text::bigint = $3)";
 
 /// Beats several claims in one statement (`_System_OutboxBeatMany`, migration 0012): one row
