@@ -390,7 +390,33 @@ async fn start_pull_fails_when_the_gate_refuses(db: TestDb) {
     assert_eq!(ran.load(Ordering::SeqCst), 1);
 }
 
+/// A dispatcher with a consumer registered through the effect ledger does not start on a
+/// database without the ledger's table, in any mode (the legacy path runs the same handlers,
+/// which would fail every event): it says which table is missing and starts nothing.
+async fn a_ledger_consumer_needs_the_ledger_table_in_every_mode(db: TestDb) {
+    db.execute("DROP TABLE _System_OutboxEffect").await;
+    for mode in [DispatchMode::Legacy, DispatchMode::Pull] {
+        let ledger = ledger_mail();
+        let handlers = Handlers::new().register_with_ledger(
+            ledger,
+            Count(Arc::new(AtomicU64::new(0)), OrderLog::default()),
+        );
+        let started = Dispatcher::new(
+            db.repository(),
+            handlers,
+            WorkerConfig::default().with_mode(mode),
+        )
+        .start()
+        .await;
+        let Err(e) = started else {
+            panic!("{mode:?}: started without the ledger's table");
+        };
+        assert!(e.to_string().contains("_System_OutboxEffect"), "{mode:?}: {e}");
+    }
+}
+
 backend_tests!(
+    a_ledger_consumer_needs_the_ledger_table_in_every_mode,
     gate_verdicts,
     excluded_consumers_run_on_the_legacy_path,
     dispatcher_enforces_the_gate,

@@ -57,7 +57,10 @@ pub enum Safeguard {
     /// The receiver deduplicates by a key the outbox derives from the event, in a window the
     /// sender checks against the broker before it runs: the NATS relay's `Nats-Msg-Id` and
     /// the stream's duplicate window, which the relay verifies at every start (built by
-    /// `outbox-relay`), described.
+    /// `outbox-relay`), described. Protects a push to a broker
+    /// ([`ExternalKind::ConnectorPush`]) only when the consumer is registered with
+    /// [`crate::Handlers::register_with_broker_dedup`] by the code that checked the broker;
+    /// any other effect, or another registration, is blocked.
     BrokerDedup(String),
     /// A durable idempotency contract the consumer describes but the gate cannot check. Enough
     /// for a database effect (a state-dependent or non-deterministic field set); for an
@@ -106,6 +109,9 @@ pub struct Consumer {
     /// Whether it was registered with [`crate::Handlers::register_with_ledger`]: its effects
     /// declared [`Safeguard::Ledger`] then count as protected.
     through_ledger: bool,
+    /// Whether it was registered with [`crate::Handlers::register_with_broker_dedup`]: its
+    /// pushes declared [`Safeguard::BrokerDedup`] then count as protected.
+    through_broker: bool,
 }
 
 /// Whether a consumer lets `OUTBOX_PULL_WORKER` flip.
@@ -131,6 +137,7 @@ impl Consumer {
             effects: Vec::new(),
             declared: true,
             through_ledger: false,
+            through_broker: false,
         }
     }
 
@@ -143,6 +150,7 @@ impl Consumer {
             effects: Vec::new(),
             declared: false,
             through_ledger: false,
+            through_broker: false,
         }
     }
 
@@ -154,6 +162,18 @@ impl Consumer {
     /// Marks it registered through the ledger (by `Handlers::register_with_ledger` only).
     pub(crate) fn through_the_ledger(mut self) -> Self {
         self.through_ledger = true;
+        self
+    }
+
+    /// Whether it was registered with [`crate::Handlers::register_with_broker_dedup`].
+    pub fn through_broker(&self) -> bool {
+        self.through_broker
+    }
+
+    /// Marks it registered as a checked broker push (by
+    /// `Handlers::register_with_broker_dedup` only).
+    pub(crate) fn through_the_broker(mut self) -> Self {
+        self.through_broker = true;
         self
     }
 
@@ -198,6 +218,25 @@ impl Consumer {
                     "declares the effect ledger but was registered without it (Handlers::register_with_ledger): {}",
                     effect.description
                 ));
+            }
+            if matches!(effect.safeguard, Some(Safeguard::BrokerDedup(_))) {
+                if !self.through_broker {
+                    return Verdict::Blocked(format!(
+                        "declares broker dedup but was registered without a broker check (Handlers::register_with_broker_dedup, as outbox-relay registers): {}",
+                        effect.description
+                    ));
+                }
+                if !matches!(
+                    effect.kind,
+                    EffectKind::External {
+                        kind: ExternalKind::ConnectorPush
+                    }
+                ) {
+                    return Verdict::Blocked(format!(
+                        "broker dedup protects a push to a broker, not this effect ({:?}): {}",
+                        effect.kind, effect.description
+                    ));
+                }
             }
             let verified = matches!(
                 effect.safeguard,
@@ -284,10 +323,26 @@ mod tests {
             mail(Some(Safeguard::Ledger)).through_the_ledger().verdict(),
             Verdict::Protected
         );
-        assert_eq!(
-            mail(Some(Safeguard::BrokerDedup("Nats-Msg-Id".into()))).verdict(),
-            Verdict::Protected
+        // Broker dedup protects a checked push to a broker, never an email, and only when
+        // registered by the code that checked the broker.
+        let dedup = || Some(Safeguard::BrokerDedup("Nats-Msg-Id".into()));
+        assert!(
+            matches!(mail(dedup()).verdict(), Verdict::Blocked(r) if r.contains("registered without a broker check"))
         );
+        assert!(
+            matches!(mail(dedup()).through_the_broker().verdict(), Verdict::Blocked(r) if r.contains("not this effect"))
+        );
+        let push = || {
+            Consumer::new("relay", "d").effect(
+                EffectKind::External {
+                    kind: ExternalKind::ConnectorPush,
+                },
+                "publish to a stream",
+                dedup(),
+            )
+        };
+        assert!(matches!(push().verdict(), Verdict::Blocked(_)));
+        assert_eq!(push().through_the_broker().verdict(), Verdict::Protected);
         assert_eq!(
             mail(Some(Safeguard::Excluded("later".into()))).verdict(),
             Verdict::Excluded

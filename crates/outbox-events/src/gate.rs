@@ -76,6 +76,16 @@ impl ModeDecision {
         config: &crate::WorkerConfig,
         required: bool,
     ) -> Result<Self, outbox_persistence::Error> {
+        // A handler registered through the effect ledger fails every event without its table,
+        // in whichever mode it runs (the legacy path runs the same handlers): refused before
+        // anything starts.
+        if consumers.iter().any(|c| c.through_ledger() || c.uses_ledger())
+            && !repo.effect_ledger_ready().await?
+        {
+            return Err(outbox_persistence::Error::Unsupported(
+                LEDGER_TABLE_MISSING.to_owned(),
+            ));
+        }
         let mut decision = Self {
             mode: crate::DispatchMode::Legacy,
             excluded_event_types: config.excluded_event_types.clone(),
@@ -125,6 +135,10 @@ impl ModeDecision {
     }
 }
 
+/// Why a dispatcher with a consumer registered through the effect ledger does not start, and
+/// the gate refuses, on a database without the ledger's table.
+const LEDGER_TABLE_MISSING: &str = "the effect ledger's table (_System_OutboxEffect) is missing on this database, and a consumer runs its effects through it: run `outbox migrate`";
+
 /// Evaluates the gate for the registered consumers (`Handlers::consumers`) against the
 /// database behind `repo`.
 pub async fn evaluate_gate(
@@ -148,10 +162,12 @@ pub async fn evaluate_gate(
             ));
         }
     }
-    if consumers.iter().any(|(c, _)| c.uses_ledger()) && !repo.effect_ledger_ready().await? {
-        reasons.push(
-            "the effect ledger's table (_System_OutboxEffect) is missing on this database, and a consumer runs its effects through it: run `outbox migrate`".into(),
-        );
+    if consumers
+        .iter()
+        .any(|(c, _)| c.through_ledger() || c.uses_ledger())
+        && !repo.effect_ledger_ready().await?
+    {
+        reasons.push(LEDGER_TABLE_MISSING.into());
     }
     let missing = repo.count_missing_record_keys().await?;
     if missing > 0 {

@@ -334,6 +334,16 @@ impl Handlers {
         self.register_arc(consumer.through_the_ledger(), Arc::new(handler))
     }
 
+    /// Registers `handler` for its consumer's event type as a push to a broker that
+    /// deduplicates by a key the outbox derives, in a window the caller checked against the
+    /// broker before registering (outbox-relay checks the stream's duplicate window at every
+    /// start, then registers its handlers so): its pushes declared
+    /// [`crate::Safeguard::BrokerDedup`] then count as protected for the rollout gate. Calling
+    /// it without such a check is the caller's claim, as a described contract is.
+    pub fn register_with_broker_dedup(self, consumer: Consumer, handler: impl Handler) -> Self {
+        self.register_arc(consumer.through_the_broker(), Arc::new(handler))
+    }
+
     /// The handler of `event_type`.
     pub fn get(&self, event_type: &str) -> Option<&Arc<dyn Handler>> {
         self.by_type.get(event_type).map(|(_, h)| h)

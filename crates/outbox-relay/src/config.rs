@@ -145,13 +145,15 @@ impl RelayConfig {
     }
 
     /// The consumer declaration of each relayed event type: an external effect (a push to the
-    /// broker) protected by the broker's dedup on `Nats-Msg-Id`, its limit (the window) named.
+    /// broker) protected by the broker's dedup on `Nats-Msg-Id`, its limit (the window) named,
+    /// as the relay registers it (`Handlers::register_with_broker_dedup`: the relay checks the
+    /// stream's duplicate window before its handlers run, see [`crate::Relay::dispatcher`]).
     pub fn consumers(&self, worker: &WorkerConfig) -> Vec<Consumer> {
         let window = self.required_duplicate_window(worker);
         self.subjects()
             .into_iter()
             .map(|(event_type, subject)| {
-                Consumer::new(RELAY_CONSUMER, event_type).effect(
+                let declared = Consumer::new(RELAY_CONSUMER, event_type).effect(
                     EffectKind::External {
                         kind: ExternalKind::ConnectorPush,
                     },
@@ -163,9 +165,30 @@ impl RelayConfig {
                         "broker dedup: Nats-Msg-Id = event id, dropped as a duplicate within the stream's duplicate_window, which the relay checks at every start to be at least {} (these retry and stale settings); a redelivery after the window would publish twice, so downstream consumers still dedupe on Nats-Msg-Id",
                         human(window)
                     ))),
-                )
+                );
+                outbox_events::Handlers::new()
+                    .register_with_broker_dedup(declared, Unrun)
+                    .consumers()
+                    .remove(0)
             })
             .collect()
+    }
+}
+
+/// The handler a declaration is registered with to be judged as the relay registers it;
+/// never run (the relay's own handlers replace it).
+struct Unrun;
+
+#[async_trait::async_trait]
+impl outbox_events::Handler for Unrun {
+    async fn handle(
+        &self,
+        _event: &outbox_events::OutboxEvent,
+        _ctx: &mut outbox_events::AttemptContext<'_>,
+    ) -> Result<(), outbox_events::HandlerError> {
+        Err(outbox_events::HandlerError::Permanent(
+            "a relay declaration's placeholder ran: register the relay's handlers (Relay::handlers)".into(),
+        ))
     }
 }
 
@@ -295,6 +318,7 @@ mod tests {
         let consumers = c.consumers(&WorkerConfig::default());
         assert_eq!(consumers.len(), 2);
         for consumer in &consumers {
+            assert!(consumer.through_broker());
             assert_eq!(consumer.verdict(), outbox_events::Verdict::Protected);
             let Some(Safeguard::BrokerDedup(text)) = &consumer.effects[0].safeguard else {
                 panic!("broker dedup")

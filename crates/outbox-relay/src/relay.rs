@@ -64,7 +64,7 @@ impl Relay {
                 self.config.ack_timeout,
                 self.metrics.clone(),
             );
-            handlers = handlers.register_consumer(consumer, handler);
+            handlers = handlers.register_with_broker_dedup(consumer, handler);
         }
         handlers
     }
