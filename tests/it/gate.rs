@@ -411,7 +411,10 @@ async fn a_ledger_consumer_needs_the_ledger_table_in_every_mode(db: TestDb) {
         let Err(e) = started else {
             panic!("{mode:?}: started without the ledger's table");
         };
-        assert!(e.to_string().contains("_System_OutboxEffect"), "{mode:?}: {e}");
+        assert!(
+            e.to_string().contains("_System_OutboxEffect"),
+            "{mode:?}: {e}"
+        );
     }
 }
 

@@ -285,6 +285,24 @@ async fn runs_once_and_hands_back(db: TestDb, config: WorkerConfig) {
     }
     let rows = ledger(&db).await;
     assert_eq!(rows.len(), 6);
+    // Operators read them back by event: keys, results, handler and effect names.
+    let recorded = db.repository().effects_of(&ids).await.unwrap();
+    assert_eq!(recorded.len(), 6);
+    for e in &recorded {
+        assert_eq!(
+            (e.handler_id.as_str(), e.effect_key.as_str()),
+            (HANDLER_ID, EFFECT)
+        );
+        assert_eq!(
+            e.idempotency_key,
+            idempotency_key(HANDLER_ID, e.event_id, EFFECT)
+        );
+        let sent_as = sends.iter().position(|k| *k == e.idempotency_key).unwrap() + 1;
+        assert_eq!(
+            e.result.as_deref(),
+            Some(format!("\"msg-{sent_as}\"").as_str())
+        );
+    }
     for (event_id, key) in &rows {
         let id = uuid::Uuid::parse_str(event_id).unwrap();
         assert_eq!(*key, idempotency_key(HANDLER_ID, id, EFFECT));
@@ -350,7 +368,10 @@ async fn hard_shutdown_after_a_send(db: TestDb, config: WorkerConfig, what: &[&s
     assert_sent_once(&receiver.sends(), &ids);
     assert_eq!(receiver.runs.lock().unwrap()[&held], 2);
     let event = db.repository().get_event(held).await.unwrap().unwrap();
-    assert_eq!(event.retry_count, 1, "the cut attempt is counted by its reclaim");
+    assert_eq!(
+        event.retry_count, 1,
+        "the cut attempt is counted by its reclaim"
+    );
     // The reclaim's run got the cut run's message id back.
     let sent_as = receiver.sends().iter().position(|k| *k == key).unwrap() + 1;
     assert_eq!(message_id(&db, held).await, format!("msg-{sent_as}"));
@@ -389,7 +410,10 @@ async fn an_attempt_that_died_after_its_send_repeats_it_with_the_same_key(db: Te
     });
     until_held(&receiver).await;
     process.shutdown_background();
-    assert!(ledger(&db).await.is_empty(), "the dead attempt recorded nothing");
+    assert!(
+        ledger(&db).await.is_empty(),
+        "the dead attempt recorded nothing"
+    );
 
     let handle = start(&db, &receiver).await;
     drain(&db.repository(), Duration::from_secs(30)).await;
@@ -445,4 +469,35 @@ async fn postgres_a_batch_given_back_after_its_handler_sent_does_not_send_again(
     assert_eq!(event.retry_count, 0, "a give-back is not counted");
     assert_eq!(ledger(&db).await.len(), 5);
     assert_eq!(message_id(&db, ids[1]).await, "msg-2");
+}
+
+/// `outbox_effects_total` counts an effect run, then skipped when the ledger records it
+/// (SQLite, on this thread's recorder).
+#[tokio::test]
+async fn the_metrics_count_effects_run_and_skipped() {
+    let db = TestDb::sqlite().await;
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let ids = enqueue(&db, &["ok"]).await;
+    let repo = db.repository();
+    let event = repo.get_event(ids[0]).await.unwrap().unwrap();
+    let mut tx = repo.begin().await.unwrap();
+    for _ in 0..2 {
+        let mut ctx = AttemptContext::for_event(&mut tx, HANDLER_ID, &event);
+        let id: String = ctx
+            .effect(EFFECT)
+            .once(|key| async move { Ok(key) })
+            .await
+            .unwrap();
+        assert_eq!(id, idempotency_key(HANDLER_ID, event.id, EFFECT));
+    }
+    tx.rollback().await.unwrap();
+    let text = handle.render();
+    for outcome in ["run", "skipped"] {
+        let line = format!(
+            r#"outbox_effects_total{{handler="{HANDLER_ID}",effect="{EFFECT}",outcome="{outcome}"}} 1"#
+        );
+        assert!(text.contains(&line), "{line} missing from\n{text}");
+    }
 }

@@ -225,7 +225,10 @@ async fn attempt_path_round(repo: &Arc<dyn OutboxRepository>, round: u32) {
 }
 
 /// The claims of [`attempt_path_round`]: its rows' ids in enqueue order, and their fences.
-async fn claim_round(repo: &Arc<dyn OutboxRepository>, round: u32) -> (Vec<uuid::Uuid>, Vec<Fence>) {
+async fn claim_round(
+    repo: &Arc<dyn OutboxRepository>,
+    round: u32,
+) -> (Vec<uuid::Uuid>, Vec<Fence>) {
     let unkeyed = r#"{"kind":"unkeyed"}"#;
     let mut events = Vec::new();
     for record in ["a", "b"] {

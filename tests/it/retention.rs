@@ -387,8 +387,35 @@ async fn pruner_task_beside_workers(db: TestDb) {
     }
 }
 
+/// The effect ledger's rows go with their event: pruning a processed row deletes what the
+/// ledger recorded for it (the foreign key's cascade), and leaves a kept row's.
+async fn the_ledger_rows_go_with_their_event(db: TestDb) {
+    let repo = db.repository();
+    let old = row("processed", Some("Lead:1"), 10, 10);
+    let young = row("processed", Some("Lead:2"), 3, 3);
+    db.insert_raw(&old).await;
+    db.insert_raw(&young).await;
+    let effects: Vec<_> = [old.id, young.id]
+        .into_iter()
+        .map(|id| outbox_persistence::EffectRecord::new(id, "mail", "send", None))
+        .collect();
+    repo.record_effects(&effects).await.unwrap();
+    assert_eq!(repo.effects_of(&[old.id, young.id]).await.unwrap().len(), 2);
+    let report = repo.prune(policy(Some(7), None, 100)).await.unwrap();
+    assert_eq!(report.processed, 1);
+    let left = repo.effects_of(&[old.id, young.id]).await.unwrap();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].event_id, young.id);
+    assert_eq!(
+        db.count("SELECT count(*) FROM _System_OutboxEffect").await,
+        1,
+        "the pruned event's ledger row is gone"
+    );
+}
+
 backend_tests!(
     with_pgbouncer: ages_per_status,
+    the_ledger_rows_go_with_their_event,
     age_follows_the_queue_clock,
     batches_are_bounded_and_oldest_first,
     nothing_non_terminal_is_touched,

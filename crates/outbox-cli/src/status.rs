@@ -181,4 +181,18 @@ fn print_key(report: &KeyReport) {
         println!("newest failed row (it released the rows behind it):");
         print_row(f);
     }
+    if !report.effects.is_empty() {
+        println!("external effects the ledger records for these rows (never run again):");
+        for e in &report.effects {
+            println!(
+                "  {} {}/{} key {} at {} result {}",
+                e.event_id,
+                e.handler_id,
+                e.effect_key,
+                e.idempotency_key,
+                ts(e.recorded_date),
+                e.result.as_deref().unwrap_or("none")
+            );
+        }
+    }
 }

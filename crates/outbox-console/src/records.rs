@@ -58,6 +58,14 @@ pub(crate) async fn record_page(
     Ok(shell(&console, &base, "Record", body).into_response())
 }
 
+/// At most 200 characters of `text`, for a table cell.
+fn clip(text: &str) -> String {
+    match text.char_indices().nth(200) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_owned(),
+    }
+}
+
 /// `GET /events/{id}`.
 pub(crate) async fn event_page(
     State(console): State<Console>,
@@ -73,6 +81,7 @@ pub(crate) async fn event_page(
         return Ok((StatusCode::NOT_FOUND, page).into_response());
     };
     let key = event.record_key.as_ref().map(|k| k.as_str().to_string());
+    let effects = console.repo().effects_of(&[event.id]).await?;
     let allow = console.config().allow_actions && event.status == EventStatus::Failed;
     let body = html! {
         table.detail {
@@ -95,6 +104,24 @@ pub(crate) async fn event_page(
                     span.note data-testid="payload-hidden" { (event.payload.len()) " bytes, hidden (start the console with --show-payloads to see payloads)" }
                 }
             } }
+        }
+        h2 { "External effects" }
+        @if effects.is_empty() {
+            p.note data-testid="no-effects" { "The effect ledger records none for this event." }
+        } @else {
+            p.note { "Recorded in the effect ledger: a later attempt of this event skips them (docs/state-machine.md, \"The effect ledger\")." }
+            table data-testid="effects" {
+                tr { th { "Handler" } th { "Effect" } th { "Idempotency key" } th { "Recorded" } th { "Result" } }
+                @for e in &effects {
+                    tr {
+                        td { (e.handler_id) }
+                        td { (e.effect_key) }
+                        td data-testid="effect-key" { (e.idempotency_key) }
+                        td { (ts(e.recorded_date)) }
+                        td { (clip(e.result.as_deref().unwrap_or(""))) }
+                    }
+                }
+            }
         }
         @if allow {
             form method="post" action=(base.link("/actions/retry")) {

@@ -198,9 +198,9 @@ fn kills_after_a_send(entries: &[Entry], sends: &[Send], out: &mut Integrity) {
             continue;
         };
         let key = outbox_persistence::idempotency_key(WELCOME_HANDLER_ID, id, WELCOME_EFFECT);
-        let sent_at = sends.iter().position(|s| {
-            s.key == key && s.pid == kill.pid && s.retry_count == kill.retry_count
-        });
+        let sent_at = sends
+            .iter()
+            .position(|s| s.key == key && s.pid == kill.pid && s.retry_count == kill.retry_count);
         if let Some(at) = sent_at
             && sends[at + 1..]
                 .iter()

@@ -229,7 +229,11 @@ impl MailSink {
     }
 
     /// Whether this process's send of `idempotency_key` by `attempt` reached the provider.
-    async fn landed(&self, idempotency_key: &str, (retry_count, claim): (i32, &str)) -> Result<bool> {
+    async fn landed(
+        &self,
+        idempotency_key: &str,
+        (retry_count, claim): (i32, &str),
+    ) -> Result<bool> {
         let found: Option<i64> = with_conn!(&self.db, |pool| {
             outbox_persistence::statement::query_scalar(
                 "SELECT Seq FROM DemoMailSend

@@ -60,10 +60,12 @@ impl Effect<'_, '_> {
             find_effect(self.ctx.tx(), scope.event_id, &scope.handler_id, &self.name).await?;
         if let Some(result) = recorded {
             tracing::info!(event_id = %scope.event_id, effect = %self.name, "effect recorded by an earlier attempt; not run again");
+            counted(&scope, &self.name, "skipped");
             return decode(&self.name, result.as_deref());
         }
         let key = idempotency_key(&scope.handler_id, scope.event_id, &self.name);
         let value = send(key).await?;
+        counted(&scope, &self.name, "run");
         let result = serde_json::to_string(&value);
         let record = EffectRecord::new(
             scope.event_id,
@@ -83,6 +85,17 @@ impl Effect<'_, '_> {
         record_effect(self.ctx.tx(), &record).await?;
         Ok(value)
     }
+}
+
+/// Counts an effect `run` or `skipped` (`outbox_effects_total`).
+fn counted(scope: &EffectScope, name: &str, outcome: &'static str) {
+    metrics::counter!(
+        crate::metrics::names::EFFECTS,
+        "handler" => scope.handler_id.clone(),
+        "effect" => name.to_owned(),
+        "outcome" => outcome
+    )
+    .increment(1);
 }
 
 /// What an earlier attempt's effect returned, as the handler's type.

@@ -79,7 +79,9 @@ impl ModeDecision {
         // A handler registered through the effect ledger fails every event without its table,
         // in whichever mode it runs (the legacy path runs the same handlers): refused before
         // anything starts.
-        if consumers.iter().any(|c| c.through_ledger() || c.uses_ledger())
+        if consumers
+            .iter()
+            .any(|c| c.through_ledger() || c.uses_ledger())
             && !repo.effect_ledger_ready().await?
         {
             return Err(outbox_persistence::Error::Unsupported(

@@ -62,6 +62,11 @@ pub mod names {
     /// dispatcher's heads repair put right (see `docs/queries.md`, "Why a head cannot hide a
     /// row"). `missing` means rows were written around the outbox's triggers.
     pub const HEADS_REPAIRED: &str = "outbox_heads_repaired_total";
+    /// Counter, `handler`, `effect`, `outcome` (`run`: the effect ran and was recorded;
+    /// `skipped`: the effect ledger recorded it already, it was not run again): external
+    /// effects through `ctx.effect(…).once(…)`. The labels are the consumer's name and the
+    /// effect's name in code, bounded like the event types.
+    pub const EFFECTS: &str = "outbox_effects_total";
 }
 
 /// Attempt counters, shared by all workers of a dispatcher.
@@ -334,6 +339,10 @@ pub fn describe_metrics() {
         describe_counter!(
             names::CLAIMS,
             "Rows claimed by pull workers, stale reclaims included."
+        );
+        describe_counter!(
+            names::EFFECTS,
+            "External effects through the effect ledger: run (and recorded), or skipped (recorded by an earlier attempt)."
         );
         describe_counter!(
             names::CLAIM_STATEMENTS,

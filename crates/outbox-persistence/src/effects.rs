@@ -161,6 +161,87 @@ pub(crate) async fn record_on_own_tx(mut tx: Tx, effects: &[EffectRecord]) -> Re
     tx.commit().await
 }
 
+/// One effect the ledger records, as operators read it (`outbox status --key`, the console's
+/// event page).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RecordedEffect {
+    /// The event the effect was for.
+    pub event_id: EventId,
+    /// The handler that ran it: its consumer's name.
+    pub handler_id: String,
+    /// The effect's name in the handler.
+    pub effect_key: String,
+    /// The key the effect was given.
+    pub idempotency_key: String,
+    /// What the effect returned (JSON text).
+    pub result: Option<String>,
+    /// When the ledger recorded it (the database's clock on PostgreSQL).
+    pub recorded_date: DateTime<Utc>,
+}
+
+/// The most effects [`effects_of`] returns.
+pub const EFFECTS_SHOWN: i64 = 100;
+
+/// The effects the ledger records for `event_ids`, oldest first, at most [`EFFECTS_SHOWN`]
+/// (read through the ledger's primary key, which leads with the event); none when the
+/// ledger's table is missing (not migrated yet).
+pub async fn effects_of(tx: &mut Tx, event_ids: &[EventId]) -> Result<Vec<RecordedEffect>> {
+    if event_ids.is_empty() || !ledger_table_exists(tx).await? {
+        return Ok(Vec::new());
+    }
+    const COLUMNS: &str = "EventId, HandlerId, EffectKey, IdempotencyKey, Result, RecordedDate";
+    type Row<I, D> = (I, String, String, String, Option<String>, D);
+    let effect = |(event_id, handler_id, effect_key, idempotency_key, result, recorded_date)| {
+        RecordedEffect {
+            event_id,
+            handler_id,
+            effect_key,
+            idempotency_key,
+            result,
+            recorded_date,
+        }
+    };
+    match tx {
+        Tx::Postgres(tx) => {
+            // Built from constants only: the ids are bound.
+            let rows: Vec<Row<EventId, DateTime<Utc>>> =
+                crate::statement::query_as(sqlx::AssertSqlSafe(format!(
+                    "SELECT {COLUMNS} FROM _System_OutboxEffect WHERE EventId = ANY($1)
+                     ORDER BY RecordedDate, EventId, HandlerId, EffectKey LIMIT $2"
+                )))
+                .bind(event_ids)
+                .bind(EFFECTS_SHOWN)
+                .fetch_all(&mut **tx)
+                .await?;
+            Ok(rows.into_iter().map(effect).collect())
+        }
+        Tx::Sqlite(tx) => {
+            let marks = vec!["?"; event_ids.len()].join(", ");
+            let sql = format!(
+                "SELECT {COLUMNS} FROM _System_OutboxEffect WHERE EventId IN ({marks})
+                 ORDER BY RecordedDate, EventId, HandlerId, EffectKey LIMIT {EFFECTS_SHOWN}"
+            );
+            // Built from constants and one `?` per id: the ids are bound.
+            let mut query =
+                crate::statement::query_as::<_, Row<String, String>>(sqlx::AssertSqlSafe(sql));
+            for id in event_ids {
+                query = query.bind(id.to_string());
+            }
+            let mut out = Vec::new();
+            for (id, handler_id, effect_key, key, result, date) in
+                query.fetch_all(&mut **tx).await?
+            {
+                let event_id = crate::sqlite::parse_id(&id)?;
+                let recorded = crate::sqlite::parse_ts(&date)?;
+                out.push(effect((
+                    event_id, handler_id, effect_key, key, result, recorded,
+                )));
+            }
+            Ok(out)
+        }
+    }
+}
+
 /// Whether the ledger's table exists, read in `tx`, rolled back after
 /// (`OutboxRepository::effect_ledger_ready`).
 pub(crate) async fn ledger_ready(mut tx: Tx) -> Result<bool> {

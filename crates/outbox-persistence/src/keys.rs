@@ -140,6 +140,10 @@ pub struct KeyReport {
     pub head: Option<HeadState>,
     /// The newest `failed` row of the key, if any.
     pub last_failed: Option<EventRow>,
+    /// The external effects the ledger records for the rows above (a row that ran a send
+    /// before it failed, or one that is running), oldest first, at most
+    /// [`crate::EFFECTS_SHOWN`].
+    pub effects: Vec<crate::RecordedEffect>,
 }
 
 /// Judges `head` at `now` under `policy`; `others` are the key's other non-terminal rows.
@@ -225,12 +229,16 @@ pub async fn key_report(
     let head = rows
         .split_first()
         .map(|(head, others)| pause_state(head, explain_head(head, others, now, policy), &paused));
+    let last_failed = failed.into_iter().last();
+    let ids: Vec<crate::EventId> = rows.iter().chain(&last_failed).map(|r| r.id).collect();
+    let effects = repo.effects_of(&ids).await?;
     Ok(KeyReport {
         record_key: record_key.to_string(),
         now,
         rows,
         head,
-        last_failed: failed.into_iter().last(),
+        last_failed,
+        effects,
     })
 }
 

@@ -57,7 +57,10 @@ pub use database::{
     CONNECTIONS_BESIDE_WORKERS, ConnectConfig, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
     Database, MIGRATE_LOCK_NAMESPACE, MIGRATIONS_TABLE, MIN_POSTGRES_VERSION, redact as redact_url,
 };
-pub use effects::{EffectRecord, find_effect, idempotency_key, ledger_table_exists, record_effect};
+pub use effects::{
+    EFFECTS_SHOWN, EffectRecord, RecordedEffect, effects_of, find_effect, idempotency_key,
+    ledger_table_exists, record_effect,
+};
 pub use error::{Error, ErrorClass, classify as classify_error};
 pub use heads::{DEFAULT_HEADS_REPAIR_KEYS, HeadsRepair};
 pub use keys::{BlockedKey, HeadState, KeyReport, explain_head, key_report};
@@ -293,6 +296,16 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// ledger row states that an effect ran, whoever holds the claim now.
     async fn record_effects(&self, effects: &[EffectRecord]) -> Result<()> {
         effects::record_on_own_tx(self.begin().await?, effects).await
+    }
+
+    /// The effects the ledger records for `event_ids` ([`effects_of`]: oldest first, at most
+    /// [`EFFECTS_SHOWN`], none without the ledger's table), read in a transaction rolled back
+    /// after.
+    async fn effects_of(&self, event_ids: &[EventId]) -> Result<Vec<RecordedEffect>> {
+        let mut tx = self.begin().await?;
+        let effects = effects::effects_of(&mut tx, event_ids).await?;
+        tx.rollback().await?;
+        Ok(effects)
     }
 
     /// Whether the effect ledger's table is migrated on this database (the gate checks it).

@@ -217,8 +217,7 @@ impl Suite<'_> {
         let processing = self.processing_state()?;
         for line in sent.lines() {
             let mut cols = line.split('|');
-            let (Some(id), Some(count), Some(pid)) = (cols.next(), cols.next(), cols.next())
-            else {
+            let (Some(id), Some(count), Some(pid)) = (cols.next(), cols.next(), cols.next()) else {
                 continue;
             };
             let (Ok(count), Ok(pid)) = (count.trim().parse::<i64>(), pid.trim().parse::<u32>())

@@ -370,7 +370,47 @@ async fn foreign_hosts_and_origins_are_refused(db: TestDb) {
     assert_eq!(paused.len(), 1, "only the same-origin pauses landed");
 }
 
+/// An event's page lists the external effects the ledger records for it (handler, effect,
+/// key, when, result as text); one without says so.
+async fn the_event_page_lists_the_effects_the_ledger_records(db: TestDb) {
+    let sent = failed_row(&db, "t", "boom after the send", Some("lead:1")).await;
+    let quiet = failed_row(&db, "t", "boom", Some("lead:2")).await;
+    let effect = outbox_persistence::EffectRecord::new(
+        sent,
+        "welcome-mail",
+        "send",
+        Some(r#""<b>msg-1</b>""#.into()),
+    );
+    db.repository()
+        .record_effects(std::slice::from_ref(&effect))
+        .await
+        .unwrap();
+    let console = console(&db, ConsoleConfig::default());
+    let page = get(&console, &format!("/events/{sent}"), None).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(
+        page.body.contains(r#"data-testid="effects""#),
+        "{}",
+        page.body
+    );
+    assert!(page.body.contains(&effect.idempotency_key), "{}", page.body);
+    assert!(page.body.contains("welcome-mail") && page.body.contains("send"));
+    assert!(
+        page.body.contains("&lt;b&gt;msg-1&lt;/b&gt;"),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("<b>msg-1</b>"));
+    let page = get(&console, &format!("/events/{quiet}"), None).await;
+    assert!(
+        page.body.contains(r#"data-testid="no-effects""#),
+        "{}",
+        page.body
+    );
+}
+
 outbox_tests::backend_tests!(
+    the_event_page_lists_the_effects_the_ledger_records,
     foreign_hosts_and_origins_are_refused,
     every_page_carries_the_security_headers,
     hostile_rows_render_as_text,

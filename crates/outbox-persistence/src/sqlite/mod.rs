@@ -40,6 +40,7 @@ use sqlx::{SqliteConnection, SqlitePool};
 use tokio::sync::Notify;
 
 pub use enqueue::enqueue;
+pub(crate) use time::parse_id;
 pub use time::{format_ts, parse_ts};
 
 use crate::attempt::FencedWrite;

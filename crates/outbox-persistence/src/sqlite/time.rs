@@ -29,7 +29,7 @@ pub fn parse_ts(s: &str) -> Result<DateTime<Utc>> {
 }
 
 /// Reads a stored id (any spelling of a UUID).
-pub(super) fn parse_id(s: &str) -> Result<EventId> {
+pub(crate) fn parse_id(s: &str) -> Result<EventId> {
     Uuid::parse_str(s)
         .map_err(|e| Error::Database(sqlx::Error::Decode(format!("bad id {s:?}: {e}").into())))
 }
