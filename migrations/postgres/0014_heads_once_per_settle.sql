@@ -9,14 +9,16 @@
 -- on 1,000 ended rows in one statement the row trigger cost 29 us per row against the UPDATE's
 -- own 9 us. A batch's settle ends up to 32 rows of up to 32 records in one statement.
 --
--- Now _System_OutboxSettleMany sets `outbox.heads_by_statement` to `on` around its UPDATE
--- (`set_config(…, true)`, at run time: a role without superuser rights may not store a custom
--- setting in a function's SET clause, and any role may set one at run time) and back to `off`
--- after it. An error in between aborts the transaction, or the subtransaction of the savepoint
--- the caller rolls back to, and either takes the setting back with it. The row trigger skips
--- the rows its UPDATE changes (the trigger's WHEN reads the setting; the settle only ends rows,
--- it never changes a key or a place, nor makes a row open), and the settle then calls
--- _System_OutboxHeadRemoveMany once for the keyed rows it ended. That function is
+-- Now _System_OutboxSettleMany sets `outbox.heads_by_statement` to its transaction's id around
+-- its UPDATE (`set_config(…, true)`, at run time: a role without superuser rights may not store
+-- a custom setting in a function's SET clause, and any role may set one at run time) and clears
+-- it after. An error in between aborts the transaction, or the subtransaction of the savepoint
+-- the caller rolls back to, and either takes the setting back with it. The row trigger's
+-- function returns at once for the rows that UPDATE changes (the setting names the current
+-- transaction: a value set by hand in a session, or left over from another transaction, names
+-- none; the settle only ends rows, it never changes a key or a place, nor makes a row open),
+-- and the settle then calls _System_OutboxHeadRemoveMany once for the keyed rows it ended. The
+-- setting is the outbox's own: nothing else should set it. _System_OutboxHeadRemoveMany is
 -- _System_OutboxHeadRemove (migration 0011) for many keys at once, statement by statement:
 --
 -- 1. Lock, SKIP LOCKED, the head of every key whose head names an ended row of the call or a
@@ -111,17 +113,25 @@ BEGIN
 END;
 $$;
 
--- The row trigger, as migration 0004 made it, but off for the rows the batch settle changes.
-DROP TRIGGER outbox_head_update ON _System_OutboxEvent;
-CREATE TRIGGER outbox_head_update
-    AFTER UPDATE ON _System_OutboxEvent
-    FOR EACH ROW
-    WHEN (((OLD.Status IN ('processed', 'failed')) IS DISTINCT FROM (NEW.Status IN ('processed', 'failed'))
-           OR OLD.RecordKey IS DISTINCT FROM NEW.RecordKey
-           OR OLD.CreatedDate IS DISTINCT FROM NEW.CreatedDate
-           OR OLD.Id IS DISTINCT FROM NEW.Id)
-          AND current_setting('outbox.heads_by_statement', true) IS DISTINCT FROM 'on')
-    EXECUTE FUNCTION outbox_head_on_update();
+-- The row trigger's function, as migration 0004 made it, but a no-op for the rows the batch
+-- settle changes (the setting names this transaction). The trigger itself is left as it is:
+-- replacing a trigger takes an ACCESS EXCLUSIVE lock on the outbox table, which would wait for
+-- every running attempt (each holds the table from its fence check on) while every enqueue,
+-- beat and claim queued behind it; replacing its function takes no lock on the table.
+CREATE OR REPLACE FUNCTION outbox_head_on_update() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('outbox.heads_by_statement', true) = txid_current()::text THEN
+        RETURN NULL;
+    END IF;
+    IF OLD.RecordKey IS NOT NULL AND OLD.Status NOT IN ('processed', 'failed') THEN
+        PERFORM _System_OutboxHeadRemove(OLD.RecordKey, OLD.Id);
+    END IF;
+    IF NEW.RecordKey IS NOT NULL AND NEW.Status NOT IN ('processed', 'failed') THEN
+        PERFORM _System_OutboxHeadAdd(ARRAY[NEW.RecordKey], ARRAY[NEW.CreatedDate], ARRAY[NEW.Id]);
+    END IF;
+    RETURN NULL;
+END;
+$$;
 
 -- The batch settle (migration 0012), with its heads moved once per call.
 CREATE OR REPLACE FUNCTION _System_OutboxSettleMany(clock_shift interval, event_ids uuid[],
@@ -144,7 +154,7 @@ DECLARE
     kids uuid[];
 BEGIN
 PERFORM set_config('lock_timeout', $4, true);
-PERFORM set_config('outbox.heads_by_statement', 'on', true);
+PERFORM set_config('outbox.heads_by_statement', txid_current()::text, true);
 IF NOT $5 THEN
 WITH clock AS (SELECT (clock_timestamp() + $1::interval) AS now),
 ended AS (
@@ -194,7 +204,7 @@ SELECT array_agg(x.Id), array_agg(x.RecordKey) FILTER (WHERE x.RecordKey IS NOT 
 INTO done, ks, kids
 FROM ended x;
 END IF;
-PERFORM set_config('outbox.heads_by_statement', 'off', true);
+PERFORM set_config('outbox.heads_by_statement', '', true);
 IF ks IS NOT NULL THEN
     PERFORM _System_OutboxHeadRemoveMany(ks, kids);
 END IF;

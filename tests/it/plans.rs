@@ -363,8 +363,9 @@ async fn in_flight_entries_read(db: &TestDb, conn: &PgPool) -> i64 {
 /// by its id, however many rows are in flight and whatever the statistics said when they were
 /// planned. Planned while the statistics counted no row in `processing`, they used to walk the
 /// whole partial index on in-flight rows and filter by id (migration 0014): with 2,000 other
-/// rows in flight, one round read 2,000 entries per statement. The round must now read fewer
-/// than 500 of that index's entries (the claim probes it per record, by key). The control, the
+/// rows in flight, one round read 2,000 entries per statement. The round's beats and settles
+/// (its claims are made before the other rows go in flight) must now read fewer than 100 of
+/// that index's entries. The control, the
 /// same fence check with `Status` compared as before under the functions' settings, planned on
 /// the same connection, walks it.
 #[tokio::test]

@@ -81,7 +81,15 @@ pub(crate) async fn event_page(
         return Ok((StatusCode::NOT_FOUND, page).into_response());
     };
     let key = event.record_key.as_ref().map(|k| k.as_str().to_string());
-    let effects = console.repo().effects_of(&[event.id]).await?;
+    // The page stands without them (a role that may not read the ledger, say).
+    let effects = console
+        .repo()
+        .effects_of(&[event.id])
+        .await
+        .unwrap_or_else(|e| {
+            tracing::warn!(error = %e.chain(), "could not read the effect ledger for an event");
+            Vec::new()
+        });
     let allow = console.config().allow_actions && event.status == EventStatus::Failed;
     let body = html! {
         table.detail {

@@ -182,10 +182,14 @@ pub struct RecordedEffect {
 /// The most effects [`effects_of`] returns.
 pub const EFFECTS_SHOWN: i64 = 100;
 
-/// The effects the ledger records for `event_ids`, oldest first, at most [`EFFECTS_SHOWN`]
-/// (read through the ledger's primary key, which leads with the event); none when the
-/// ledger's table is missing (not migrated yet).
+/// The most events [`effects_of`] looks up in one call (the first ones given).
+pub const EFFECTS_EVENTS_LOOKED_UP: usize = 500;
+
+/// The effects the ledger records for `event_ids` (the first [`EFFECTS_EVENTS_LOOKED_UP`]),
+/// the newest [`EFFECTS_SHOWN`], oldest first (read through the ledger's primary key, which
+/// leads with the event); none when the ledger's table is missing (not migrated yet).
 pub async fn effects_of(tx: &mut Tx, event_ids: &[EventId]) -> Result<Vec<RecordedEffect>> {
+    let event_ids = &event_ids[..event_ids.len().min(EFFECTS_EVENTS_LOOKED_UP)];
     if event_ids.is_empty() || !ledger_table_exists(tx).await? {
         return Ok(Vec::new());
     }
@@ -207,19 +211,19 @@ pub async fn effects_of(tx: &mut Tx, event_ids: &[EventId]) -> Result<Vec<Record
             let rows: Vec<Row<EventId, DateTime<Utc>>> =
                 crate::statement::query_as(sqlx::AssertSqlSafe(format!(
                     "SELECT {COLUMNS} FROM _System_OutboxEffect WHERE EventId = ANY($1)
-                     ORDER BY RecordedDate, EventId, HandlerId, EffectKey LIMIT $2"
+                     ORDER BY RecordedDate DESC, EventId, HandlerId, EffectKey LIMIT $2"
                 )))
                 .bind(event_ids)
                 .bind(EFFECTS_SHOWN)
                 .fetch_all(&mut **tx)
                 .await?;
-            Ok(rows.into_iter().map(effect).collect())
+            Ok(rows.into_iter().rev().map(effect).collect())
         }
         Tx::Sqlite(tx) => {
             let marks = vec!["?"; event_ids.len()].join(", ");
             let sql = format!(
                 "SELECT {COLUMNS} FROM _System_OutboxEffect WHERE EventId IN ({marks})
-                 ORDER BY RecordedDate, EventId, HandlerId, EffectKey LIMIT {EFFECTS_SHOWN}"
+                 ORDER BY RecordedDate DESC, EventId, HandlerId, EffectKey LIMIT {EFFECTS_SHOWN}"
             );
             // Built from constants and one `?` per id: the ids are bound.
             let mut query =
