@@ -58,8 +58,8 @@ pub use database::{
     Database, MIGRATE_LOCK_NAMESPACE, MIGRATIONS_TABLE, MIN_POSTGRES_VERSION, redact as redact_url,
 };
 pub use effects::{
-    EFFECTS_SHOWN, EffectRecord, RecordedEffect, effects_of, find_effect, idempotency_key,
-    ledger_table_exists, record_effect,
+    EFFECTS_EVENTS_LOOKED_UP, EFFECTS_SHOWN, EffectRecord, RecordedEffect, effects_of, find_effect,
+    idempotency_key, ledger_table_exists, record_effect,
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
 pub use heads::{DEFAULT_HEADS_REPAIR_KEYS, HeadsRepair};
