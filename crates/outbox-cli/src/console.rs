@@ -28,15 +28,24 @@ pub struct ConsoleArgs {
     /// Show payloads on the event page (they carry customer data).
     #[arg(long)]
     pub show_payloads: bool,
-    /// A token `NAME:SECRET` requests authenticate with (`Authorization: Bearer SECRET` or the
-    /// login form); NAME is the actor the audit log records. Repeatable.
-    #[arg(
-        long = "token",
-        env = "OUTBOX_CONSOLE_TOKENS",
-        value_delimiter = ',',
-        hide_env_values = true
-    )]
+    /// A file of tokens, one `NAME:SECRET[:viewer|:operator]` per line (`#` starts a comment;
+    /// a viewer unless it says operator): the documented way, with the environment variable.
+    #[arg(long)]
+    pub token_file: Option<std::path::PathBuf>,
+    /// A token `NAME:SECRET[:viewer|:operator]`, repeatable. Any local user can read the
+    /// command line (`ps`): prefer `--token-file` or `OUTBOX_CONSOLE_TOKENS`.
+    #[arg(long = "token")]
     pub tokens: Vec<String>,
+    /// The origin a proxy in front of the console serves it under (for example
+    /// `https://ops.example.com`), repeatable: actions may come from it, and a console without
+    /// tokens answers requests for its host.
+    #[arg(long = "public-origin")]
+    pub public_origins: Vec<String>,
+    /// The header a proxy that authenticates users names them in (for example
+    /// `X-Forwarded-User`): required on every request and recorded as the actor. Loopback
+    /// only, without tokens.
+    #[arg(long)]
+    pub proxy_user_header: Option<String>,
     /// The workers' stale-after, in milliseconds, to judge heartbeats by (their default when
     /// absent).
     #[arg(long)]
@@ -46,17 +55,59 @@ pub struct ConsoleArgs {
     pub retry_delay_ms: Option<u64>,
 }
 
+/// The environment variable of console tokens (`NAME:SECRET[:ROLE]`, comma-separated).
+pub const TOKENS_ENV: &str = "OUTBOX_CONSOLE_TOKENS";
+
+/// The tokens of a token file's text: one per line, blank lines and `#` comments skipped.
+fn parse_token_file(text: &str) -> Result<Vec<NamedToken>> {
+    text.lines()
+        .enumerate()
+        .map(|(n, line)| (n + 1, line.trim()))
+        .filter(|(_, line)| !line.is_empty() && !line.starts_with('#'))
+        .map(|(n, line)| NamedToken::parse(line).with_context(|| format!("line {n}")))
+        .collect()
+}
+
 impl ConsoleArgs {
+    /// Every token: the file's, the environment's, then the command line's (with a warning:
+    /// any local user reads a command line).
+    fn tokens(&self) -> Result<Vec<NamedToken>> {
+        let mut tokens = Vec::new();
+        if let Some(path) = &self.token_file {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the token file {}", path.display()))?;
+            tokens.extend(
+                parse_token_file(&text)
+                    .with_context(|| format!("the token file {}", path.display()))?,
+            );
+        }
+        if let Ok(list) = std::env::var(TOKENS_ENV) {
+            for token in list.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+                tokens.push(NamedToken::parse(token).with_context(|| TOKENS_ENV)?);
+            }
+        }
+        if !self.tokens.is_empty() {
+            tracing::warn!(
+                tokens = self.tokens.len(),
+                "console secrets given with --token are readable by any local user (ps, /proc); use --token-file or {TOKENS_ENV}"
+            );
+            eprintln!(
+                "warning: secrets given with --token are readable by any local user (ps, /proc/PID/cmdline); use --token-file or {TOKENS_ENV}"
+            );
+        }
+        for token in &self.tokens {
+            tokens.push(NamedToken::parse(token.trim())?);
+        }
+        Ok(tokens)
+    }
+
     fn config(&self) -> Result<ConsoleConfig> {
-        let tokens = self
-            .tokens
-            .iter()
-            .map(|t| NamedToken::parse(t.trim()))
-            .collect::<Result<Vec<_>, _>>()?;
         Ok(ConsoleConfig {
             allow_actions: self.allow_actions,
             show_payloads: self.show_payloads,
-            tokens,
+            tokens: self.tokens()?,
+            public_origins: self.public_origins.clone(),
+            proxy_user_header: self.proxy_user_header.clone(),
             claim_policy: ClaimPolicy::new(
                 self.stale_after_ms
                     .map_or(DEFAULT_STALE_AFTER, Duration::from_millis),
@@ -85,13 +136,13 @@ pub async fn run(url: Option<&str>, args: ConsoleArgs, consumers: &[Consumer]) -
         } else {
             "read-only"
         },
-        if config.tokens.is_empty() {
-            ""
-        } else {
-            ", token required"
+        match (&config.proxy_user_header, config.tokens.is_empty()) {
+            (Some(_), _) => ", users named by the proxy",
+            (None, true) => "",
+            (None, false) => ", token required",
         }
     );
-    let console = Console::new(db.clone(), consumers.to_vec(), config);
+    let console = Console::new(db.clone(), consumers.to_vec(), config)?;
     let shutdown = CancellationToken::new();
     let on_signal = shutdown.clone();
     tokio::spawn(async move {
@@ -101,4 +152,22 @@ pub async fn run(url: Option<&str>, args: ConsoleArgs, consumers: &[Consumer]) -
     outbox_console::serve(listener, console, shutdown).await?;
     db.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_file_holds_one_token_per_line() {
+        let text =
+            "# the console's tokens\nops:0123456789abcdef:operator\n\n  ro:fedcba9876543210  \n";
+        let tokens = parse_token_file(text).unwrap();
+        assert_eq!(tokens.len(), 2);
+        assert_eq!(tokens[0].role, outbox_console::Role::Operator);
+        assert_eq!(tokens[1].name, "ro");
+        assert_eq!(tokens[1].role, outbox_console::Role::Viewer);
+        let err = parse_token_file("ops:short\n").unwrap_err();
+        assert!(format!("{err:#}").contains("line 1"), "{err:#}");
+    }
 }

@@ -171,7 +171,15 @@ fn print_key(report: &KeyReport) {
         None => println!("no pending or processing row: nothing is blocked"),
         Some(state) => {
             println!("head: {}", state.describe());
-            println!("{} non-terminal row(s), oldest first:", report.rows.len());
+            if report.rows_total > report.rows.len() as u64 {
+                println!(
+                    "{} non-terminal row(s); the oldest {} shown:",
+                    report.rows_total,
+                    report.rows.len()
+                );
+            } else {
+                println!("{} non-terminal row(s), oldest first:", report.rows.len());
+            }
             for r in &report.rows {
                 print_row(r);
             }

@@ -12,7 +12,7 @@ use outbox_persistence::{EventId, RetryFilter};
 
 use crate::Console;
 use crate::layout::{Base, PageError, shell};
-use crate::security::{Actor, refuse_action};
+use crate::security::{Actor, refuse_action, refuse_bad_value};
 
 /// A form's fields, in order (checkboxes repeat `id`).
 type Fields = Vec<(String, String)>;
@@ -25,12 +25,19 @@ fn field<'a>(fields: &'a Fields, name: &str) -> Option<&'a str> {
         .filter(|v| !v.is_empty())
 }
 
-fn done(console: &Console, base: &Base, message: String, back: &str) -> Response {
+fn done(console: &Console, actor: &Actor, base: &Base, message: String, back: &str) -> Response {
     let body = html! {
         p.ok data-testid="action-result" { (message) }
         p { a href=(base.link(back)) data-testid="back" { "Back" } }
     };
-    shell(console, base, "Done", body).into_response()
+    shell(console, actor, base, "Done", body).into_response()
+}
+
+/// Refuses the action (see [`refuse_action`]), or a form holding a value the console never
+/// takes (a NUL, a control character, an oversized value), before any query.
+fn refuse(console: &Console, actor: &Actor, fields: &Fields) -> Option<Response> {
+    refuse_action(console, actor, field(fields, "csrf"))
+        .or_else(|| fields.iter().find_map(|(_, v)| refuse_bad_value(v)))
 }
 
 fn bad_request(message: &str) -> Response {
@@ -63,21 +70,21 @@ fn retry_filter(fields: &Fields) -> Result<RetryFilter, &'static str> {
 /// `POST /actions/retry`.
 pub(crate) async fn retry(
     State(console): State<Console>,
-    Extension(Actor(actor)): Extension<Actor>,
+    Extension(actor): Extension<Actor>,
     base: Base,
     Form(fields): Form<Fields>,
 ) -> Result<Response, PageError> {
-    if let Some(refusal) = refuse_action(&console, field(&fields, "csrf")) {
+    if let Some(refusal) = refuse(&console, &actor, &fields) {
         return Ok(refusal);
     }
     let filter = match retry_filter(&fields) {
         Ok(filter) => filter,
         Err(why) => return Ok(bad_request(why)),
     };
-    let n = console.repo().retry_failed_by(filter, &actor).await?;
-    tracing::info!(actor = %actor, rows = n, "console: retried failed rows");
+    let n = console.repo().retry_failed_by(filter, &actor.name).await?;
+    tracing::info!(actor = %actor.name, rows = n, "console: retried failed rows");
     let message = format!("Retried {n} failed row(s): they are pending again.");
-    Ok(done(&console, &base, message, "/failed"))
+    Ok(done(&console, &actor, &base, message, "/failed"))
 }
 
 /// `POST /actions/pause`.
@@ -103,12 +110,12 @@ pub(crate) async fn resume(
 /// Pauses (`pause`) or resumes the form's event type, audited under `actor`.
 async fn set_paused(
     console: Console,
-    Actor(actor): Actor,
+    actor: Actor,
     base: Base,
     fields: Fields,
     pause: bool,
 ) -> Result<Response, PageError> {
-    if let Some(refusal) = refuse_action(&console, field(&fields, "csrf")) {
+    if let Some(refusal) = refuse(&console, &actor, &fields) {
         return Ok(refusal);
     }
     let verb = if pause { "pause" } else { "resume" };
@@ -117,11 +124,11 @@ async fn set_paused(
     };
     let repo = console.repo();
     let changed = if pause {
-        repo.pause_event_type(event_type, &actor).await?
+        repo.pause_event_type(event_type, &actor.name).await?
     } else {
-        repo.resume_event_type(event_type, &actor).await?
+        repo.resume_event_type(event_type, &actor.name).await?
     };
-    tracing::info!(actor = %actor, event_type, changed, "console: {verb}d an event type");
+    tracing::info!(actor = %actor.name, event_type, changed, "console: {verb}d an event type");
     let message = match (pause, changed) {
         (true, true) => format!(
             "Paused {event_type}: workers stop claiming it within {} s.",
@@ -131,7 +138,7 @@ async fn set_paused(
         (false, true) => format!("Resumed {event_type}: its rows are claimable again."),
         (false, false) => format!("{event_type} was not paused."),
     };
-    Ok(done(&console, &base, message, "/"))
+    Ok(done(&console, &actor, &base, message, "/"))
 }
 
 #[cfg(test)]

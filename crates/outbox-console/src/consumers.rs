@@ -2,6 +2,7 @@
 //! consumers` and `outbox gate` print them), and retention (`/retention`: the policy and the
 //! rows it lets go now, as `outbox prune --dry-run` counts them).
 
+use axum::Extension;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use maud::html;
@@ -9,6 +10,7 @@ use outbox_events::{EffectKind, Safeguard, Verdict, evaluate_gate};
 
 use crate::Console;
 use crate::layout::{Base, PageError, shell};
+use crate::security::Actor;
 
 fn class_name(kind: &EffectKind) -> String {
     match kind {
@@ -40,6 +42,7 @@ fn safeguard_name(s: Option<&Safeguard>) -> String {
 /// `GET /consumers`.
 pub(crate) async fn consumers_page(
     State(console): State<Console>,
+    Extension(actor): Extension<Actor>,
     base: Base,
 ) -> Result<Response, PageError> {
     let consumers = console.consumers();
@@ -51,7 +54,9 @@ pub(crate) async fn consumers_page(
                  the handlers, with its consumers."
             }
         };
-        return Ok(shell(&console, &base, "Consumers and rollout gate", body).into_response());
+        return Ok(
+            shell(&console, &actor, &base, "Consumers and rollout gate", body).into_response(),
+        );
     }
     let report = evaluate_gate(console.repo(), consumers).await?;
     let body = html! {
@@ -87,7 +92,7 @@ pub(crate) async fn consumers_page(
             }
         }
     };
-    Ok(shell(&console, &base, "Consumers and rollout gate", body).into_response())
+    Ok(shell(&console, &actor, &base, "Consumers and rollout gate", body).into_response())
 }
 
 fn age_name(age: Option<std::time::Duration>) -> String {
@@ -102,6 +107,7 @@ fn age_name(age: Option<std::time::Duration>) -> String {
 /// `GET /retention`.
 pub(crate) async fn retention_page(
     State(console): State<Console>,
+    Extension(actor): Extension<Actor>,
     base: Base,
 ) -> Result<Response, PageError> {
     let policy = console.config().prune_policy;
@@ -120,5 +126,5 @@ pub(crate) async fn retention_page(
              See docs/retention.md."
         }
     };
-    Ok(shell(&console, &base, "Retention", body).into_response())
+    Ok(shell(&console, &actor, &base, "Retention", body).into_response())
 }

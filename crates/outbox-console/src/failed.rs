@@ -2,6 +2,7 @@
 //! first, with `LastError`, `RetryCount` and dates; retry one, the selected ones, or every
 //! failed row of a type (when actions are allowed).
 
+use axum::Extension;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use maud::{Markup, html};
@@ -10,7 +11,8 @@ use outbox_persistence::console::{FailedFilter, failed_rows, failed_types};
 use serde::Deserialize;
 
 use crate::Console;
-use crate::layout::{Base, PageError, csrf_field, shell, ts};
+use crate::layout::{Base, ERROR_CHARS_SHOWN, PageError, clip, csrf_field, shell, ts};
+use crate::security::{Actor, may_act};
 
 /// How many failed rows the page lists.
 const ROWS_SHOWN: u32 = 200;
@@ -27,6 +29,7 @@ pub(crate) struct FailedQuery {
 /// `GET /failed`.
 pub(crate) async fn page(
     State(console): State<Console>,
+    Extension(actor): Extension<Actor>,
     base: Base,
     Query(q): Query<FailedQuery>,
 ) -> Result<Response, PageError> {
@@ -44,19 +47,19 @@ pub(crate) async fn page(
             button type="submit" { "Filter" }
         }
         h2 { "Failed rows by event type" }
-        (types_table(&console, &base, &types))
+        (types_table(&console, &actor, &base, &types))
         h2 { "Failed rows" }
         p.note {
             span data-testid="failed-shown" { (rows.len()) }
             " row(s) shown, newest first (at most " (ROWS_SHOWN) ")"
         }
-        (rows_form(&console, &base, &rows))
+        (rows_form(&console, &actor, &base, &rows))
     };
-    Ok(shell(&console, &base, "Failed rows", body).into_response())
+    Ok(shell(&console, &actor, &base, "Failed rows", body).into_response())
 }
 
-fn types_table(console: &Console, base: &Base, types: &[(String, u64)]) -> Markup {
-    let actions = console.config().allow_actions;
+fn types_table(console: &Console, actor: &Actor, base: &Base, types: &[(String, u64)]) -> Markup {
+    let actions = may_act(console, actor);
     html! {
         table data-testid="failed-types" {
             thead { tr { th { "Event type" } th { "Failed" } th {} } }
@@ -68,7 +71,7 @@ fn types_table(console: &Console, base: &Base, types: &[(String, u64)]) -> Marku
                         td {
                             @if actions {
                                 form method="post" action=(base.link("/actions/retry")) {
-                                    (csrf_field(console))
+                                    (csrf_field(actor))
                                     input type="hidden" name="event_type" value=(event_type);
                                     button type="submit" { "Retry all " (n) }
                                 }
@@ -81,8 +84,8 @@ fn types_table(console: &Console, base: &Base, types: &[(String, u64)]) -> Marku
     }
 }
 
-fn rows_form(console: &Console, base: &Base, rows: &[EventRow]) -> Markup {
-    let actions = console.config().allow_actions;
+fn rows_form(console: &Console, actor: &Actor, base: &Base, rows: &[EventRow]) -> Markup {
+    let actions = may_act(console, actor);
     let table = html! {
         table data-testid="failed-rows" {
             thead { tr {
@@ -101,7 +104,7 @@ fn rows_form(console: &Console, base: &Base, rows: &[EventRow]) -> Markup {
                         td { (r.retry_count) }
                         td { (ts(r.created_date)) }
                         td { (ts(r.last_modified_date)) }
-                        td.error { (r.last_error.as_deref().unwrap_or("")) }
+                        td.error { (clip(r.last_error.as_deref().unwrap_or(""), ERROR_CHARS_SHOWN)) }
                         @if actions {
                             td { button type="submit" name="one" value=(r.id) { "Retry" } }
                         }
@@ -115,7 +118,7 @@ fn rows_form(console: &Console, base: &Base, rows: &[EventRow]) -> Markup {
     }
     html! {
         form #retry-form method="post" action=(base.link("/actions/retry")) {
-            (csrf_field(console))
+            (csrf_field(actor))
             (table)
             button type="submit" #retry-selected { "Retry the selected rows" }
         }

@@ -11,6 +11,7 @@ use maud::{DOCTYPE, Markup, html};
 use outbox_persistence::EventRow;
 
 use crate::Console;
+use crate::security::Actor;
 
 /// The path prefix the console is mounted under (empty at the root), from the request's
 /// original URI: links and assets are written with it, so `Router::nest` needs nothing else.
@@ -63,13 +64,26 @@ const NAV: &[(&str, &str)] = &[
     ("/audit", "Audit log"),
 ];
 
-/// A page with the console's navigation.
-pub(crate) fn shell(console: &Console, base: &Base, title: &str, body: Markup) -> Markup {
-    let mode = if console.config().allow_actions {
-        "actions allowed"
-    } else {
-        "read-only"
+/// A page with the console's navigation, for `actor`: who it is and what it may do, its
+/// logout when it signed in, and on a console without tokens that allows actions, a warning
+/// that anyone on the host can act.
+pub(crate) fn shell(
+    console: &Console,
+    actor: &Actor,
+    base: &Base,
+    title: &str,
+    body: Markup,
+) -> Markup {
+    let config = console.config();
+    let mode = match (
+        config.allow_actions,
+        crate::security::may_act(console, actor),
+    ) {
+        (false, _) => "read-only",
+        (true, true) => "actions allowed",
+        (true, false) => "read-only (viewer)",
     };
+    let open = config.tokens.is_empty() && config.proxy_user_header.is_none();
     shell_bare(
         base,
         title,
@@ -79,6 +93,18 @@ pub(crate) fn shell(console: &Console, base: &Base, title: &str, body: Markup) -
                     a href=(base.link(path)) { (name) }
                 }
                 span.mode data-testid="mode" { (mode) }
+                span.who data-testid="actor" { (actor.name) " (" (actor.role) ")" }
+                @if actor.session {
+                    form.inline method="post" action=(base.link("/logout")) {
+                        (csrf_field(actor))
+                        button type="submit" data-testid="logout" { "Sign out" }
+                    }
+                }
+            }
+            @if open && config.allow_actions {
+                p.warning data-testid="open-console" {
+                    "This console has no tokens and allows actions: anyone who can reach it on this host can retry, pause and resume. Configure tokens (--token-file) to say who may act."
+                }
             }
             (body)
         },
@@ -105,10 +131,21 @@ pub(crate) fn shell_bare(base: &Base, title: &str, body: Markup) -> Markup {
     }
 }
 
-/// The CSRF field every action form carries.
-pub(crate) fn csrf_field(console: &Console) -> Markup {
-    html! { input type="hidden" name="csrf" value=(console.csrf()); }
+/// The CSRF field every action form carries (the actor's own token).
+pub(crate) fn csrf_field(actor: &Actor) -> Markup {
+    html! { input type="hidden" name="csrf" value=(actor.csrf); }
 }
+
+/// At most `chars` characters of `text`, for a table cell (the event page shows it whole).
+pub(crate) fn clip(text: &str, chars: usize) -> String {
+    match text.char_indices().nth(chars) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_owned(),
+    }
+}
+
+/// How much of a `LastError` a table cell shows.
+pub(crate) const ERROR_CHARS_SHOWN: usize = 300;
 
 /// A time as the CLI prints it (RFC 3339, milliseconds, UTC).
 pub(crate) fn ts(t: DateTime<Utc>) -> String {
@@ -142,7 +179,7 @@ pub(crate) fn rows_table(base: &Base, rows: &[EventRow]) -> Markup {
                         td { (r.retry_count) }
                         td { (ts(r.created_date)) }
                         td { (ts(r.last_modified_date)) }
-                        td.error { (r.last_error.as_deref().unwrap_or("")) }
+                        td.error { (clip(r.last_error.as_deref().unwrap_or(""), ERROR_CHARS_SHOWN)) }
                     }
                 }
             }
@@ -150,7 +187,9 @@ pub(crate) fn rows_table(base: &Base, rows: &[EventRow]) -> Markup {
     }
 }
 
-/// A failure to read the database, shown as a page (the message escaped).
+/// A failure to read the database. The page shows a generic message and an id; the log line
+/// carries the same id with the error (a database's own message can name tables, roles or
+/// input, and must not reach a viewer).
 pub(crate) struct PageError(pub(crate) String);
 
 impl<E: std::fmt::Display> From<E> for PageError {
@@ -161,10 +200,14 @@ impl<E: std::fmt::Display> From<E> for PageError {
 
 impl IntoResponse for PageError {
     fn into_response(self) -> Response {
-        tracing::warn!(error = %self.0, "a console page failed");
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
+        tracing::warn!(error_id = %id, error = %self.0, "a console page failed");
         let body = html! {
             (DOCTYPE)
-            html { body { h1 { "The console could not read the queue" } p.error { (self.0) } } }
+            html { body {
+                h1 { "The console could not read the queue" }
+                p.error data-testid="error-id" { "Error id " code { (id) } ": the console's log has the details under this id." }
+            } }
         };
         (StatusCode::INTERNAL_SERVER_ERROR, body).into_response()
     }

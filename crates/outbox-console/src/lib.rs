@@ -20,12 +20,16 @@ mod actions;
 mod consumers;
 mod failed;
 mod layout;
+pub mod login;
 mod overview;
 mod records;
 pub mod security;
+mod serve;
+
+pub use serve::ConnectionLimits;
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -43,34 +47,80 @@ pub const BLOCKED_KEYS_SHOWN: u32 = 10;
 /// How many audit entries the overview shows.
 pub const AUDIT_ENTRIES_SHOWN: u32 = 20;
 
-/// The shortest secret [`NamedToken::parse`] accepts.
+/// The shortest secret a console takes ([`NamedToken::parse`] and [`Console::new`]).
 pub const MIN_SECRET_LEN: usize = 16;
 
-/// A token a request may authenticate with: its `name` is the actor the audit log records.
+/// What a token may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Role {
+    /// Reads every page; no action.
+    #[default]
+    Viewer,
+    /// Reads, and acts (retry, pause, resume) when the console allows actions.
+    Operator,
+}
+
+impl Role {
+    /// `viewer` or `operator`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Viewer => "viewer",
+            Role::Operator => "operator",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A token a request may authenticate with: its `name` is the actor the audit log records,
+/// its `role` what it may do.
 #[derive(Clone, PartialEq, Eq)]
 pub struct NamedToken {
     /// Who holds it (recorded with every action taken with it).
     pub name: String,
-    /// The secret sent as `Authorization: Bearer <secret>` or through the login form.
+    /// The secret sent as `Authorization: Bearer <secret>` or through the login form (at
+    /// least [`MIN_SECRET_LEN`] characters: [`Console::new`] refuses a shorter one).
     pub secret: String,
+    /// What it may do.
+    pub role: Role,
 }
 
 impl NamedToken {
-    /// A token named `name` with `secret`.
+    /// A viewer's token named `name` with `secret`.
     pub fn new(name: impl Into<String>, secret: impl Into<String>) -> Self {
         Self {
             name: name.into(),
             secret: secret.into(),
+            role: Role::Viewer,
         }
     }
 
-    /// Parses `NAME:SECRET` (the `--token` flag and `OUTBOX_CONSOLE_TOKENS`, comma-separated);
-    /// the secret has at least [`MIN_SECRET_LEN`] characters.
+    /// An operator's token named `name` with `secret`.
+    pub fn operator(name: impl Into<String>, secret: impl Into<String>) -> Self {
+        Self {
+            role: Role::Operator,
+            ..Self::new(name, secret)
+        }
+    }
+
+    /// Parses `NAME:SECRET`, `NAME:SECRET:viewer` or `NAME:SECRET:operator` (the lines of
+    /// `--token-file`, and `OUTBOX_CONSOLE_TOKENS`, comma-separated): a viewer unless it says
+    /// `operator`; the secret has at least [`MIN_SECRET_LEN`] characters.
     pub fn parse(text: &str) -> Result<Self, ConsoleError> {
-        match text.split_once(':') {
-            Some((name, secret)) if !name.is_empty() && secret.len() >= MIN_SECRET_LEN => {
-                Ok(Self::new(name, secret))
-            }
+        let (rest, role) = match text.rsplit_once(':') {
+            Some((rest, "operator")) => (rest, Role::Operator),
+            Some((rest, "viewer")) => (rest, Role::Viewer),
+            _ => (text, Role::Viewer),
+        };
+        match rest.split_once(':') {
+            Some((name, secret)) if !name.is_empty() && weak_secret(secret).is_none() => Ok(Self {
+                role,
+                ..Self::new(name, secret)
+            }),
             _ => Err(ConsoleError::BadToken),
         }
     }
@@ -82,6 +132,7 @@ impl std::fmt::Debug for NamedToken {
         f.debug_struct("NamedToken")
             .field("name", &self.name)
             .field("secret", &"<redacted>")
+            .field("role", &self.role)
             .finish()
     }
 }
@@ -99,6 +150,17 @@ pub struct ConsoleConfig {
     pub claim_policy: ClaimPolicy,
     /// The retention policy the retention page counts against.
     pub prune_policy: PrunePolicy,
+    /// The origins a proxy in front of the console serves it under (for example
+    /// `https://ops.example.com`): a `POST` may come from them, and a console without tokens
+    /// answers requests naming their host. Empty: only the request's own host.
+    pub public_origins: Vec<String>,
+    /// The header a proxy that authenticates users names them in (for example
+    /// `X-Forwarded-User`): every request must carry it, and it is the actor the audit log
+    /// records, an operator. Only behind such a proxy, with the console on loopback:
+    /// [`Console::new`] refuses it beside tokens, [`serve`] on another address.
+    pub proxy_user_header: Option<String>,
+    /// The limits [`serve`] puts on connections.
+    pub limits: ConnectionLimits,
 }
 
 impl Default for ConsoleConfig {
@@ -114,6 +176,9 @@ impl Default for ConsoleConfig {
                 outbox_events::DEFAULT_MAX_RETRY_ATTEMPTS,
             ),
             prune_policy: PrunePolicy::default(),
+            public_origins: Vec::new(),
+            proxy_user_header: None,
+            limits: ConnectionLimits::default(),
         }
     }
 }
@@ -125,15 +190,31 @@ pub enum ConsoleError {
     /// A non-loopback address without a token.
     #[error(
         "refusing to serve the console on {addr} without a token: an address other than loopback \
-         needs at least one (--token NAME:SECRET or OUTBOX_CONSOLE_TOKENS), or bind 127.0.0.1"
+         needs at least one (--token-file or OUTBOX_CONSOLE_TOKENS), or bind 127.0.0.1"
     )]
     UnauthenticatedBind {
         /// The address.
         addr: SocketAddr,
     },
-    /// A token that is not `NAME:SECRET`.
-    #[error("a console token must be NAME:SECRET, with a secret of at least 16 characters")]
+    /// A token that is not `NAME:SECRET[:ROLE]`.
+    #[error(
+        "a console token must be NAME:SECRET, NAME:SECRET:viewer or NAME:SECRET:operator, with a \
+         secret of at least 16 characters"
+    )]
     BadToken,
+    /// A token whose secret is empty or short, or the same as another token's.
+    #[error(
+        "the console token {name:?} is refused: {why} (generate a secret: openssl rand -hex 24)"
+    )]
+    WeakToken {
+        /// The token's name.
+        name: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A configuration that contradicts itself.
+    #[error("the console's configuration is refused: {0}")]
+    Config(&'static str),
     /// The listener failed.
     #[error("serving the console failed")]
     Io(
@@ -143,13 +224,52 @@ pub enum ConsoleError {
     ),
 }
 
-/// Refuses to bind `addr` unless it is loopback or `config` has at least one token.
+/// Refuses to bind `addr` unless it is loopback or `config` has at least one token (a console
+/// that trusts a proxy's user header listens on loopback only).
 pub fn bind_check(addr: SocketAddr, config: &ConsoleConfig) -> Result<(), ConsoleError> {
-    if addr.ip().is_loopback() || !config.tokens.is_empty() {
+    if addr.ip().is_loopback() || (!config.tokens.is_empty() && config.proxy_user_header.is_none())
+    {
         Ok(())
     } else {
         Err(ConsoleError::UnauthenticatedBind { addr })
     }
+}
+
+/// Why `secret` is too weak for a console token, or `None`: shorter than [`MIN_SECRET_LEN`]
+/// characters, or fewer than 6 distinct characters (`aaaaaaaaaaaaaaaa`, `abababab…`).
+fn weak_secret(secret: &str) -> Option<&'static str> {
+    if secret.chars().count() < MIN_SECRET_LEN {
+        return Some("its secret is shorter than 16 characters");
+    }
+    let distinct: std::collections::HashSet<char> = secret.chars().collect();
+    (distinct.len() < 6).then_some("its secret repeats fewer than 6 distinct characters")
+}
+
+/// Refuses tokens an attacker could guess or that would be ambiguous: an empty name, a secret
+/// shorter than [`MIN_SECRET_LEN`] (an empty one from an unset variable would match an empty
+/// form field), two tokens with one secret; and a proxy's user header beside tokens.
+fn check_config(config: &ConsoleConfig) -> Result<(), ConsoleError> {
+    for (i, token) in config.tokens.iter().enumerate() {
+        let weak = |why| ConsoleError::WeakToken {
+            name: token.name.clone(),
+            why,
+        };
+        if token.name.trim().is_empty() {
+            return Err(weak("its name is empty"));
+        }
+        if let Some(why) = weak_secret(&token.secret) {
+            return Err(weak(why));
+        }
+        if config.tokens[..i].iter().any(|t| t.secret == token.secret) {
+            return Err(weak("its secret is another token's"));
+        }
+    }
+    if config.proxy_user_header.is_some() && !config.tokens.is_empty() {
+        return Err(ConsoleError::Config(
+            "a proxy's user header and tokens exclude each other: authenticate at the proxy or with tokens",
+        ));
+    }
+    Ok(())
 }
 
 /// The console's state: the database, the service's consumers and the configuration.
@@ -163,28 +283,64 @@ struct Inner {
     repo: Arc<dyn OutboxRepository>,
     consumers: Vec<Consumer>,
     config: ConsoleConfig,
-    /// The CSRF token of this console's run: random, from a UUID v4's bytes.
+    /// The CSRF token of this console's run without tokens (random, from UUID v4s' bytes).
     csrf: String,
-    /// Login sessions: the cookie's value, the token name it stands for, and when it began
-    /// (at most [`security::MAX_SESSIONS`], each for [`security::SESSION_TTL`]).
-    sessions: Mutex<Vec<(String, String, std::time::Instant)>>,
+    /// The CSRF token of each bearer token's forms (random per run, in `config.tokens`' order).
+    token_csrf: Vec<String>,
+    /// Login sessions and failed-login limits.
+    logins: login::Logins,
 }
 
 impl Console {
     /// A console over `db` (read through `db.repository()`) for a service whose consumers are
-    /// `consumers`.
-    pub fn new(db: Database, consumers: Vec<Consumer>, config: ConsoleConfig) -> Self {
+    /// `consumers`. Refuses a token with an empty name, a secret shorter than
+    /// [`MIN_SECRET_LEN`] or one secret for two tokens, however the tokens were built.
+    pub fn new(
+        db: Database,
+        consumers: Vec<Consumer>,
+        config: ConsoleConfig,
+    ) -> Result<Self, ConsoleError> {
+        check_config(&config)?;
         let repo = db.repository();
-        Self {
+        let token_csrf = config
+            .tokens
+            .iter()
+            .map(|_| security::random_secret())
+            .collect();
+        Ok(Self {
             inner: Arc::new(Inner {
                 db,
                 repo,
                 consumers,
                 config,
                 csrf: security::random_secret(),
-                sessions: Mutex::new(Vec::new()),
+                token_csrf,
+                logins: login::Logins::default(),
             }),
+        })
+    }
+
+    /// The index of the token whose secret is `secret` (every token is compared, whichever
+    /// matches).
+    pub(crate) fn token_index(&self, secret: &str) -> Option<usize> {
+        let mut found = None;
+        for (i, token) in self.config().tokens.iter().enumerate() {
+            if security::constant_time_eq(&token.secret, secret) && found.is_none() {
+                found = Some(i);
+            }
         }
+        found
+    }
+
+    /// The name and role of the token whose secret is `secret`.
+    pub(crate) fn token_of(&self, secret: &str) -> Option<(String, Role)> {
+        let token = &self.config().tokens[self.token_index(secret)?];
+        Some((token.name.clone(), token.role))
+    }
+
+    /// The CSRF token of the forms of the token at `index`.
+    pub(crate) fn token_csrf(&self, index: usize) -> &str {
+        &self.inner.token_csrf[index]
     }
 
     /// The configuration.
@@ -224,7 +380,8 @@ pub fn router(state: Console) -> Router {
         .route("/actions/retry", post(actions::retry))
         .route("/actions/pause", post(actions::pause))
         .route("/actions/resume", post(actions::resume))
-        .route("/login", get(security::login_page).post(security::login))
+        .route("/login", get(login::login_page).post(login::login))
+        .route("/logout", post(login::logout))
         .route("/assets/console.css", get(security::css))
         .route("/assets/console.js", get(security::js))
         .fallback(security::not_found)
@@ -239,8 +396,10 @@ pub fn router(state: Console) -> Router {
 /// How long [`serve`] lets open requests finish after `shutdown` fires.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// Serves `console` on `listener` until `shutdown` fires, then lets open requests finish.
-/// Refuses, as [`bind_check`], a non-loopback listener without a token.
+/// Serves `console` on `listener` until `shutdown` fires, then lets open requests finish
+/// for up to [`SHUTDOWN_GRACE`]. Refuses, as [`bind_check`], a non-loopback listener without a
+/// token. Connections are limited by [`ConsoleConfig::limits`]: a header-read timeout (also
+/// for idle keep-alive connections), a cap on open connections and a timeout per request.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     console: Console,
@@ -248,11 +407,8 @@ pub async fn serve(
 ) -> Result<(), ConsoleError> {
     bind_check(listener.local_addr()?, console.config())?;
     tracing::info!(addr = %listener.local_addr()?, actions = console.config().allow_actions, "serving the operator console");
-    let app = router(console);
-    let wait = shutdown.clone();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { wait.cancelled().await })
-        .await?;
+    let limits = console.config().limits;
+    serve::serve(listener, router(console), limits, shutdown, SHUTDOWN_GRACE).await;
     Ok(())
 }
 
@@ -268,8 +424,13 @@ mod tests {
         assert!(err.to_string().contains("without a token"), "{err}");
         assert!(bind_check("127.0.0.1:8080".parse().unwrap(), &config).is_ok());
         assert!(bind_check("[::1]:8080".parse().unwrap(), &config).is_ok());
-        config.tokens.push(NamedToken::new("ops", "s3cret"));
+        config
+            .tokens
+            .push(NamedToken::new("ops", "s3cret-0123456789"));
         assert!(bind_check(public, &config).is_ok());
+        config.tokens.clear();
+        config.proxy_user_header = Some("x-forwarded-user".into());
+        assert!(bind_check(public, &config).is_err());
     }
 
     #[test]
@@ -286,5 +447,35 @@ mod tests {
             NamedToken::parse("bob:short").is_err(),
             "a secret shorter than 16 characters is refused"
         );
+        assert_eq!(t.role, Role::Viewer, "a viewer by default");
+        let op = NamedToken::parse("ops:0123456789abcdef:operator").unwrap();
+        assert_eq!(
+            (op.secret.as_str(), op.role),
+            ("0123456789abcdef", Role::Operator)
+        );
+        let v = NamedToken::parse("ro:0123456789abcdef:viewer").unwrap();
+        assert_eq!(v.role, Role::Viewer);
+        assert!(NamedToken::parse("ops:short:operator").is_err());
+    }
+
+    #[test]
+    fn weak_or_ambiguous_tokens_are_refused_however_built() {
+        let config = |tokens: Vec<NamedToken>| ConsoleConfig {
+            tokens,
+            ..ConsoleConfig::default()
+        };
+        let err = check_config(&config(vec![NamedToken::new("ops", "")])).unwrap_err();
+        assert!(err.to_string().contains("shorter than 16"), "{err}");
+        assert!(check_config(&config(vec![NamedToken::new("ops", "aaaaaaaa")])).is_err());
+        let repetitive = NamedToken::new("ops", "a".repeat(16));
+        assert!(check_config(&config(vec![repetitive])).is_err());
+        assert!(NamedToken::parse("ops:aaaaaaaaaaaaaaaa").is_err());
+        assert!(check_config(&config(vec![NamedToken::new("", "0123456789abcdef")])).is_err());
+        let same = vec![
+            NamedToken::new("a", "0123456789abcdef"),
+            NamedToken::operator("b", "0123456789abcdef"),
+        ];
+        assert!(check_config(&config(same)).is_err());
+        assert!(check_config(&config(vec![NamedToken::new("ops", "0123456789abcdef")])).is_ok());
     }
 }

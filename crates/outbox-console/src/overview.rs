@@ -3,6 +3,7 @@
 //! records with their reason, the paused event types, and the audit log. Its live part is also
 //! served alone (`/fragments/overview`), which `console.js` polls to refresh the page.
 
+use axum::Extension;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use maud::{Markup, html};
@@ -10,6 +11,7 @@ use outbox_persistence::console::{QueueCounts, Throughput, queue_counts, through
 use outbox_persistence::{AuditEntry, BlockedKey, PausedType};
 
 use crate::layout::{Base, PageError, age, csrf_field, shell, ts};
+use crate::security::{Actor, may_act};
 use crate::{AUDIT_ENTRIES_SHOWN, BLOCKED_KEYS_SHOWN, Console};
 
 /// What the live part of the overview shows.
@@ -41,45 +43,48 @@ async fn read_live(console: &Console) -> Result<Live, PageError> {
 /// `GET /`.
 pub(crate) async fn page(
     State(console): State<Console>,
+    Extension(actor): Extension<Actor>,
     base: Base,
 ) -> Result<Response, PageError> {
     let live = read_live(&console).await?;
     let audit = console.repo().audit_log(AUDIT_ENTRIES_SHOWN).await?;
     let body = html! {
         section #live data-fragment=(base.link("/fragments/overview")) {
-            (live_section(&console, &base, &live))
+            (live_section(&console, &actor, &base, &live))
         }
-        (pause_form(&console, &base))
+        (pause_form(&console, &actor, &base))
         h2 { "Recent actions" }
         (audit_table(&audit))
     };
-    Ok(shell(&console, &base, "Overview", body).into_response())
+    Ok(shell(&console, &actor, &base, "Overview", body).into_response())
 }
 
 /// `GET /fragments/overview`: the live section alone.
 pub(crate) async fn fragment(
     State(console): State<Console>,
+    Extension(actor): Extension<Actor>,
     base: Base,
 ) -> Result<Response, PageError> {
     let live = read_live(&console).await?;
-    Ok(live_section(&console, &base, &live).into_response())
+    Ok(live_section(&console, &actor, &base, &live).into_response())
 }
 
 /// `GET /audit`: the audit log.
 pub(crate) async fn audit_page(
     State(console): State<Console>,
+    Extension(actor): Extension<Actor>,
     base: Base,
 ) -> Result<Response, PageError> {
     let audit = console.repo().audit_log(200).await?;
     let body = html! { (audit_table(&audit)) };
-    Ok(shell(&console, &base, "Audit log", body).into_response())
+    Ok(shell(&console, &actor, &base, "Audit log", body).into_response())
 }
 
 fn count(label: &str, testid: &str, value: impl std::fmt::Display) -> Markup {
     html! { div.count { span.label { (label) } span.value data-testid=(testid) { (value) } } }
 }
 
-fn live_section(console: &Console, base: &Base, live: &Live) -> Markup {
+fn live_section(console: &Console, actor: &Actor, base: &Base, live: &Live) -> Markup {
     let s = &live.counts.stats;
     let processed = if live.counts.processed_estimated {
         format!("≈{}", s.processed)
@@ -103,7 +108,7 @@ fn live_section(console: &Console, base: &Base, live: &Live) -> Markup {
         h2 { "Processed per minute, last hour" }
         (chart(&live.throughput))
         h2 { "Paused event types" }
-        (paused_table(console, base, &live.paused))
+        (paused_table(console, actor, base, &live.paused))
         h2 { "Longest-blocked records" }
         (blocked_table(base, &live.blocked))
     }
@@ -152,7 +157,7 @@ fn blocked_table(base: &Base, blocked: &[BlockedKey]) -> Markup {
     }
 }
 
-fn paused_table(console: &Console, base: &Base, paused: &[PausedType]) -> Markup {
+fn paused_table(console: &Console, actor: &Actor, base: &Base, paused: &[PausedType]) -> Markup {
     if paused.is_empty() {
         return html! { p.note data-testid="no-paused" { "No event type is paused." } };
     }
@@ -166,9 +171,9 @@ fn paused_table(console: &Console, base: &Base, paused: &[PausedType]) -> Markup
                         td { (ts(p.paused_at)) }
                         td { (p.paused_by) }
                         td {
-                            @if console.config().allow_actions {
+                            @if may_act(console, actor) {
                                 form method="post" action=(base.link("/actions/resume")) {
-                                    (csrf_field(console))
+                                    (csrf_field(actor))
                                     input type="hidden" name="event_type" value=(p.event_type);
                                     button type="submit" { "Resume" }
                                 }
@@ -181,13 +186,13 @@ fn paused_table(console: &Console, base: &Base, paused: &[PausedType]) -> Markup
     }
 }
 
-fn pause_form(console: &Console, base: &Base) -> Markup {
-    if !console.config().allow_actions {
+fn pause_form(console: &Console, actor: &Actor, base: &Base) -> Markup {
+    if !may_act(console, actor) {
         return html! {};
     }
     html! {
         form.inline #pause-form method="post" action=(base.link("/actions/pause")) {
-            (csrf_field(console))
+            (csrf_field(actor))
             label { "Pause event type " input type="text" name="event_type" required; }
             button type="submit" { "Pause" }
         }

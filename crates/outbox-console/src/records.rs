@@ -2,6 +2,7 @@
 //! in order, what its head waits for, its newest failure) and an event's page
 //! (`/events/{id}`: every column; the payload only when the console shows payloads).
 
+use axum::Extension;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -10,8 +11,9 @@ use outbox_persistence::{EventStatus, key_report};
 use serde::Deserialize;
 
 use crate::Console;
-use crate::layout::{Base, PageError, csrf_field, rows_table, shell, ts};
+use crate::layout::{Base, PageError, clip, csrf_field, rows_table, shell, ts};
 use crate::overview::encode;
+use crate::security::{Actor, may_act};
 
 /// The record page's query.
 #[derive(Deserialize)]
@@ -23,6 +25,7 @@ pub(crate) struct KeyQuery {
 /// `GET /records?key=…`.
 pub(crate) async fn record_page(
     State(console): State<Console>,
+    Extension(actor): Extension<Actor>,
     base: Base,
     Query(q): Query<KeyQuery>,
 ) -> Result<Response, PageError> {
@@ -34,7 +37,7 @@ pub(crate) async fn record_page(
         }
     };
     if key.is_empty() {
-        return Ok(shell(&console, &base, "Record", form).into_response());
+        return Ok(shell(&console, &actor, &base, "Record", form).into_response());
     }
     let policy = console.config().claim_policy;
     let report = key_report(console.repo().as_ref(), key, policy).await?;
@@ -46,7 +49,13 @@ pub(crate) async fn record_page(
             None => p data-testid="head-state" { "No pending or processing row: nothing is blocked." },
             Some(state) => {
                 p { "Head: " span data-testid="head-state" { (state.describe()) } }
-                p { (report.rows.len()) " non-terminal row(s), oldest first:" }
+                p data-testid="rows-total" {
+                    (report.rows_total) " non-terminal row(s), oldest first"
+                    @if report.rows_total > report.rows.len() as u64 {
+                        " (the oldest " (report.rows.len()) " shown)"
+                    }
+                    ":"
+                }
                 (rows_table(&base, &report.rows))
             }
         }
@@ -55,20 +64,16 @@ pub(crate) async fn record_page(
             (rows_table(&base, std::slice::from_ref(f)))
         }
     };
-    Ok(shell(&console, &base, "Record", body).into_response())
+    Ok(shell(&console, &actor, &base, "Record", body).into_response())
 }
 
-/// At most 200 characters of `text`, for a table cell.
-fn clip(text: &str) -> String {
-    match text.char_indices().nth(200) {
-        Some((end, _)) => format!("{}…", &text[..end]),
-        None => text.to_owned(),
-    }
-}
+/// How much of a payload the event page shows (`--show-payloads`).
+pub(crate) const PAYLOAD_CHARS_SHOWN: usize = 64 * 1024;
 
 /// `GET /events/{id}`.
 pub(crate) async fn event_page(
     State(console): State<Console>,
+    Extension(actor): Extension<Actor>,
     base: Base,
     Path(id): Path<String>,
 ) -> Result<Response, PageError> {
@@ -77,7 +82,7 @@ pub(crate) async fn event_page(
     };
     let Some(event) = console.repo().get_event(id).await? else {
         let body = html! { p data-testid="missing" { "No event " (id) "." } };
-        let page = shell(&console, &base, "Event", body);
+        let page = shell(&console, &actor, &base, "Event", body);
         return Ok((StatusCode::NOT_FOUND, page).into_response());
     };
     let key = event.record_key.as_ref().map(|k| k.as_str().to_string());
@@ -90,7 +95,7 @@ pub(crate) async fn event_page(
             tracing::warn!(error = %e.chain(), "could not read the effect ledger for an event");
             Vec::new()
         });
-    let allow = console.config().allow_actions && event.status == EventStatus::Failed;
+    let allow = may_act(&console, &actor) && event.status == EventStatus::Failed;
     let body = html! {
         table.detail {
             tr { th { "Id" } td data-testid="event-id" { (event.id) } }
@@ -107,7 +112,7 @@ pub(crate) async fn event_page(
             tr { th { "LastError" } td.error data-testid="event-error" { (event.last_error.as_deref().unwrap_or("")) } }
             tr { th { "Payload" } td {
                 @if console.config().show_payloads {
-                    pre data-testid="payload" { (event.payload) }
+                    pre data-testid="payload" { (clip(&event.payload, PAYLOAD_CHARS_SHOWN)) }
                 } @else {
                     span.note data-testid="payload-hidden" { (event.payload.len()) " bytes, hidden (start the console with --show-payloads to see payloads)" }
                 }
@@ -126,18 +131,18 @@ pub(crate) async fn event_page(
                         td { (e.effect_key) }
                         td data-testid="effect-key" { (e.idempotency_key) }
                         td { (ts(e.recorded_date)) }
-                        td { (clip(e.result.as_deref().unwrap_or(""))) }
+                        td { (clip(e.result.as_deref().unwrap_or(""), 200)) }
                     }
                 }
             }
         }
         @if allow {
             form method="post" action=(base.link("/actions/retry")) {
-                (csrf_field(&console))
+                (csrf_field(&actor))
                 input type="hidden" name="id" value=(event.id);
                 button type="submit" data-testid="retry-one" { "Retry this row" }
             }
         }
     };
-    Ok(shell(&console, &base, "Event", body).into_response())
+    Ok(shell(&console, &actor, &base, "Event", body).into_response())
 }

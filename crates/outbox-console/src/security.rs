@@ -1,17 +1,18 @@
 //! What keeps the console safe: the response headers every answer carries ([`HEADERS`]), the
 //! token check (an `Authorization: Bearer` header or the login form's session cookie, secrets
-//! compared in constant time), the CSRF token of the actions, and the embedded assets.
+//! compared in constant time), the roles and CSRF tokens of the actions, the refusal of NUL
+//! and oversized input before any query, and the embedded assets.
 
-use axum::extract::{Form, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Redirect, Response};
-use maud::html;
-use serde::Deserialize;
+use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::Console;
-use crate::layout::{Base, shell_bare};
+use crate::layout::Base;
+use crate::login::{SESSION_COOKIE, cookie, login_form};
+use crate::{Console, Role};
 
 /// The Content-Security-Policy of every response: no inline script or style, nothing from
 /// another origin, no framing.
@@ -29,21 +30,27 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("referrer-policy", "same-origin"),
 ];
 
-/// The most login sessions a console keeps (the oldest is dropped first).
-pub const MAX_SESSIONS: usize = 256;
-
-/// How long a login session lasts.
-pub const SESSION_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
-
-/// The session cookie the login form sets.
-pub const SESSION_COOKIE: &str = "outbox_console_session";
-
 /// The actor recorded for actions on a console without tokens (loopback only).
 pub const LOCAL_ACTOR: &str = "local";
 
-/// Who made a request: the name of the token it authenticated with, or [`LOCAL_ACTOR`].
+/// The longest query or form value the console takes (a record key, an event type, an error
+/// filter); a longer one is refused with 400 before any query.
+pub const MAX_INPUT_LEN: usize = 1024;
+
+/// Who made a request: the name of the token it authenticated with (or the proxy's user
+/// header, or [`LOCAL_ACTOR`]), its role, and the CSRF token its forms carry.
 #[derive(Debug, Clone)]
-pub struct Actor(pub String);
+pub struct Actor {
+    /// Who acted, as the audit log records it.
+    pub name: String,
+    /// What it may do.
+    pub role: Role,
+    /// The CSRF token of its forms: its login session's, its bearer token's, or the
+    /// console's (without tokens).
+    pub(crate) csrf: String,
+    /// Whether it came through a login session (its pages offer a logout).
+    pub(crate) session: bool,
+}
 
 const CSS: &str = include_str!("assets/console.css");
 const JS: &str = include_str!("assets/console.js");
@@ -57,9 +64,13 @@ pub(crate) fn random_secret() -> String {
     )
 }
 
-/// Whether `a` equals `b`, in time that depends on their lengths only.
+/// Whether `a` equals `b`, in time that tells nothing about either: their SHA-256 digests
+/// (always 32 bytes) are compared in constant time, so neither a length mismatch nor a
+/// common prefix answers sooner.
 pub fn constant_time_eq(a: &str, b: &str) -> bool {
-    a.len() == b.len() && bool::from(a.as_bytes().ct_eq(b.as_bytes()))
+    let a: [u8; 32] = Sha256::digest(a.as_bytes()).into();
+    let b: [u8; 32] = Sha256::digest(b.as_bytes()).into();
+    bool::from(a[..].ct_eq(&b[..]))
 }
 
 /// Adds [`HEADERS`] to every response.
@@ -72,33 +83,6 @@ pub(crate) async fn headers(request: Request, next: Next) -> Response {
     response
 }
 
-/// The token name a secret belongs to (every token is compared, whatever matches).
-fn token_name(console: &Console, secret: &str) -> Option<String> {
-    let mut found = None;
-    for token in &console.config().tokens {
-        if constant_time_eq(&token.secret, secret) && found.is_none() {
-            found = Some(token.name.clone());
-        }
-    }
-    found
-}
-
-/// The token name of a login session's cookie value.
-fn session_name(console: &Console, session: &str) -> Option<String> {
-    let sessions = console
-        .inner
-        .sessions
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let mut found = None;
-    for (id, name, began) in sessions.iter() {
-        if constant_time_eq(id, session) && found.is_none() && began.elapsed() < SESSION_TTL {
-            found = Some(name.clone());
-        }
-    }
-    found
-}
-
 /// The host name of a `Host` header value (without its port).
 fn host_name(host: &str) -> &str {
     if let Some(rest) = host.strip_prefix('[') {
@@ -107,24 +91,45 @@ fn host_name(host: &str) -> &str {
     host.rsplit_once(':').map_or(host, |(name, _)| name)
 }
 
+/// The `host[:port]` of an origin (`https://ops.example.com` → `ops.example.com`).
+fn origin_authority(origin: &str) -> Option<&str> {
+    origin
+        .split_once("://")
+        .map(|(_, rest)| rest.trim_end_matches('/'))
+}
+
 /// Whether a console without tokens may answer `headers`: their `Host` names loopback (a
-/// browser always sends it), so that a page of another site whose name was rebound to
-/// 127.0.0.1 (DNS rebinding) cannot read or act through the user's browser.
-fn loopback_host(headers: &HeaderMap) -> bool {
+/// browser always sends it) or one of the console's public origins (a proxy in front of it
+/// that keeps the Host), so that a page of another site whose name was rebound to 127.0.0.1
+/// (DNS rebinding) cannot read or act through the user's browser.
+fn allowed_host(console: &Console, headers: &HeaderMap) -> bool {
     let Some(host) = headers.get(header::HOST).and_then(|v| v.to_str().ok()) else {
         return true;
     };
-    let name = host_name(host.trim());
+    let host = host.trim();
+    let name = host_name(host);
     name.eq_ignore_ascii_case("localhost")
         || name
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.is_loopback())
+        || public_host(console, host)
+}
+
+/// Whether `host` (a `Host` header's `host[:port]`) is one of the console's public origins.
+fn public_host(console: &Console, host: &str) -> bool {
+    console
+        .config()
+        .public_origins
+        .iter()
+        .filter_map(|o| origin_authority(o))
+        .any(|authority| authority.eq_ignore_ascii_case(host))
 }
 
 /// Whether a `POST` comes from the console's own pages: an `Origin` header, when the browser
-/// sends one, names the request's own host (an opaque `null` origin passes only when the
-/// browser says the request is same-origin: `Sec-Fetch-Site`).
-fn same_origin(headers: &HeaderMap) -> bool {
+/// sends one, names the request's own host or one of the console's public origins (the
+/// address a proxy in front of it serves it under; an opaque `null` origin passes only when
+/// the browser says the request is same-origin: `Sec-Fetch-Site`).
+fn same_origin(console: &Console, headers: &HeaderMap) -> bool {
     let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
         return true;
     };
@@ -132,35 +137,62 @@ fn same_origin(headers: &HeaderMap) -> bool {
         let site = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok());
         return site == Some("same-origin");
     }
-    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
-    let origin_host = origin.split_once("://").map(|(_, rest)| rest);
-    matches!((origin_host, host), (Some(o), Some(h)) if o.eq_ignore_ascii_case(h))
-}
-
-fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
-    headers
-        .get_all(header::COOKIE)
+    let public = &console.config().public_origins;
+    if public
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(k, _)| *k == name)
-        .map(|(_, v)| v.to_string())
+        .any(|o| o.trim_end_matches('/').eq_ignore_ascii_case(origin))
+    {
+        return true;
+    }
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+    matches!((origin_authority(origin), host), (Some(o), Some(h)) if o.eq_ignore_ascii_case(h))
 }
 
 /// Who `headers` authenticate as, or `None`.
-fn actor_of(console: &Console, headers: &HeaderMap) -> Option<String> {
-    if console.config().tokens.is_empty() {
-        return Some(LOCAL_ACTOR.to_string());
+fn actor_of(console: &Console, headers: &HeaderMap) -> Option<Actor> {
+    let config = console.config();
+    if let Some(user_header) = &config.proxy_user_header {
+        // Authenticated at the proxy, which names the user (the console listens on loopback
+        // behind it): an operator when actions are allowed.
+        let name = headers.get(user_header.as_str())?.to_str().ok()?.trim();
+        return (!name.is_empty() && name.len() <= 200).then(|| Actor {
+            name: name.to_string(),
+            role: Role::Operator,
+            csrf: console.csrf().to_string(),
+            session: false,
+        });
+    }
+    if config.tokens.is_empty() {
+        return Some(Actor {
+            name: LOCAL_ACTOR.to_string(),
+            role: Role::Operator,
+            csrf: console.csrf().to_string(),
+            session: false,
+        });
     }
     let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if let Some(name) = bearer.and_then(|secret| token_name(console, secret.trim())) {
-        return Some(name);
+    if let Some(at) = bearer.and_then(|secret| console.token_index(secret.trim())) {
+        let token = &config.tokens[at];
+        return Some(Actor {
+            name: token.name.clone(),
+            role: token.role,
+            csrf: console.token_csrf(at).to_string(),
+            session: false,
+        });
     }
-    cookie(headers, SESSION_COOKIE).and_then(|s| session_name(console, &s))
+    let (name, role, csrf) = console
+        .inner
+        .logins
+        .session(&cookie(headers, SESSION_COOKIE)?)?;
+    Some(Actor {
+        name,
+        role,
+        csrf,
+        session: true,
+    })
 }
 
 /// Lets a request through with its [`Actor`] when it is authenticated (or needs not be: the
@@ -170,105 +202,101 @@ pub(crate) async fn authenticate(
     mut request: Request,
     next: Next,
 ) -> Response {
-    if console.config().tokens.is_empty() && !loopback_host(request.headers()) {
+    let open_console = console.config().tokens.is_empty();
+    if open_console && !allowed_host(&console, request.headers()) {
         let msg = "refused: a console without a token answers requests for a loopback host name \
-                   only (localhost, 127.0.0.1, [::1]); configure a token to serve other names";
+                   only (localhost, 127.0.0.1, [::1]) or its public origins (--public-origin); \
+                   configure a token to serve other names";
         return (StatusCode::FORBIDDEN, msg).into_response();
     }
-    if request.method() == axum::http::Method::POST && !same_origin(request.headers()) {
+    if request.method() == axum::http::Method::POST && !same_origin(&console, request.headers()) {
         let msg = "refused: the request's Origin is not this console";
         return (StatusCode::FORBIDDEN, msg).into_response();
+    }
+    if let Some(refusal) = refuse_bad_query(request.uri().query()) {
+        return refusal;
     }
     let path = request.uri().path();
     let open = path == "/login" || path.starts_with("/assets/");
     match actor_of(&console, request.headers()) {
-        Some(name) => {
-            request.extensions_mut().insert(Actor(name));
+        Some(actor) => {
+            request.extensions_mut().insert(actor);
             next.run(request).await
         }
         None if open => next.run(request).await,
         None => {
             let base = Base::of(&request);
             let status = StatusCode::UNAUTHORIZED;
-            (status, login_form(&base, "this console needs a token")).into_response()
+            let message = if console.config().proxy_user_header.is_some() {
+                "this console is served through a proxy that names its user; none was named"
+            } else {
+                "this console needs a token"
+            };
+            (status, login_form(&base, message)).into_response()
         }
     }
 }
 
-fn login_form(base: &Base, message: &str) -> maud::Markup {
-    shell_bare(
-        base,
-        "Sign in",
-        html! {
-            p.notice data-testid="auth-required" { (message) }
-            form method="post" action=(base.link("/login")) {
-                label { "Token " input type="password" name="token" autocomplete="off"; }
-                button type="submit" { "Sign in" }
-            }
-        },
-    )
-}
-
-/// `GET /login`.
-pub(crate) async fn login_page(base: Base) -> Response {
-    login_form(&base, "sign in with a console token").into_response()
-}
-
-/// The login form's fields.
-#[derive(Deserialize)]
-pub(crate) struct LoginForm {
-    token: String,
-}
-
-/// `POST /login`: a session cookie (HttpOnly, SameSite=Strict) for a valid token.
-pub(crate) async fn login(
-    State(console): State<Console>,
-    base: Base,
-    Form(form): Form<LoginForm>,
-) -> Response {
-    let Some(name) = token_name(&console, &form.token) else {
-        let page = login_form(&base, "that token is not valid");
-        return (StatusCode::UNAUTHORIZED, page).into_response();
-    };
-    let session = random_secret();
-    {
-        let mut sessions = console
-            .inner
-            .sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        sessions.retain(|(_, _, began)| began.elapsed() < SESSION_TTL);
-        if sessions.len() >= MAX_SESSIONS {
-            sessions.remove(0);
-        }
-        sessions.push((session.clone(), name, std::time::Instant::now()));
+/// A 400 for a query string holding a value the console never takes: a NUL or another
+/// control character, or one longer than [`MAX_INPUT_LEN`] (refused before any query, so
+/// the database never sees it and the log gets no line per request).
+fn refuse_bad_query(query: Option<&str>) -> Option<Response> {
+    let query = query?;
+    if query.len() > 8 * MAX_INPUT_LEN {
+        return Some(bad_input("the query string is too long"));
     }
-    let path = if base.0.is_empty() { "/" } else { &base.0 };
-    let max_age = SESSION_TTL.as_secs();
-    let cookie = format!(
-        "{SESSION_COOKIE}={session}; HttpOnly; SameSite=Strict; Path={path}; Max-Age={max_age}"
-    );
-    let mut response = Redirect::to(&base.link("/")).into_response();
-    if let Ok(value) = HeaderValue::from_str(&cookie) {
-        response.headers_mut().insert(header::SET_COOKIE, value);
-    }
-    response
+    form_urlencoded::parse(query.as_bytes()).find_map(|(_, value)| refuse_bad_value(&value))
 }
 
-/// Refuses an action unless actions are allowed and `csrf` is this console's token: the
-/// refusal to send, or `None`.
-pub(crate) fn refuse_action(console: &Console, csrf: Option<&str>) -> Option<Response> {
+/// A 400 for a query or form value the console never takes, or `None`.
+pub(crate) fn refuse_bad_value(value: &str) -> Option<Response> {
+    if value.len() > MAX_INPUT_LEN {
+        return Some(bad_input(&format!(
+            "a value is longer than {MAX_INPUT_LEN} bytes"
+        )));
+    }
+    if value.chars().any(|c| c.is_control() && c != '\t') {
+        return Some(bad_input(
+            "a value holds a NUL or another control character",
+        ));
+    }
+    None
+}
+
+fn bad_input(why: &str) -> Response {
+    (StatusCode::BAD_REQUEST, format!("refused: {why}")).into_response()
+}
+
+/// Refuses an action unless actions are allowed, `actor` is an operator and `csrf` is its
+/// forms' token: the refusal to send, or `None`.
+pub(crate) fn refuse_action(
+    console: &Console,
+    actor: &Actor,
+    csrf: Option<&str>,
+) -> Option<Response> {
     if !console.config().allow_actions {
         let msg = "refused: this console is read-only (start it with --allow-actions)";
         return Some((StatusCode::FORBIDDEN, msg).into_response());
     }
-    let valid = csrf.is_some_and(|c| constant_time_eq(c, console.csrf()));
+    if actor.role != Role::Operator {
+        let msg = format!(
+            "refused: {} is a viewer; actions need an operator token (NAME:SECRET:operator)",
+            actor.name
+        );
+        return Some((StatusCode::FORBIDDEN, msg).into_response());
+    }
+    let valid = csrf.is_some_and(|c| constant_time_eq(c, &actor.csrf));
     if !valid {
         let msg =
             "refused: the form's CSRF token is missing or wrong; reload the page and try again";
         return Some((StatusCode::FORBIDDEN, msg).into_response());
     }
     None
+}
+
+/// Whether `actor` may act on this console (its pages then show the action forms).
+pub(crate) fn may_act(console: &Console, actor: &Actor) -> bool {
+    console.config().allow_actions && actor.role == Role::Operator
 }
 
 /// `GET /assets/console.css`.
@@ -296,6 +324,7 @@ mod tests {
         assert!(constant_time_eq("abc", "abc"));
         assert!(!constant_time_eq("abc", "abd"));
         assert!(!constant_time_eq("abc", "abcd"));
+        assert!(!constant_time_eq("", "abc"));
         let (a, b) = (random_secret(), random_secret());
         assert_eq!(a.len(), 64);
         assert_ne!(a, b);
@@ -310,5 +339,15 @@ mod tests {
         );
         assert_eq!(cookie(&h, SESSION_COOKIE).as_deref(), Some("xyz"));
         assert_eq!(cookie(&h, "b"), None);
+    }
+
+    #[test]
+    fn nul_control_and_long_values_are_refused() {
+        assert!(refuse_bad_query(Some("key=lead%3A1&type=x")).is_none());
+        assert!(refuse_bad_query(Some("key=%00")).is_some());
+        assert!(refuse_bad_query(Some("key=a%0Ab")).is_some());
+        let long = format!("key={}", "a".repeat(MAX_INPUT_LEN + 1));
+        assert!(refuse_bad_query(Some(&long)).is_some());
+        assert!(refuse_bad_value("lead:00Q5e00000AbCdE").is_none());
     }
 }

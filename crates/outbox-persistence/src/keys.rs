@@ -125,17 +125,24 @@ pub(crate) fn mark_paused(keys: Vec<BlockedKey>, paused: &[PausedType]) -> Vec<B
         .collect()
 }
 
-/// A key's state: its non-terminal rows oldest first, its head's reason, and the newest
-/// `failed` row of the key (a failure releases the key's younger rows; it shows why the
-/// record's effects may be missing).
+/// How many of a key's non-terminal rows [`key_report`] reads (the oldest; the count says
+/// how many there are): a record blocked behind 100,000 rows is exactly the one an operator
+/// opens during an incident, and its page stays small.
+pub const KEY_ROWS_SHOWN: u32 = 100;
+
+/// A key's state: its oldest non-terminal rows (at most [`KEY_ROWS_SHOWN`]) and how many there
+/// are, its head's reason, and the newest `failed` row of the key (a failure releases the
+/// key's younger rows; it shows why the record's effects may be missing).
 #[derive(Debug, Clone, Serialize)]
 pub struct KeyReport {
     /// The key, as stored.
     pub record_key: String,
     /// The queue's clock when the report was read.
     pub now: DateTime<Utc>,
-    /// Non-terminal rows, oldest first; the first is the head.
+    /// Non-terminal rows, oldest first, at most [`KEY_ROWS_SHOWN`]; the first is the head.
     pub rows: Vec<EventRow>,
+    /// How many non-terminal rows the key has (`rows` holds the oldest of them).
+    pub rows_total: u64,
     /// Why the head is not running now (or that it is), when the key has rows.
     pub head: Option<HeadState>,
     /// The newest `failed` row of the key, if any.
@@ -209,27 +216,32 @@ pub async fn key_report(
     record_key: &str,
     policy: ClaimPolicy,
 ) -> Result<KeyReport> {
-    let rows = repo
+    let open = EventFilter::new()
+        .record_key(record_key)
+        .statuses([EventStatus::Pending, EventStatus::Processing]);
+    let rows = repo.list_events(open.clone().limit(KEY_ROWS_SHOWN)).await?;
+    let rows_total = if rows.len() < KEY_ROWS_SHOWN as usize {
+        rows.len() as u64
+    } else {
+        repo.count_events(open).await?
+    };
+    // The newest failed row only, read newest first: never every failure's error text.
+    let last_failed = repo
         .list_events(
             EventFilter::new()
                 .record_key(record_key)
-                .statuses([EventStatus::Pending, EventStatus::Processing]),
+                .statuses([EventStatus::Failed])
+                .newest_first()
+                .limit(1),
         )
-        .await?;
-    let failed = repo
-        .list_events(
-            EventFilter::new()
-                .record_key(record_key)
-                .statuses([EventStatus::Failed]),
-        )
-        .await?;
+        .await?
+        .pop();
     let now = repo.clock_now().await?;
     // A database without the pause table (not migrated yet) has nothing paused.
     let paused = repo.paused_event_types().await.unwrap_or_default();
     let head = rows
         .split_first()
         .map(|(head, others)| pause_state(head, explain_head(head, others, now, policy), &paused));
-    let last_failed = failed.into_iter().last();
     let ids: Vec<crate::EventId> = rows.iter().chain(&last_failed).map(|r| r.id).collect();
     // The report stands without them (a role that may not read the ledger, say).
     let effects = repo.effects_of(&ids).await.unwrap_or_else(|e| {
@@ -240,6 +252,7 @@ pub async fn key_report(
         record_key: record_key.to_string(),
         now,
         rows,
+        rows_total,
         head,
         last_failed,
         effects,

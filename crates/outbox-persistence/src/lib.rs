@@ -63,7 +63,7 @@ pub use effects::{
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
 pub use heads::{DEFAULT_HEADS_REPAIR_KEYS, HeadsRepair};
-pub use keys::{BlockedKey, HeadState, KeyReport, explain_head, key_report};
+pub use keys::{BlockedKey, HeadState, KEY_ROWS_SHOWN, KeyReport, explain_head, key_report};
 pub use listing::{EventFilter, EventRow};
 pub use model::*;
 pub use pause::{AuditEntry, PausedType};
@@ -385,6 +385,10 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// takes no lock. On SQLite a row that other code wrote and this code cannot read is left
     /// out, with a warning, as `get_pending_events` does (the claim that meets it fails it).
     async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>>;
+
+    /// How many rows `filter` matches (its limit and order ignored): the count beside a
+    /// bounded [`Self::list_events`]. Reads only, takes no lock.
+    async fn count_events(&self, filter: EventFilter) -> Result<u64>;
 
     /// The queue's clock now: the database's `clock_timestamp()` on PostgreSQL, the host's
     /// clock on SQLite (each with the test clock shift), the time every queue statement uses.

@@ -24,7 +24,7 @@ use fantoccini::elements::Element;
 use fantoccini::error::CmdError;
 use fantoccini::{Client, ClientBuilder, Locator};
 use hyper_util::client::legacy::connect::HttpConnector;
-use outbox_console::security::SESSION_COOKIE;
+use outbox_console::login::SESSION_COOKIE;
 use outbox_console::{Console, ConsoleConfig, NamedToken};
 use outbox_events::prelude::*;
 use outbox_tests::{RawRow, TestDb};
@@ -588,13 +588,13 @@ async fn run(db: &TestDb) {
     let ((retried, hostile), pending) = seed(db).await;
     let secret = uuid::Uuid::new_v4().simple().to_string();
     let stop = CancellationToken::new();
-    let tokens = vec![NamedToken::new("ops", &secret)];
+    let tokens = vec![NamedToken::operator("ops", &secret)];
     let config = ConsoleConfig {
         allow_actions: true,
         tokens,
         ..ConsoleConfig::default()
     };
-    let console = Console::new(db.db.clone(), Vec::new(), config);
+    let console = ok(Console::new(db.db.clone(), Vec::new(), config), "a console");
     let listener = ok(tokio::net::TcpListener::bind("127.0.0.1:0").await, "a port");
     let addr = ok(listener.local_addr(), "its address");
     let server = tokio::spawn(outbox_console::serve(listener, console, stop.clone()));

@@ -34,7 +34,7 @@ async fn every_page_carries_the_security_headers(db: TestDb) {
         let console = console(&db, config);
         let event = format!("/events/{id}");
         for path in PAGES.iter().copied().chain([event.as_str()]) {
-            let answer = get(&console, path, Some("s3cret")).await;
+            let answer = get(&console, path, Some(SECRET)).await;
             let expected = if path == "/no/such/page" {
                 StatusCode::NOT_FOUND
             } else {
@@ -107,7 +107,7 @@ async fn hostile_rows_render_as_text(db: TestDb) {
 async fn actions_are_refused_without_token_csrf_or_permission(db: TestDb) {
     let id = failed_row(&db, "t", "boom", None).await;
     let guarded_console = console(&db, guarded());
-    let page = get(&guarded_console, "/failed", Some("s3cret")).await;
+    let page = get(&guarded_console, "/failed", Some(SECRET)).await;
     let csrf = csrf_of(&page.body);
     let form = format!("csrf={csrf}&one={id}");
     // No token: 401, and the row stays failed.
@@ -119,18 +119,18 @@ async fn actions_are_refused_without_token_csrf_or_permission(db: TestDb) {
     let answer = post(
         &guarded_console,
         "/actions/retry",
-        Some("s3cret"),
+        Some(SECRET),
         &format!("one={id}"),
     )
     .await;
     assert_eq!(answer.status, StatusCode::FORBIDDEN);
     assert!(answer.body.contains("CSRF"), "{}", answer.body);
     let wrong = format!("csrf={}&one={id}", "0".repeat(csrf.len()));
-    let answer = post(&guarded_console, "/actions/retry", Some("s3cret"), &wrong).await;
+    let answer = post(&guarded_console, "/actions/retry", Some(SECRET), &wrong).await;
     assert_eq!(answer.status, StatusCode::FORBIDDEN);
     // Another console's CSRF token is not this one's.
     let other = console(&db, guarded());
-    let answer = post(&other, "/actions/retry", Some("s3cret"), &form).await;
+    let answer = post(&other, "/actions/retry", Some(SECRET), &form).await;
     assert_eq!(answer.status, StatusCode::FORBIDDEN);
     // A read-only console refuses whatever the form holds.
     let read_only = console(&db, ConsoleConfig::default());
@@ -146,7 +146,7 @@ async fn actions_are_refused_without_token_csrf_or_permission(db: TestDb) {
     let answer = post(&read_only, "/actions/pause", None, "event_type=t").await;
     assert_eq!(answer.status, StatusCode::FORBIDDEN);
     // Actions are POST only.
-    let answer = get(&guarded_console, "/actions/retry", Some("s3cret")).await;
+    let answer = get(&guarded_console, "/actions/retry", Some(SECRET)).await;
     assert_eq!(answer.status, StatusCode::METHOD_NOT_ALLOWED);
     let row = db.repository().get_event(id).await.unwrap().unwrap();
     assert_eq!(row.status, EventStatus::Failed);
@@ -161,13 +161,13 @@ async fn a_retry_flips_the_row_to_pending_and_is_audited(db: TestDb) {
     let id = failed_row(&db, "t", "boom", None).await;
     let other = failed_row(&db, "t", "boom", None).await;
     let console = console(&db, guarded());
-    let page = get(&console, "/failed?error=BOO", Some("s3cret")).await;
+    let page = get(&console, "/failed?error=BOO", Some(SECRET)).await;
     assert!(
         page.body.contains(&id.to_string()),
         "the error filter is case-insensitive"
     );
     let form = format!("csrf={}&id={id}", csrf_of(&page.body));
-    let answer = post(&console, "/actions/retry", Some("s3cret"), &form).await;
+    let answer = post(&console, "/actions/retry", Some(SECRET), &form).await;
     assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
     assert!(
         answer.body.contains("Retried 1 failed row"),
@@ -189,7 +189,7 @@ async fn a_retry_flips_the_row_to_pending_and_is_audited(db: TestDb) {
         (audit[0].actor.as_str(), audit[0].action.as_str()),
         ("ops", "retry")
     );
-    let shown = get(&console, "/audit", Some("s3cret")).await;
+    let shown = get(&console, "/audit", Some(SECRET)).await;
     assert!(shown.body.contains("ops") && shown.body.contains("retry"));
 }
 
@@ -248,7 +248,7 @@ async fn the_login_form_sets_a_strict_http_only_cookie(db: TestDb) {
     );
     let bad = post(&console, "/login", None, "token=nope").await;
     assert_eq!(bad.status, StatusCode::UNAUTHORIZED);
-    let ok = post(&console, "/login", None, "token=s3cret").await;
+    let ok = post(&console, "/login", None, &format!("token={SECRET}")).await;
     assert_eq!(ok.status, StatusCode::SEE_OTHER);
     let cookie = ok
         .headers

@@ -3,6 +3,8 @@
 //! (`timings`), and the browser test with headless Chromium over WebDriver (`browser`).
 
 mod browser;
+mod hardening;
 mod http;
+mod net;
 mod support;
 mod timings;

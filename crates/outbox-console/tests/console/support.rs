@@ -13,18 +13,28 @@ pub const HOSTILE_TYPE: &str = "<script>window.__pwned=1</script>";
 /// An error text that would run script if spliced unescaped into an attribute or element.
 pub const HOSTILE_ERROR: &str = "\"><img src=x onerror=\"window.__pwned=2\">";
 
-/// A console with actions allowed and one token, `ops:s3cret`.
+/// The operator token's secret of [`guarded`].
+pub const SECRET: &str = "s3cret-operator-0123";
+
+/// The viewer token's secret of [`guarded`].
+pub const VIEWER_SECRET: &str = "s3cret-viewer-4567";
+
+/// A console with actions allowed and two tokens: `ops` ([`SECRET`], an operator) and `ro`
+/// ([`VIEWER_SECRET`], a viewer).
 pub fn guarded() -> ConsoleConfig {
     ConsoleConfig {
         allow_actions: true,
-        tokens: vec![NamedToken::new("ops", "s3cret")],
+        tokens: vec![
+            NamedToken::operator("ops", SECRET),
+            NamedToken::new("ro", VIEWER_SECRET),
+        ],
         ..ConsoleConfig::default()
     }
 }
 
 /// A console over `db` with `config`.
 pub fn console(db: &TestDb, config: ConsoleConfig) -> Console {
-    Console::new(db.db.clone(), Vec::new(), config)
+    Console::new(db.db.clone(), Vec::new(), config).expect("a valid console configuration")
 }
 
 /// A response with its body read.

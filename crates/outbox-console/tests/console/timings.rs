@@ -49,7 +49,8 @@ async fn page_timings_on_a_million_rows() {
         1_000_000
     );
     let consumers = vec![outbox_events::Consumer::new("timing", "type.1")];
-    let console = outbox_console::Console::new(db.db.clone(), consumers, ConsoleConfig::default());
+    let console = outbox_console::Console::new(db.db.clone(), consumers, ConsoleConfig::default())
+        .expect("a valid console configuration");
     let a_failed: uuid::Uuid = {
         let pool = db.pg().expect("a PostgreSQL test");
         sqlx::query_scalar("SELECT Id FROM _System_OutboxEvent WHERE Status = 'failed' LIMIT 1")

@@ -386,6 +386,10 @@ impl OutboxRepository for PgOutbox {
         self.list(filter).await
     }
 
+    async fn count_events(&self, filter: EventFilter) -> Result<u64> {
+        self.count_listed(filter).await
+    }
+
     async fn prune(&self, policy: PrunePolicy) -> Result<PruneReport> {
         self.prune_batch(policy).await
     }

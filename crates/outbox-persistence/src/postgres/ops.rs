@@ -69,15 +69,32 @@ const SELECT_BY_ID: &str = "SELECT Id, EventType, Payload, Status, RetryCount, R
      CreatedDate, LastModifiedDate, LastError FROM _System_OutboxEvent WHERE Id = $1";
 
 /// The rows an [`EventFilter`] selects, without payloads. `LIMIT NULL` is no limit.
-const LIST_EVENTS: &str = "\
-SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
-FROM _System_OutboxEvent
+/// The conditions of an [`EventFilter`] (`$1`..`$4`).
+macro_rules! list_where {
+    () => {
+        "FROM _System_OutboxEvent
 WHERE ($1::text[] IS NULL OR Status = ANY($1))
   AND ($2::text IS NULL OR EventType = $2)
   AND ($3::uuid[] IS NULL OR Id = ANY($3))
-  AND ($4::text IS NULL OR RecordKey = $4)
-ORDER BY CreatedDate, Id
-LIMIT $5";
+  AND ($4::text IS NULL OR RecordKey = $4)"
+    };
+}
+
+const LIST_EVENTS: &str = concat!(
+    "SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError\n",
+    list_where!(),
+    "\nORDER BY CreatedDate, Id LIMIT $5"
+);
+
+/// [`LIST_EVENTS`] newest first.
+const LIST_EVENTS_NEWEST: &str = concat!(
+    "SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError\n",
+    list_where!(),
+    "\nORDER BY CreatedDate DESC, Id DESC LIMIT $5"
+);
+
+/// How many rows an [`EventFilter`] matches.
+const COUNT_EVENTS: &str = concat!("SELECT count(*) ", list_where!());
 
 /// A page of unkeyed non-terminal rows' payloads in `outbox_unkeyed_idx` order, after
 /// (`$1`, `$2`).
@@ -223,7 +240,12 @@ impl PgOutbox {
 
     pub(super) async fn list(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
         let mut tx = self.begin_read().await?;
-        let rows = sqlx::query(LIST_EVENTS)
+        let sql = if filter.newest_first {
+            LIST_EVENTS_NEWEST
+        } else {
+            LIST_EVENTS
+        };
+        let rows = sqlx::query(sql)
             .persistent(self.cached())
             .bind(filter.status_texts())
             .bind(filter.event_type.as_deref())
@@ -234,6 +256,20 @@ impl PgOutbox {
             .await?;
         tx.commit().await?;
         rows.iter().map(row_from).collect()
+    }
+
+    pub(super) async fn count_listed(&self, filter: EventFilter) -> Result<u64> {
+        let mut tx = self.begin_read().await?;
+        let n: i64 = sqlx::query_scalar(COUNT_EVENTS)
+            .persistent(self.cached())
+            .bind(filter.status_texts())
+            .bind(filter.event_type.as_deref())
+            .bind(filter.id_list())
+            .bind(filter.record_key.as_deref())
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     /// Takes the claim-exclusion lock ([`EXCLUDE_CLAIMS`]) and commits: the claims running at

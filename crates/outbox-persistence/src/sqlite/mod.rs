@@ -356,6 +356,10 @@ impl OutboxRepository for SqliteOutbox {
         self.read_blocked_keys(policy, limit).await
     }
 
+    async fn count_events(&self, filter: EventFilter) -> Result<u64> {
+        self.count_listed(filter).await
+    }
+
     async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
         self.list(filter).await
     }

@@ -38,15 +38,32 @@ FROM _System_OutboxEvent WHERE Id = ?1";
 
 /// The rows an [`EventFilter`] selects, without payloads: `?1` statuses, `?3` ids (JSON arrays
 /// or NULL), `?2` event type, `?4` record key, `?5` limit (NULL: no limit).
-const LIST_EVENTS: &str = "\
-SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
-FROM _System_OutboxEvent
+/// The conditions of an [`EventFilter`] (`?1`..`?4`).
+macro_rules! list_where {
+    () => {
+        "FROM _System_OutboxEvent
 WHERE (?1 IS NULL OR Status IN (SELECT value FROM json_each(?1)))
   AND (?2 IS NULL OR EventType = ?2)
   AND (?3 IS NULL OR Id IN (SELECT value FROM json_each(?3)))
-  AND (?4 IS NULL OR RecordKey = ?4)
-ORDER BY CreatedDate, Id
-LIMIT coalesce(?5, -1)";
+  AND (?4 IS NULL OR RecordKey = ?4)"
+    };
+}
+
+const LIST_EVENTS: &str = concat!(
+    "SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError\n",
+    list_where!(),
+    "\nORDER BY CreatedDate, Id LIMIT coalesce(?5, -1)"
+);
+
+/// [`LIST_EVENTS`] newest first.
+const LIST_EVENTS_NEWEST: &str = concat!(
+    "SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError\n",
+    list_where!(),
+    "\nORDER BY CreatedDate DESC, Id DESC LIMIT coalesce(?5, -1)"
+);
+
+/// How many rows an [`EventFilter`] matches.
+const COUNT_EVENTS: &str = concat!("SELECT count(*) ", list_where!());
 
 const BACKFILL_SCAN: &str = "SELECT Id, Payload, RecordKey FROM _System_OutboxEvent
      WHERE Status NOT IN ('processed', 'failed') AND (?1 IS NULL OR Id > ?1)
@@ -213,7 +230,12 @@ impl SqliteOutbox {
         let ids: Option<Vec<String>> = filter
             .id_list()
             .map(|ids| ids.iter().map(EventId::to_string).collect());
-        let rows = sqlx::query(LIST_EVENTS)
+        let sql = if filter.newest_first {
+            LIST_EVENTS_NEWEST
+        } else {
+            LIST_EVENTS
+        };
+        let rows = sqlx::query(sql)
             .bind(statuses)
             .bind(filter.event_type.as_deref())
             .bind(json_list(ids.as_deref()))
@@ -223,5 +245,22 @@ impl SqliteOutbox {
             .await?;
         // As `get_pending_events`: a row that cannot be read is left out, with a warning.
         Ok(readable(&rows, row_from))
+    }
+
+    pub(super) async fn count_listed(&self, filter: EventFilter) -> Result<u64> {
+        let statuses = filter
+            .status_texts()
+            .map(|s| serde_json::to_string(&s).expect("a list of strings serializes"));
+        let ids: Option<Vec<String>> = filter
+            .id_list()
+            .map(|ids| ids.iter().map(EventId::to_string).collect());
+        let n: i64 = sqlx::query_scalar(COUNT_EVENTS)
+            .bind(statuses)
+            .bind(filter.event_type.as_deref())
+            .bind(json_list(ids.as_deref()))
+            .bind(filter.record_key.as_deref())
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 }
