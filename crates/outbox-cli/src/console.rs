@@ -68,6 +68,20 @@ fn parse_token_file(text: &str) -> Result<Vec<NamedToken>> {
         .collect()
 }
 
+/// Warns when the token file can be read by its group or others.
+fn warn_if_readable_by_others(path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        tracing::warn!(path = %path.display(), "the console's token file is readable by others; chmod 600 it");
+        eprintln!(
+            "warning: the token file {} is readable by its group or others; chmod 600 it",
+            path.display()
+        );
+    }
+}
+
 impl ConsoleArgs {
     /// Every token: the file's, the environment's, then the command line's (with a warning:
     /// any local user reads a command line).
@@ -76,15 +90,32 @@ impl ConsoleArgs {
         if let Some(path) = &self.token_file {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read the token file {}", path.display()))?;
-            tokens.extend(
-                parse_token_file(&text)
-                    .with_context(|| format!("the token file {}", path.display()))?,
+            let found = parse_token_file(&text)
+                .with_context(|| format!("the token file {}", path.display()))?;
+            // Given but empty would leave the console without tokens, silently.
+            anyhow::ensure!(
+                !found.is_empty(),
+                "the token file {} holds no token",
+                path.display()
             );
+            warn_if_readable_by_others(path);
+            tokens.extend(found);
         }
-        if let Ok(list) = std::env::var(TOKENS_ENV) {
-            for token in list.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-                tokens.push(NamedToken::parse(token).with_context(|| TOKENS_ENV)?);
+        match std::env::var(TOKENS_ENV) {
+            Ok(list) => {
+                let before = tokens.len();
+                for token in list.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+                    tokens.push(NamedToken::parse(token).with_context(|| TOKENS_ENV)?);
+                }
+                anyhow::ensure!(
+                    tokens.len() > before,
+                    "{TOKENS_ENV} is set but holds no token"
+                );
             }
+            Err(std::env::VarError::NotUnicode(_)) => {
+                anyhow::bail!("{TOKENS_ENV} is not valid UTF-8")
+            }
+            Err(std::env::VarError::NotPresent) => {}
         }
         if !self.tokens.is_empty() {
             tracing::warn!(

@@ -173,7 +173,12 @@ fn print_key(report: &KeyReport) {
             println!("head: {}", state.describe());
             if report.rows_total > report.rows.len() as u64 {
                 println!(
-                    "{} non-terminal row(s); the oldest {} shown:",
+                    "{}{} non-terminal row(s); the oldest {} shown:",
+                    if report.rows_total_exact {
+                        ""
+                    } else {
+                        "more than "
+                    },
                     report.rows_total,
                     report.rows.len()
                 );

@@ -114,6 +114,14 @@ impl NamedToken {
         let (rest, role) = match text.rsplit_once(':') {
             Some((rest, "operator")) => (rest, Role::Operator),
             Some((rest, "viewer")) => (rest, Role::Viewer),
+            // `NAME:SECRET:Operator`, `NAME:SECRET:admin`: a role misspelt, not a secret's end.
+            Some((rest, last))
+                if rest.contains(':')
+                    && (1..=12).contains(&last.len())
+                    && last.chars().all(|c| c.is_ascii_alphabetic()) =>
+            {
+                return Err(ConsoleError::UnknownRole(last.to_string()));
+            }
             _ => (text, Role::Viewer),
         };
         match rest.split_once(':') {
@@ -212,6 +220,9 @@ pub enum ConsoleError {
         /// What is wrong with it.
         why: &'static str,
     },
+    /// A token whose role is neither `viewer` nor `operator`.
+    #[error("unknown console role {0:?}: a token's role is viewer or operator")]
+    UnknownRole(String),
     /// A configuration that contradicts itself.
     #[error("the console's configuration is refused: {0}")]
     Config(&'static str),
@@ -260,9 +271,36 @@ fn check_config(config: &ConsoleConfig) -> Result<(), ConsoleError> {
         if let Some(why) = weak_secret(&token.secret) {
             return Err(weak(why));
         }
+        if token.secret.len() > security::MAX_SECRET_LEN {
+            return Err(weak("its secret is longer than 512 bytes"));
+        }
         if config.tokens[..i].iter().any(|t| t.secret == token.secret) {
             return Err(weak("its secret is another token's"));
         }
+        // The audit and the sessions tell tokens apart by name.
+        if config.tokens[..i].iter().any(|t| t.name == token.name) {
+            return Err(weak("its name is another token's"));
+        }
+    }
+    for origin in &config.public_origins {
+        let authority = origin
+            .strip_prefix("https://")
+            .or_else(|| origin.strip_prefix("http://"));
+        let valid = authority.is_some_and(|a| {
+            let a = a.trim_end_matches('/');
+            !a.is_empty() && !a.contains(['/', '?', '#', '@', ' '])
+        });
+        if !valid {
+            return Err(ConsoleError::Config(
+                "a public origin is scheme://host[:port] (for example https://ops.example.com), without a path",
+            ));
+        }
+    }
+    let open = config.tokens.is_empty() && config.proxy_user_header.is_none();
+    if open && config.allow_actions && !config.public_origins.is_empty() {
+        tracing::warn!(
+            "the console has public origins but neither tokens nor a proxy's user header: whoever reaches it through the proxy can act; authenticate at the proxy and name the user (proxy_user_header), or configure tokens"
+        );
     }
     if config.proxy_user_header.is_some() && !config.tokens.is_empty() {
         return Err(ConsoleError::Config(
@@ -456,6 +494,11 @@ mod tests {
         let v = NamedToken::parse("ro:0123456789abcdef:viewer").unwrap();
         assert_eq!(v.role, Role::Viewer);
         assert!(NamedToken::parse("ops:short:operator").is_err());
+        let typo = NamedToken::parse("ops:0123456789abcdef:Operator");
+        assert!(
+            matches!(typo, Err(ConsoleError::UnknownRole(_))),
+            "{typo:?}"
+        );
     }
 
     #[test]
@@ -476,6 +519,18 @@ mod tests {
             NamedToken::operator("b", "0123456789abcdef"),
         ];
         assert!(check_config(&config(same)).is_err());
+        let same_name = vec![
+            NamedToken::new("ops", "0123456789abcdef"),
+            NamedToken::operator("ops", "fedcba9876543210"),
+        ];
+        assert!(check_config(&config(same_name)).is_err());
+        let origins = |o: &str| ConsoleConfig {
+            public_origins: vec![o.to_string()],
+            ..ConsoleConfig::default()
+        };
+        assert!(check_config(&origins("https://ops.example.com")).is_ok());
+        assert!(check_config(&origins("ops.example.com")).is_err());
+        assert!(check_config(&origins("https://ops.example.com/console")).is_err());
         assert!(check_config(&config(vec![NamedToken::new("ops", "0123456789abcdef")])).is_ok());
     }
 }

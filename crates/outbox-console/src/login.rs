@@ -1,8 +1,10 @@
 //! Login sessions and the limits on logging in: the login form sets a session cookie for a
-//! valid token; sessions end at logout, after [`SESSION_IDLE`] without a request or after
-//! [`SESSION_TTL`], and a token name holds at most [`MAX_SESSIONS_PER_TOKEN`] (its oldest is
-//! dropped first, so one token holder cannot log out another). Failed logins are logged at
-//! warn with the client's address and backed off per address and across all addresses.
+//! valid token; sessions end at logout, after [`SESSION_IDLE`] without a request of the
+//! operator's own (the overview's refresh does not count) or after [`SESSION_TTL`], and a token
+//! name holds at most [`MAX_SESSIONS_PER_TOKEN`] (its oldest is dropped first: logging in
+//! again and again with one token never logs out another token's sessions). Failed logins
+//! are logged at warn with the client's address and backed off per address, and across all
+//! addresses for those that failed before.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -38,9 +40,11 @@ pub const FREE_FAILURES: u32 = 5;
 /// The longest an address waits after failed logins.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(15 * 60);
 
-/// Failed logins per minute, from all addresses together, past which every login waits for
-/// the minute to pass (a guess spread over many addresses). Tokens in an `Authorization`
-/// header and open sessions are not affected.
+/// Failed logins per minute, from all addresses together, past which every address that
+/// failed in the last quarter of an hour waits for the minute to pass (a guess spread over
+/// many addresses). An address without a recent failure is still heard, as are tokens in an
+/// `Authorization` header and open sessions: a flood of wrong logins never locks out a user
+/// who has not mistyped.
 pub const GLOBAL_FAILURES_PER_MINUTE: usize = 60;
 
 /// The most addresses whose failures are remembered (beyond it, those whose wait is over are
@@ -69,6 +73,8 @@ pub(crate) struct Logins {
 struct Failures {
     by_address: HashMap<IpAddr, (u32, Instant)>,
     recent: std::collections::VecDeque<Instant>,
+    /// When the global limit was last logged (once a minute at most).
+    logged_global: Option<Instant>,
 }
 
 impl Failures {
@@ -81,11 +87,26 @@ impl Failures {
         {
             self.recent.pop_front();
         }
-        if self.recent.len() >= GLOBAL_FAILURES_PER_MINUTE {
+        // Failures a quarter of an hour old are forgotten.
+        let (count, last) = address
+            .and_then(|a| self.by_address.get(&a).copied())
+            .filter(|(_, last)| now.duration_since(*last) <= MAX_BACKOFF)
+            .unwrap_or((0, now));
+        let failed_before = address.is_none() || count > 0;
+        if failed_before && self.recent.len() >= GLOBAL_FAILURES_PER_MINUTE {
+            if self
+                .logged_global
+                .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60))
+            {
+                self.logged_global = Some(now);
+                tracing::warn!(
+                    failures = self.recent.len(),
+                    "console logins: more than {GLOBAL_FAILURES_PER_MINUTE} failed in the last minute; addresses that failed before wait"
+                );
+            }
             let oldest = *self.recent.front().expect("not empty");
             return Some(Duration::from_secs(60).saturating_sub(now.duration_since(oldest)));
         }
-        let (count, last) = *self.by_address.get(&address?)?;
         let until = last + backoff(count);
         (until > now).then(|| until - now)
     }
@@ -113,15 +134,21 @@ impl Failures {
 /// The wait after `count` failed logins: none for the first [`FREE_FAILURES`], then doubling
 /// from 1 s up to [`MAX_BACKOFF`].
 fn backoff(count: u32) -> Duration {
-    match count.checked_sub(FREE_FAILURES + 1) {
+    match count.checked_sub(FREE_FAILURES) {
         None => Duration::ZERO,
         Some(over) => Duration::from_secs(1u64 << over.min(20)).min(MAX_BACKOFF),
     }
 }
 
 impl Logins {
-    /// The session whose cookie value is `id`, if it is open (it counts as a request).
-    pub(crate) fn session(&self, id: &str) -> Option<(String, Role, String)> {
+    /// The session whose cookie value is `id`, if it is open; `touch`: the request is the
+    /// operator's own (not the overview's refresh), which keeps the session from idling out.
+    pub(crate) fn session(&self, id: &str, touch: bool) -> Option<(String, Role, String)> {
+        // A session id is 64 characters (`random_secret`): anything else is no session, and is
+        // not hashed against every open session.
+        if id.len() != 64 {
+            return None;
+        }
         let now = Instant::now();
         let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
         sessions.retain(|s| open(s, now));
@@ -129,7 +156,9 @@ impl Logins {
         // Every session is compared, whichever matches.
         for session in sessions.iter_mut() {
             if constant_time_eq(&session.id, id) && found.is_none() {
-                session.seen = now;
+                if touch {
+                    session.seen = now;
+                }
                 found = Some((session.name.clone(), session.role, session.csrf.clone()));
             }
         }
@@ -240,7 +269,7 @@ pub(crate) async fn login(
         .unwrap_or_else(|e| e.into_inner())
         .wait(address, Instant::now());
     if let Some(wait) = wait {
-        tracing::warn!(client = %shown, wait_s = wait.as_secs(), "console login refused: too many failed logins");
+        tracing::debug!(client = %shown, wait_s = wait.as_secs(), "console login refused: too many failed logins");
         let message = format!(
             "too many failed logins; try again in {} s",
             wait.as_secs().max(1)
@@ -258,11 +287,16 @@ pub(crate) async fn login(
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .failed(address, Instant::now());
-        tracing::warn!(client = %shown, failures = count, "console login failed: not a valid token");
+        // Every failure up to the tenth, then every hundredth: a flood fills no log.
+        if count <= 10 || count % 100 == 0 {
+            tracing::warn!(client = %shown, failures = count, "console login failed: not a valid token");
+        }
         let page = login_form(&base, "that token is not valid");
         return (StatusCode::UNAUTHORIZED, page).into_response();
     };
-    if let Some(address) = address {
+    // A success clears its address' failures, except on loopback: behind a proxy every
+    // client shares it, and one user's login must not clear another's guesses.
+    if let Some(address) = address.filter(|a| !a.is_loopback()) {
         let mut failures = logins.failures.lock().unwrap_or_else(|e| e.into_inner());
         failures.by_address.remove(&address);
     }
@@ -326,17 +360,16 @@ mod tests {
         for _ in 0..MAX_SESSIONS_PER_TOKEN {
             logins.open("ops", Role::Operator);
         }
+        let dropped = logins.session(&first, true);
+        assert!(dropped.is_none(), "ops' oldest session was dropped");
         assert!(
-            logins.session(&first).is_none(),
-            "ops' oldest session was dropped"
-        );
-        assert!(
-            logins.session(&other).is_some(),
-            "another name's session stays"
+            logins.session(&other, true).is_some(),
+            "another name's stays"
         );
         assert_eq!(logins.count(), MAX_SESSIONS_PER_TOKEN + 1);
         assert!(logins.close(&other));
-        assert!(logins.session(&other).is_none());
+        assert!(logins.session(&other, true).is_none());
+        assert!(logins.session("short", true).is_none());
     }
 
     #[test]
@@ -349,23 +382,22 @@ mod tests {
             assert_eq!(f.wait(Some(a), now), None);
             f.failed(Some(a), now);
         }
-        assert_eq!(
-            f.wait(Some(a), now),
-            None,
-            "the fifth failure is still free"
-        );
-        f.failed(Some(a), now);
-        assert_eq!(f.wait(Some(a), now), Some(Duration::from_secs(1)));
+        let one = Some(Duration::from_secs(1));
+        assert_eq!(f.wait(Some(a), now), one, "five are free");
         f.failed(Some(a), now);
         assert_eq!(f.wait(Some(a), now), Some(Duration::from_secs(2)));
         assert_eq!(f.wait(Some(b), now), None, "another address does not wait");
+        f.failed(Some(b), now);
         for _ in 0..GLOBAL_FAILURES_PER_MINUTE {
             f.failed(None, now);
         }
+        let c: IpAddr = "10.0.0.3".parse().unwrap();
+        let waits = f.wait(Some(b), now);
         assert!(
-            f.wait(Some(b), now).is_some(),
-            "past the global limit everyone waits"
+            waits.is_some(),
+            "past the global limit, those that failed wait"
         );
+        assert_eq!(f.wait(Some(c), now), None, "one that never failed is heard");
         let later = now + Duration::from_secs(61);
         assert_eq!(f.wait(Some(b), later), None);
         assert_eq!(backoff(FREE_FAILURES + 30), MAX_BACKOFF);

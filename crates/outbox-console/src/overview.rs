@@ -25,7 +25,7 @@ struct Live {
 async fn read_live(console: &Console) -> Result<Live, PageError> {
     let policy = console.config().claim_policy;
     let repo = console.repo();
-    // The blocked keys read every non-terminal row: read them beside the counts.
+    // The blocked keys are read from the heads table; read them beside the counts.
     let (counts, throughput, blocked, paused) = tokio::join!(
         queue_counts(console.db(), console.repo().as_ref(), policy),
         throughput(console.db()),

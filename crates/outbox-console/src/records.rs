@@ -50,6 +50,7 @@ pub(crate) async fn record_page(
             Some(state) => {
                 p { "Head: " span data-testid="head-state" { (state.describe()) } }
                 p data-testid="rows-total" {
+                    @if !report.rows_total_exact { "more than " }
                     (report.rows_total) " non-terminal row(s), oldest first"
                     @if report.rows_total > report.rows.len() as u64 {
                         " (the oldest " (report.rows.len()) " shown)"

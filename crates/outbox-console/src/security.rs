@@ -33,6 +33,9 @@ pub const HEADERS: &[(&str, &str)] = &[
 /// The actor recorded for actions on a console without tokens (loopback only).
 pub const LOCAL_ACTOR: &str = "local";
 
+/// The longest secret a request may present (longer is no token, refused unhashed).
+pub const MAX_SECRET_LEN: usize = 512;
+
 /// The longest query or form value the console takes (a record key, an event type, an error
 /// filter); a longer one is refused with 400 before any query.
 pub const MAX_INPUT_LEN: usize = 1024;
@@ -148,13 +151,19 @@ fn same_origin(console: &Console, headers: &HeaderMap) -> bool {
     matches!((origin_authority(origin), host), (Some(o), Some(h)) if o.eq_ignore_ascii_case(h))
 }
 
-/// Who `headers` authenticate as, or `None`.
-fn actor_of(console: &Console, headers: &HeaderMap) -> Option<Actor> {
+/// Who `headers` authenticate as, or `None`; `touch`: the request is the operator's own (a
+/// login session's idle time starts over).
+fn actor_of(console: &Console, headers: &HeaderMap, touch: bool) -> Option<Actor> {
     let config = console.config();
     if let Some(user_header) = &config.proxy_user_header {
         // Authenticated at the proxy, which names the user (the console listens on loopback
-        // behind it): an operator when actions are allowed.
-        let name = headers.get(user_header.as_str())?.to_str().ok()?.trim();
+        // behind it): an operator when actions are allowed. Exactly one value: a proxy that
+        // appends its header to the client's would otherwise leave the client's first.
+        let mut values = headers.get_all(user_header.as_str()).iter();
+        let (Some(value), None) = (values.next(), values.next()) else {
+            return None;
+        };
+        let name = value.to_str().ok()?.trim();
         return (!name.is_empty() && name.len() <= 200).then(|| Actor {
             name: name.to_string(),
             role: Role::Operator,
@@ -170,10 +179,12 @@ fn actor_of(console: &Console, headers: &HeaderMap) -> Option<Actor> {
             session: false,
         });
     }
+    // A secret longer than any token's is no token (and is not hashed against every one).
     let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .filter(|secret| secret.len() <= MAX_SECRET_LEN);
     if let Some(at) = bearer.and_then(|secret| console.token_index(secret.trim())) {
         let token = &config.tokens[at];
         return Some(Actor {
@@ -186,7 +197,7 @@ fn actor_of(console: &Console, headers: &HeaderMap) -> Option<Actor> {
     let (name, role, csrf) = console
         .inner
         .logins
-        .session(&cookie(headers, SESSION_COOKIE)?)?;
+        .session(&cookie(headers, SESSION_COOKIE)?, touch)?;
     Some(Actor {
         name,
         role,
@@ -218,7 +229,9 @@ pub(crate) async fn authenticate(
     }
     let path = request.uri().path();
     let open = path == "/login" || path.starts_with("/assets/");
-    match actor_of(&console, request.headers()) {
+    // The overview's refresh polls every 2 s: it keeps no session from idling out.
+    let touch = !path.starts_with("/fragments/");
+    match actor_of(&console, request.headers(), touch) {
         Some(actor) => {
             request.extensions_mut().insert(actor);
             next.run(request).await

@@ -11,9 +11,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::{
-    ClaimPolicy, EventFilter, EventRow, EventStatus, OutboxRepository, PausedType, Result,
-};
+use crate::{ClaimPolicy, EventRow, EventStatus, OutboxRepository, PausedType, Result};
 
 /// Why a key's head (its oldest non-terminal row) is where it is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -130,6 +128,37 @@ pub(crate) fn mark_paused(keys: Vec<BlockedKey>, paused: &[PausedType]) -> Vec<B
 /// opens during an incident, and its page stays small.
 pub const KEY_ROWS_SHOWN: u32 = 100;
 
+/// How far [`OutboxRepository::key_page`] counts a key's non-terminal rows: beyond it the count
+/// reads "more than 100,000" rather than walking the whole key.
+pub const KEY_ROWS_COUNTED: u64 = 100_000;
+
+/// A record's rows as [`OutboxRepository::key_page`] reads them.
+#[derive(Debug, Clone, Default)]
+pub struct KeyPage {
+    /// The oldest non-terminal rows, oldest first.
+    pub rows: Vec<EventRow>,
+    /// How many non-terminal rows the key has (at most [`KEY_ROWS_COUNTED`]; see `exact`).
+    pub rows_total: u64,
+    /// Whether `rows_total` is the count, or the key has more than [`KEY_ROWS_COUNTED`].
+    pub rows_total_exact: bool,
+    /// The newest `failed` row, if any.
+    pub last_failed: Option<EventRow>,
+}
+
+impl KeyPage {
+    /// The page of `rows`, `counted` non-terminal rows (counted up to one past
+    /// [`KEY_ROWS_COUNTED`]) and `last_failed`.
+    pub(crate) fn new(rows: Vec<EventRow>, counted: i64, last_failed: Option<EventRow>) -> Self {
+        let counted = u64::try_from(counted).unwrap_or(0).max(rows.len() as u64);
+        Self {
+            rows,
+            rows_total: counted.min(KEY_ROWS_COUNTED),
+            rows_total_exact: counted <= KEY_ROWS_COUNTED,
+            last_failed,
+        }
+    }
+}
+
 /// A key's state: its oldest non-terminal rows (at most [`KEY_ROWS_SHOWN`]) and how many there
 /// are, its head's reason, and the newest `failed` row of the key (a failure releases the
 /// key's younger rows; it shows why the record's effects may be missing).
@@ -141,8 +170,11 @@ pub struct KeyReport {
     pub now: DateTime<Utc>,
     /// Non-terminal rows, oldest first, at most [`KEY_ROWS_SHOWN`]; the first is the head.
     pub rows: Vec<EventRow>,
-    /// How many non-terminal rows the key has (`rows` holds the oldest of them).
+    /// How many non-terminal rows the key has (`rows` holds the oldest of them), at most
+    /// [`KEY_ROWS_COUNTED`].
     pub rows_total: u64,
+    /// Whether `rows_total` is the count, or the key has more than [`KEY_ROWS_COUNTED`].
+    pub rows_total_exact: bool,
     /// Why the head is not running now (or that it is), when the key has rows.
     pub head: Option<HeadState>,
     /// The newest `failed` row of the key, if any.
@@ -216,26 +248,12 @@ pub async fn key_report(
     record_key: &str,
     policy: ClaimPolicy,
 ) -> Result<KeyReport> {
-    let open = EventFilter::new()
-        .record_key(record_key)
-        .statuses([EventStatus::Pending, EventStatus::Processing]);
-    let rows = repo.list_events(open.clone().limit(KEY_ROWS_SHOWN)).await?;
-    let rows_total = if rows.len() < KEY_ROWS_SHOWN as usize {
-        rows.len() as u64
-    } else {
-        repo.count_events(open).await?
-    };
-    // The newest failed row only, read newest first: never every failure's error text.
-    let last_failed = repo
-        .list_events(
-            EventFilter::new()
-                .record_key(record_key)
-                .statuses([EventStatus::Failed])
-                .newest_first()
-                .limit(1),
-        )
-        .await?
-        .pop();
+    let KeyPage {
+        rows,
+        rows_total,
+        rows_total_exact,
+        last_failed,
+    } = repo.key_page(record_key, KEY_ROWS_SHOWN).await?;
     let now = repo.clock_now().await?;
     // A database without the pause table (not migrated yet) has nothing paused.
     let paused = repo.paused_event_types().await.unwrap_or_default();
@@ -253,6 +271,7 @@ pub async fn key_report(
         now,
         rows,
         rows_total,
+        rows_total_exact,
         head,
         last_failed,
         effects,

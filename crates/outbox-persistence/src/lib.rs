@@ -63,7 +63,10 @@ pub use effects::{
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
 pub use heads::{DEFAULT_HEADS_REPAIR_KEYS, HeadsRepair};
-pub use keys::{BlockedKey, HeadState, KEY_ROWS_SHOWN, KeyReport, explain_head, key_report};
+pub use keys::{
+    BlockedKey, HeadState, KEY_ROWS_COUNTED, KEY_ROWS_SHOWN, KeyPage, KeyReport, explain_head,
+    key_report,
+};
 pub use listing::{EventFilter, EventRow};
 pub use model::*;
 pub use pause::{AuditEntry, PausedType};
@@ -386,9 +389,12 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// out, with a warning, as `get_pending_events` does (the claim that meets it fails it).
     async fn list_events(&self, filter: EventFilter) -> Result<Vec<EventRow>>;
 
-    /// How many rows `filter` matches (its limit and order ignored): the count beside a
-    /// bounded [`Self::list_events`]. Reads only, takes no lock.
-    async fn count_events(&self, filter: EventFilter) -> Result<u64>;
+    /// A record's rows as its page shows them ([`key_report`]): the oldest `limit` non-terminal
+    /// rows of `record_key` (through `outbox_record_key_idx`), how many there are (counted up to
+    /// [`KEY_ROWS_COUNTED`]), and its newest `failed` row (through
+    /// `outbox_failed_by_record_idx`). Every read is bounded, however many rows the key has.
+    /// Reads only, takes no lock.
+    async fn key_page(&self, record_key: &str, limit: u32) -> Result<KeyPage>;
 
     /// The queue's clock now: the database's `clock_timestamp()` on PostgreSQL, the host's
     /// clock on SQLite (each with the test clock shift), the time every queue statement uses.

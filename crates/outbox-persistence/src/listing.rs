@@ -30,11 +30,8 @@ pub struct EventFilter {
     /// Only rows whose stored `RecordKey` is exactly this text (as `RecordKey::as_str`
     /// prints it, for example `lead:00Q5e00000AbCdE`).
     pub record_key: Option<String>,
-    /// At most this many rows (the oldest, or the newest with `newest_first`); `None` for
-    /// every matching row.
+    /// At most this many rows (the oldest); `None` for every matching row.
     pub limit: Option<u32>,
-    /// Newest first (`CreatedDate`, `Id` descending) rather than oldest first.
-    pub newest_first: bool,
 }
 
 impl EventFilter {
@@ -67,15 +64,9 @@ impl EventFilter {
         self
     }
 
-    /// At most `limit` rows, the oldest (the newest with [`Self::newest_first`]).
+    /// At most `limit` rows, the oldest.
     pub fn limit(mut self, limit: u32) -> Self {
         self.limit = Some(limit);
-        self
-    }
-
-    /// Newest first: with a limit, the newest rows.
-    pub fn newest_first(mut self) -> Self {
-        self.newest_first = true;
         self
     }
 

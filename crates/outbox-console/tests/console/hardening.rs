@@ -224,63 +224,104 @@ async fn console_child() {
     .await;
 }
 
-/// A flood of connections that each send half a request line: the server keeps at most its
-/// cap open (closing the oldest idle ones), `/login` keeps answering, a half request is closed
-/// once the header-read timeout passes, and so is a keep-alive connection left idle.
-async fn a_flood_of_half_requests_leaves_login_answering(db: TestDb) {
-    let config = ConsoleConfig {
+fn limited(max: usize, per_address: usize, header_read_timeout: Duration) -> ConsoleConfig {
+    ConsoleConfig {
         limits: ConnectionLimits {
-            max_connections: 64,
-            header_read_timeout: Duration::from_secs(1),
+            max_connections: max,
+            max_connections_per_address: per_address,
+            header_read_timeout,
             ..ConnectionLimits::default()
         },
         ..guarded()
-    };
-    let served = Served::start(console(&db, config)).await;
+    }
+}
+
+/// Opens `n` connections from `ip` that each send half a request line.
+async fn half_requests(ip: &str, addr: SocketAddr, n: usize) -> Vec<TcpStream> {
     let mut flood = Vec::new();
-    for _ in 0..1000 {
-        let mut stream = TcpStream::connect(served.addr).await.expect("connect");
+    for _ in 0..n {
+        let mut stream = connect_from(ip, addr).await;
         stream
             .write_all(b"GET / HTTP/1.1\r\nHo")
             .await
             .expect("write");
         flood.push(stream);
     }
-    let started = std::time::Instant::now();
+    flood
+}
+
+/// How many of `streams` the server has closed (each given `within`).
+async fn closed(streams: &mut [TcpStream], within: Duration) -> usize {
+    let mut n = 0;
+    for stream in streams {
+        n += usize::from(closed_within(stream, within).await);
+    }
+    n
+}
+
+/// Floods of connections that never finish a request: half request lines from one address
+/// (the server keeps that address' share open, closing its oldest at once, long before the
+/// header-read timeout), the same flood running while another address makes requests, and
+/// requests that send their headers but never their body (not busy: closed like the others).
+/// `/login` keeps answering throughout.
+async fn a_flood_of_half_requests_leaves_login_answering(db: TestDb) {
+    let served = Served::start(console(&db, limited(64, 16, Duration::from_secs(30)))).await;
+    let mut flood = half_requests("127.0.0.2", served.addr, 500).await;
     let login = raw_get(served.addr, "/login", &[]).await;
     assert_eq!(login.status, 200, "{}", login.head);
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        started.elapsed()
-    );
-    // All but the cap's newest were closed to admit the next ones; the rest go at the
-    // header-read timeout.
-    let mut closed_at_once = 0;
-    for stream in &mut flood[..900] {
-        if closed_within(stream, Duration::from_millis(50)).await {
-            closed_at_once += 1;
+    let gone = closed(&mut flood[..484], Duration::from_millis(100)).await;
+    assert_eq!(gone, 484, "the flooding address keeps its newest 16 only");
+    drop(flood);
+    // The same flood, running while another address asks for pages.
+    let addr = served.addr;
+    let flooding = tokio::spawn(async move {
+        let until = std::time::Instant::now() + Duration::from_secs(2);
+        let mut held = Vec::new();
+        while std::time::Instant::now() < until {
+            held.extend(half_requests("127.0.0.3", addr, 50).await);
         }
+        held.len()
+    });
+    for _ in 0..20 {
+        let page = raw_get(served.addr, "/login", &[]).await;
+        assert_eq!(page.status, 200, "{}", page.head);
     }
     assert!(
-        closed_at_once >= 900 - 64,
-        "{closed_at_once} of the oldest 900 closed"
+        flooding.await.unwrap() >= 100,
+        "the flood ran beside the requests"
     );
-    let last = flood.last_mut().expect("a connection");
-    assert!(
-        closed_within(last, Duration::from_secs(3)).await,
-        "a half request outlived the header-read timeout"
-    );
-    // A keep-alive connection idle after a whole request is closed as well.
+    // Headers whole, the body never sent: such a connection is not busy, and goes first.
+    let mut trickle = Vec::new();
+    for _ in 0..100 {
+        let mut stream = TcpStream::connect(served.addr).await.expect("connect");
+        let head = "POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 1000\r\n\r\ntoken=";
+        stream.write_all(head.as_bytes()).await.expect("write");
+        trickle.push(stream);
+    }
+    let login = raw_get(served.addr, "/login", &[]).await;
+    assert_eq!(login.status, 200, "{}", login.head);
+    drop(served);
+    // With a short header-read timeout: a half request, a trickled body and an idle keep-alive
+    // connection are each closed once it passes.
+    let served = Served::start(console(&db, limited(64, 64, Duration::from_secs(1)))).await;
+    let mut half = half_requests("127.0.0.1", served.addr, 1).await;
+    let mut body = TcpStream::connect(served.addr).await.expect("connect");
+    let head = "POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\ntoken=";
+    body.write_all(head.as_bytes()).await.expect("write");
     let mut idle = TcpStream::connect(served.addr).await.expect("connect");
     idle.write_all(b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         .await
         .expect("write");
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(
-        closed_within(&mut idle, Duration::from_secs(3)).await,
-        "an idle keep-alive connection outlived the header-read timeout"
-    );
+    for (what, stream) in [
+        ("a half request", &mut half[0]),
+        ("a trickled body", &mut body),
+        ("an idle keep-alive connection", &mut idle),
+    ] {
+        assert!(
+            closed_within(stream, Duration::from_secs(4)).await,
+            "{what} outlived the header-read timeout"
+        );
+    }
 }
 
 /// A viewer reads every page and acts on none; an operator acts; the audit names the token.
@@ -302,19 +343,26 @@ async fn a_viewer_reads_and_an_operator_acts(db: TestDb) {
     );
     let operator = get(&console, "/failed", Some(SECRET)).await;
     assert!(operator.body.contains("/actions/retry"));
-    // The viewer's own CSRF token and the operator's: the viewer is refused either way.
+    // With the operator's CSRF token (a viewer's pages carry none), still refused.
     let form = format!("csrf={}&one={id}", csrf_of(&operator.body));
     let refused = post(&console, "/actions/retry", Some(VIEWER_SECRET), &form).await;
     assert_eq!(refused.status, StatusCode::FORBIDDEN);
     assert!(refused.body.contains("viewer"), "{}", refused.body);
-    let paused = post(
-        &console,
-        "/actions/pause",
-        Some(VIEWER_SECRET),
-        "event_type=t",
-    )
-    .await;
+    let paused = post(&console, "/actions/pause", Some(VIEWER_SECRET), &form).await;
     assert_eq!(paused.status, StatusCode::FORBIDDEN);
+    assert!(paused.body.contains("viewer"), "{}", paused.body);
+    for path in ["/".to_string(), format!("/events/{id}")] {
+        let page = get(&console, &path, Some(VIEWER_SECRET)).await;
+        assert!(
+            !page.body.contains("/actions/"),
+            "{path} shows a viewer an action"
+        );
+        let page = get(&console, &path, Some(SECRET)).await;
+        assert!(
+            page.body.contains("/actions/"),
+            "{path} shows an operator none"
+        );
+    }
     // The operator acts.
     let retried = post(&console, "/actions/retry", Some(SECRET), &form).await;
     assert_eq!(retried.status, StatusCode::OK, "{}", retried.body);
@@ -362,7 +410,7 @@ async fn logins_are_limited_logged_and_ended(db: TestDb) {
     use tower::ServiceExt;
     let (statuses, log) = logged(async {
         let mut statuses = Vec::new();
-        for _ in 0..6 {
+        for _ in 0..5 {
             let answer = app()
                 .oneshot(login_request("10.0.0.1:5000", "wrong"))
                 .await
@@ -384,10 +432,10 @@ async fn logins_are_limited_logged_and_ended(db: TestDb) {
     })
     .await;
     let (statuses, retry_after) = statuses;
-    assert_eq!(&statuses[..6], &[StatusCode::UNAUTHORIZED; 6]);
-    assert_eq!(statuses[6], StatusCode::TOO_MANY_REQUESTS, "{statuses:?}");
+    assert_eq!(&statuses[..5], &[StatusCode::UNAUTHORIZED; 5]);
+    assert_eq!(statuses[5], StatusCode::TOO_MANY_REQUESTS, "{statuses:?}");
     assert!(retry_after.is_some());
-    assert_eq!(statuses[7], StatusCode::SEE_OTHER);
+    assert_eq!(statuses[6], StatusCode::SEE_OTHER, "{statuses:?}");
     assert!(
         log.contains("WARN") && log.contains("console login failed") && log.contains("10.0.0.1"),
         "{log}"
@@ -521,8 +569,31 @@ async fn the_proxy_recipe_works_with_actions(db: TestDb) {
     assert!(paused.text().contains("Paused lead.updated"));
     let audit = db.repository().audit_log(10).await.unwrap();
     assert_eq!(audit[0].actor, "alice");
-    // Straight to the console: no user named, 401; a foreign origin through the proxy: 403.
+    // Straight to the console: no user named, 401; two user headers (a proxy that appends
+    // its own to the client's), 401. One named user is taken: a local process can reach the
+    // loopback port around the proxy, the limit docs/console.md states.
     assert_eq!(raw_get(served.addr, "/", &[]).await.status, 401);
+    let two = [
+        "X-Forwarded-User: alice".to_string(),
+        "X-Forwarded-User: mallory".to_string(),
+    ];
+    assert_eq!(raw_get(served.addr, "/", &two).await.status, 401);
+    // The public origin's host is answered, another host is not (DNS rebinding).
+    let request = |host: &str| {
+        format!(
+            "GET / HTTP/1.1\r\nHost: {host}\r\nX-Forwarded-User: alice\r\nConnection: close\r\n\r\n"
+        )
+    };
+    assert_eq!(
+        exchange(served.addr, &request("ops.example.test"))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        exchange(served.addr, &request("evil.example")).await.status,
+        403
+    );
     let foreign = [login, "Origin: https://evil.example".to_string()];
     let refused = raw_post(proxy, "/actions/resume", &foreign, &form).await;
     assert_eq!(refused.status, 403, "{}", refused.text());

@@ -123,6 +123,16 @@ fn dechunk(mut bytes: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A connection to `addr` from the loopback address `ip` (Linux answers on all of 127.0.0.0/8,
+/// so a test can play several clients).
+pub async fn connect_from(ip: &str, addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket
+        .bind(format!("{ip}:0").parse().expect("an address"))
+        .expect("bind the client address");
+    socket.connect(addr).await.expect("connect")
+}
+
 /// Whether the server closed `stream` within `within` (a read that returns 0 or fails).
 pub async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
     let mut byte = [0u8; 1024];

@@ -386,8 +386,8 @@ impl OutboxRepository for PgOutbox {
         self.list(filter).await
     }
 
-    async fn count_events(&self, filter: EventFilter) -> Result<u64> {
-        self.count_listed(filter).await
+    async fn key_page(&self, record_key: &str, limit: u32) -> Result<crate::KeyPage> {
+        self.read_key_page(record_key, limit).await
     }
 
     async fn prune(&self, policy: PrunePolicy) -> Result<PruneReport> {

@@ -69,32 +69,38 @@ const SELECT_BY_ID: &str = "SELECT Id, EventType, Payload, Status, RetryCount, R
      CreatedDate, LastModifiedDate, LastError FROM _System_OutboxEvent WHERE Id = $1";
 
 /// The rows an [`EventFilter`] selects, without payloads. `LIMIT NULL` is no limit.
-/// The conditions of an [`EventFilter`] (`$1`..`$4`).
-macro_rules! list_where {
-    () => {
-        "FROM _System_OutboxEvent
+const LIST_EVENTS: &str = "\
+SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent
 WHERE ($1::text[] IS NULL OR Status = ANY($1))
   AND ($2::text IS NULL OR EventType = $2)
   AND ($3::uuid[] IS NULL OR Id = ANY($3))
-  AND ($4::text IS NULL OR RecordKey = $4)"
-    };
-}
+  AND ($4::text IS NULL OR RecordKey = $4)
+ORDER BY CreatedDate, Id
+LIMIT $5";
 
-const LIST_EVENTS: &str = concat!(
-    "SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError\n",
-    list_where!(),
-    "\nORDER BY CreatedDate, Id LIMIT $5"
-);
+/// The oldest `$2` non-terminal rows of the key `$1` (`outbox_record_key_idx`).
+const KEY_ROWS: &str = "\
+SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent
+WHERE RecordKey = $1 AND Status NOT IN ('processed', 'failed')
+ORDER BY CreatedDate, Id
+LIMIT $2";
 
-/// [`LIST_EVENTS`] newest first.
-const LIST_EVENTS_NEWEST: &str = concat!(
-    "SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError\n",
-    list_where!(),
-    "\nORDER BY CreatedDate DESC, Id DESC LIMIT $5"
-);
+/// How many non-terminal rows the key `$1` has, counted up to `$2`.
+const KEY_ROWS_COUNT: &str = "\
+SELECT count(*) FROM (
+    SELECT 1 FROM _System_OutboxEvent
+    WHERE RecordKey = $1 AND Status NOT IN ('processed', 'failed')
+    LIMIT $2) AS counted";
 
-/// How many rows an [`EventFilter`] matches.
-const COUNT_EVENTS: &str = concat!("SELECT count(*) ", list_where!());
+/// The newest failed row of the key `$1` (`outbox_failed_by_record_idx`).
+const KEY_NEWEST_FAILED: &str = "\
+SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent
+WHERE RecordKey = $1 AND Status = 'failed'
+ORDER BY CreatedDate DESC, Id DESC
+LIMIT 1";
 
 /// A page of unkeyed non-terminal rows' payloads in `outbox_unkeyed_idx` order, after
 /// (`$1`, `$2`).
@@ -240,12 +246,7 @@ impl PgOutbox {
 
     pub(super) async fn list(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
         let mut tx = self.begin_read().await?;
-        let sql = if filter.newest_first {
-            LIST_EVENTS_NEWEST
-        } else {
-            LIST_EVENTS
-        };
-        let rows = sqlx::query(sql)
+        let rows = sqlx::query(LIST_EVENTS)
             .persistent(self.cached())
             .bind(filter.status_texts())
             .bind(filter.event_type.as_deref())
@@ -258,18 +259,29 @@ impl PgOutbox {
         rows.iter().map(row_from).collect()
     }
 
-    pub(super) async fn count_listed(&self, filter: EventFilter) -> Result<u64> {
+    pub(super) async fn read_key_page(&self, key: &str, limit: u32) -> Result<crate::KeyPage> {
         let mut tx = self.begin_read().await?;
-        let n: i64 = sqlx::query_scalar(COUNT_EVENTS)
+        let rows = sqlx::query(KEY_ROWS)
             .persistent(self.cached())
-            .bind(filter.status_texts())
-            .bind(filter.event_type.as_deref())
-            .bind(filter.id_list())
-            .bind(filter.record_key.as_deref())
+            .bind(key)
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+        let counted: i64 = sqlx::query_scalar(KEY_ROWS_COUNT)
+            .persistent(self.cached())
+            .bind(key)
+            .bind(crate::KEY_ROWS_COUNTED as i64 + 1)
             .fetch_one(&mut *tx)
             .await?;
+        let failed = sqlx::query(KEY_NEWEST_FAILED)
+            .persistent(self.cached())
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
         tx.commit().await?;
-        Ok(u64::try_from(n).unwrap_or(0))
+        let rows = rows.iter().map(row_from).collect::<Result<Vec<_>>>()?;
+        let last_failed = failed.as_ref().map(row_from).transpose()?;
+        Ok(crate::KeyPage::new(rows, counted, last_failed))
     }
 
     /// Takes the claim-exclusion lock ([`EXCLUDE_CLAIMS`]) and commits: the claims running at

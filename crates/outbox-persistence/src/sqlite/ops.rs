@@ -38,32 +38,39 @@ FROM _System_OutboxEvent WHERE Id = ?1";
 
 /// The rows an [`EventFilter`] selects, without payloads: `?1` statuses, `?3` ids (JSON arrays
 /// or NULL), `?2` event type, `?4` record key, `?5` limit (NULL: no limit).
-/// The conditions of an [`EventFilter`] (`?1`..`?4`).
-macro_rules! list_where {
-    () => {
-        "FROM _System_OutboxEvent
+const LIST_EVENTS: &str = "\
+SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent
 WHERE (?1 IS NULL OR Status IN (SELECT value FROM json_each(?1)))
   AND (?2 IS NULL OR EventType = ?2)
   AND (?3 IS NULL OR Id IN (SELECT value FROM json_each(?3)))
-  AND (?4 IS NULL OR RecordKey = ?4)"
-    };
-}
+  AND (?4 IS NULL OR RecordKey = ?4)
+ORDER BY CreatedDate, Id
+LIMIT coalesce(?5, -1)";
 
-const LIST_EVENTS: &str = concat!(
-    "SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError\n",
-    list_where!(),
-    "\nORDER BY CreatedDate, Id LIMIT coalesce(?5, -1)"
-);
+/// The oldest `?2` non-terminal rows of the key `?1` (`outbox_record_key_idx`: its predicate
+/// spelled as the index's, so that SQLite uses it).
+const KEY_ROWS: &str = "\
+SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent
+WHERE RecordKey = ?1 AND Status NOT IN ('processed', 'failed')
+ORDER BY CreatedDate, Id
+LIMIT ?2";
 
-/// [`LIST_EVENTS`] newest first.
-const LIST_EVENTS_NEWEST: &str = concat!(
-    "SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError\n",
-    list_where!(),
-    "\nORDER BY CreatedDate DESC, Id DESC LIMIT coalesce(?5, -1)"
-);
+/// How many non-terminal rows the key `?1` has, counted up to `?2`.
+const KEY_ROWS_COUNT: &str = "\
+SELECT count(*) FROM (
+    SELECT 1 FROM _System_OutboxEvent
+    WHERE RecordKey = ?1 AND Status NOT IN ('processed', 'failed')
+    LIMIT ?2)";
 
-/// How many rows an [`EventFilter`] matches.
-const COUNT_EVENTS: &str = concat!("SELECT count(*) ", list_where!());
+/// The newest failed row of the key `?1` (`outbox_failed_by_record_idx`).
+const KEY_NEWEST_FAILED: &str = "\
+SELECT Id, EventType, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+FROM _System_OutboxEvent
+WHERE RecordKey = ?1 AND Status = 'failed'
+ORDER BY CreatedDate DESC, Id DESC
+LIMIT 1";
 
 const BACKFILL_SCAN: &str = "SELECT Id, Payload, RecordKey FROM _System_OutboxEvent
      WHERE Status NOT IN ('processed', 'failed') AND (?1 IS NULL OR Id > ?1)
@@ -223,6 +230,31 @@ impl SqliteOutbox {
         row.as_ref().map(event_from_row).transpose()
     }
 
+    pub(super) async fn read_key_page(&self, key: &str, limit: u32) -> Result<crate::KeyPage> {
+        // One read transaction: one snapshot for the three reads.
+        let mut tx = self.pool.begin().await?;
+        let rows = sqlx::query(KEY_ROWS)
+            .bind(key)
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+        let counted: i64 = sqlx::query_scalar(KEY_ROWS_COUNT)
+            .bind(key)
+            .bind(crate::KEY_ROWS_COUNTED as i64 + 1)
+            .fetch_one(&mut *tx)
+            .await?;
+        let failed = sqlx::query(KEY_NEWEST_FAILED)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        let rows = readable(&rows, row_from);
+        let last_failed = failed
+            .as_ref()
+            .and_then(|r| readable(std::slice::from_ref(r), row_from).pop());
+        Ok(crate::KeyPage::new(rows, counted, last_failed))
+    }
+
     pub(super) async fn list(&self, filter: EventFilter) -> Result<Vec<EventRow>> {
         let statuses = filter
             .status_texts()
@@ -230,12 +262,7 @@ impl SqliteOutbox {
         let ids: Option<Vec<String>> = filter
             .id_list()
             .map(|ids| ids.iter().map(EventId::to_string).collect());
-        let sql = if filter.newest_first {
-            LIST_EVENTS_NEWEST
-        } else {
-            LIST_EVENTS
-        };
-        let rows = sqlx::query(sql)
+        let rows = sqlx::query(LIST_EVENTS)
             .bind(statuses)
             .bind(filter.event_type.as_deref())
             .bind(json_list(ids.as_deref()))
@@ -245,22 +272,5 @@ impl SqliteOutbox {
             .await?;
         // As `get_pending_events`: a row that cannot be read is left out, with a warning.
         Ok(readable(&rows, row_from))
-    }
-
-    pub(super) async fn count_listed(&self, filter: EventFilter) -> Result<u64> {
-        let statuses = filter
-            .status_texts()
-            .map(|s| serde_json::to_string(&s).expect("a list of strings serializes"));
-        let ids: Option<Vec<String>> = filter
-            .id_list()
-            .map(|ids| ids.iter().map(EventId::to_string).collect());
-        let n: i64 = sqlx::query_scalar(COUNT_EVENTS)
-            .bind(statuses)
-            .bind(filter.event_type.as_deref())
-            .bind(json_list(ids.as_deref()))
-            .bind(filter.record_key.as_deref())
-            .fetch_one(&self.pool)
-            .await?;
-        Ok(u64::try_from(n).unwrap_or(0))
     }
 }
