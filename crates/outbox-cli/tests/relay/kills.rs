@@ -168,7 +168,12 @@ async fn kill_until_drained(db: &TestDb, nats: &NatsServer, rng: &mut Rng) -> (V
         // The kill comes at the random moment, or earlier once the run has relayed a fifth of
         // the events since the last kill: so every kill but the last lands mid-drain however
         // fast this machine drains (the moment alone left the drain to chance).
-        let cap = kills.last().map_or(0, |k| k.processed) + EVENTS / 5;
+        // And not before this run has relayed something (up to 30 s): a restart waits for the
+        // killed run's claims to go stale first, and on a loaded machine a kill at the moment
+        // alone could land again and again before any progress (2026-12-05: three kills in a
+        // row at 1,185 of 3,000 while the whole suite ran).
+        let before = kills.last().map_or(0, |k| k.processed);
+        let cap = before + EVENTS / 5;
         let limited = kills.len() < MAX_KILLS;
         let started = Instant::now();
         let exited = loop {
@@ -178,7 +183,10 @@ async fn kill_until_drained(db: &TestDb, nats: &NatsServer, rng: &mut Rng) -> (V
             {
                 break true;
             }
-            if started.elapsed() >= after || (limited && processed_now(db).await >= cap) {
+            let now = if limited { processed_now(db).await } else { 0 };
+            let progressed =
+                !limited || now > before || started.elapsed() >= Duration::from_secs(30);
+            if (started.elapsed() >= after && progressed) || (limited && now >= cap) {
                 break false;
             }
         };
