@@ -104,8 +104,12 @@ impl ConsoleArgs {
         match std::env::var(TOKENS_ENV) {
             Ok(list) => {
                 let before = tokens.len();
+                // Comma-separated: a secret with a comma cannot be given here (use the token
+                // file, one token per line, where commas are part of the secret).
                 for token in list.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-                    tokens.push(NamedToken::parse(token).with_context(|| TOKENS_ENV)?);
+                    tokens.push(NamedToken::parse(token).with_context(|| {
+                        format!("{TOKENS_ENV} (tokens are comma-separated, so a secret there cannot hold a comma; put such a token in --token-file)")
+                    })?);
                 }
                 anyhow::ensure!(
                     tokens.len() > before,
@@ -198,6 +202,9 @@ mod tests {
         assert_eq!(tokens[0].role, outbox_console::Role::Operator);
         assert_eq!(tokens[1].name, "ro");
         assert_eq!(tokens[1].role, outbox_console::Role::Viewer);
+        // A secret may hold a comma in the file (not in the comma-separated variable).
+        let comma = parse_token_file("ops:0123,456789abcdef:operator\n").unwrap();
+        assert_eq!(comma[0].secret, "0123,456789abcdef");
         let err = parse_token_file("ops:short\n").unwrap_err();
         assert!(format!("{err:#}").contains("line 1"), "{err:#}");
     }

@@ -26,6 +26,7 @@ mod records;
 pub mod security;
 mod serve;
 
+pub use overview::OVERVIEW_REFRESH;
 pub use serve::ConnectionLimits;
 
 use std::net::SocketAddr;
@@ -327,6 +328,8 @@ struct Inner {
     token_csrf: Vec<String>,
     /// Login sessions and failed-login limits.
     logins: login::Logins,
+    /// The overview's live part, shared by every request for `OVERVIEW_REFRESH`.
+    overview: overview::OverviewCache,
 }
 
 impl Console {
@@ -354,6 +357,7 @@ impl Console {
                 csrf: security::random_secret(),
                 token_csrf,
                 logins: login::Logins::default(),
+                overview: overview::OverviewCache::default(),
             }),
         })
     }
@@ -374,6 +378,16 @@ impl Console {
     pub(crate) fn token_of(&self, secret: &str) -> Option<(String, Role)> {
         let token = &self.config().tokens[self.token_index(secret)?];
         Some((token.name.clone(), token.role))
+    }
+
+    pub(crate) fn overview_cache(&self) -> &overview::OverviewCache {
+        &self.inner.overview
+    }
+
+    /// Counts a read of the overview that failed without failing the page
+    /// (`outbox_console_read_failures_total{read}`, through the `metrics` facade).
+    pub(crate) fn note_read_failure(&self, read: &'static str) {
+        metrics::counter!("outbox_console_read_failures_total", "read" => read).increment(1);
     }
 
     /// The CSRF token of the forms of the token at `index`.

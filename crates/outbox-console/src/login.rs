@@ -220,30 +220,62 @@ pub(crate) fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
         .map(|(_, v)| v.to_string())
 }
 
-/// The login form, with `message`.
-pub(crate) fn login_form(base: &Base, message: &str) -> maud::Markup {
-    shell_bare(
+/// The cookie that carries the login form's CSRF token (double submit: the form's hidden
+/// field must equal it, and another site can neither read nor set it).
+pub const LOGIN_COOKIE: &str = "outbox_console_login";
+
+/// The login form with `message`, answered `status` to a request with `headers`: its CSRF token
+/// in the hidden field and in the [`LOGIN_COOKIE`] it sets (HttpOnly, SameSite=Strict, an
+/// hour). The token the browser holds already is kept: a login page loads other requests
+/// (a favicon) that answer with the form too, and a new token for each would make the form's
+/// own stale.
+pub(crate) fn login_form(
+    base: &Base,
+    headers: &HeaderMap,
+    status: StatusCode,
+    message: &str,
+) -> Response {
+    let csrf = cookie(headers, LOGIN_COOKIE)
+        .filter(|c| c.len() == 64 && c.chars().all(|ch| ch.is_ascii_hexdigit()))
+        .unwrap_or_else(random_secret);
+    let page = shell_bare(
         base,
         "Sign in",
         html! {
             p.notice data-testid="auth-required" { (message) }
             form method="post" action=(base.link("/login")) {
+                input type="hidden" name="csrf" value=(csrf);
                 label { "Token " input type="password" name="token" autocomplete="off"; }
                 button type="submit" { "Sign in" }
             }
         },
-    )
+    );
+    let path = if base.0.is_empty() { "/" } else { &base.0 };
+    let cookie =
+        format!("{LOGIN_COOKIE}={csrf}; HttpOnly; SameSite=Strict; Path={path}; Max-Age=3600");
+    let mut response = (status, page).into_response();
+    if let Ok(value) = HeaderValue::from_str(&cookie) {
+        response.headers_mut().append(header::SET_COOKIE, value);
+    }
+    response
 }
 
 /// `GET /login`.
-pub(crate) async fn login_page(base: Base) -> Response {
-    login_form(&base, "sign in with a console token").into_response()
+pub(crate) async fn login_page(base: Base, headers: HeaderMap) -> Response {
+    login_form(
+        &base,
+        &headers,
+        StatusCode::OK,
+        "sign in with a console token",
+    )
 }
 
 /// The login form's fields.
 #[derive(Deserialize)]
 pub(crate) struct LoginForm {
     token: String,
+    #[serde(default)]
+    csrf: String,
 }
 
 /// The client's address, when the server gave it (`serve` does; an embedding service's
@@ -258,8 +290,16 @@ pub(crate) async fn login(
     State(console): State<Console>,
     peer: Option<Extension<ConnectInfo<SocketAddr>>>,
     base: Base,
+    headers: HeaderMap,
     Form(form): Form<LoginForm>,
 ) -> Response {
+    // The form's CSRF token against its cookie: a page of another site cannot log the browser
+    // in with a token of its choosing (login CSRF). Not counted as a failed login.
+    let expected = cookie(&headers, LOGIN_COOKIE).unwrap_or_default();
+    if expected.len() != 64 || !constant_time_eq(&form.csrf, &expected) {
+        let message = "the login form expired or came from elsewhere; sign in again";
+        return login_form(&base, &headers, StatusCode::FORBIDDEN, message);
+    }
     let address = client(peer.as_ref().map(|Extension(p)| p));
     let shown = address.map_or_else(|| "unknown".to_string(), |a| a.to_string());
     let logins = &console.inner.logins;
@@ -274,8 +314,7 @@ pub(crate) async fn login(
             "too many failed logins; try again in {} s",
             wait.as_secs().max(1)
         );
-        let mut response =
-            (StatusCode::TOO_MANY_REQUESTS, login_form(&base, &message)).into_response();
+        let mut response = login_form(&base, &headers, StatusCode::TOO_MANY_REQUESTS, &message);
         if let Ok(value) = HeaderValue::from_str(&wait.as_secs().max(1).to_string()) {
             response.headers_mut().insert(header::RETRY_AFTER, value);
         }
@@ -291,8 +330,12 @@ pub(crate) async fn login(
         if count <= 10 || count % 100 == 0 {
             tracing::warn!(client = %shown, failures = count, "console login failed: not a valid token");
         }
-        let page = login_form(&base, "that token is not valid");
-        return (StatusCode::UNAUTHORIZED, page).into_response();
+        return login_form(
+            &base,
+            &headers,
+            StatusCode::UNAUTHORIZED,
+            "that token is not valid",
+        );
     };
     // A success clears its address' failures, except on loopback: behind a proxy every
     // client shares it, and one user's login must not clear another's guesses.

@@ -2,9 +2,17 @@
 //! rows processed per minute over the last hour (an SVG chart drawn here), the longest-blocked
 //! records with their reason, the paused event types, and the audit log. Its live part is also
 //! served alone (`/fragments/overview`), which `console.js` polls to refresh the page.
+//!
+//! However many tabs poll it, the console reads the live part once per [`OVERVIEW_REFRESH`]:
+//! the result is shared ([`OverviewCache`]), and requests that arrive while it is being read
+//! wait for that read rather than starting their own. A page load (`/`) reads afresh (and
+//! shares what it read): an operator who opens the overview sees the queue as it is now.
 
 use axum::Extension;
 use axum::extract::State;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use axum::response::{IntoResponse, Response};
 use maud::{Markup, html};
 use outbox_persistence::console::{QueueCounts, Throughput, queue_counts, throughput};
@@ -14,12 +22,47 @@ use crate::layout::{Base, PageError, age, csrf_field, shell, ts};
 use crate::security::{Actor, may_act};
 use crate::{AUDIT_ENTRIES_SHOWN, BLOCKED_KEYS_SHOWN, Console};
 
+/// How long one read of the overview's live part serves every request (the pages poll every
+/// 2 s: `console.js`).
+pub const OVERVIEW_REFRESH: Duration = Duration::from_secs(2);
+
 /// What the live part of the overview shows.
 struct Live {
     counts: QueueCounts,
     throughput: Throughput,
     blocked: Vec<BlockedKey>,
-    paused: Vec<PausedType>,
+    /// The paused types, or why they could not be read (shown as a banner: the rest of the
+    /// overview stands without them).
+    paused: Result<Vec<PausedType>, String>,
+}
+
+/// The live part last read and when: shared by every request for [`OVERVIEW_REFRESH`]. The
+/// lock is held while a read runs, so concurrent requests wait for it instead of reading too.
+#[derive(Default)]
+pub(crate) struct OverviewCache(tokio::sync::Mutex<Option<(Instant, Arc<Live>)>>);
+
+impl OverviewCache {
+    /// Drops the shared read: an action changed what it shows (the operator who paused a type
+    /// sees it paused at once).
+    pub(crate) async fn invalidate(&self) {
+        *self.0.lock().await = None;
+    }
+}
+
+/// The live part: the shared read when it is younger than [`OVERVIEW_REFRESH`] (and `fresh`
+/// is not asked for), otherwise read now (once, whoever else asks meanwhile). A failed read is
+/// not kept.
+async fn live(console: &Console, fresh: bool) -> Result<Arc<Live>, PageError> {
+    let mut cached = console.overview_cache().0.lock().await;
+    if let Some((at, live)) = cached.as_ref()
+        && at.elapsed() < OVERVIEW_REFRESH
+        && !fresh
+    {
+        return Ok(live.clone());
+    }
+    let live = Arc::new(read_live(console).await?);
+    *cached = Some((Instant::now(), live.clone()));
+    Ok(live)
 }
 
 async fn read_live(console: &Console) -> Result<Live, PageError> {
@@ -32,11 +75,16 @@ async fn read_live(console: &Console) -> Result<Live, PageError> {
         repo.blocked_keys(policy, BLOCKED_KEYS_SHOWN),
         repo.paused_event_types(),
     );
+    let paused = paused.map_err(|e| {
+        tracing::warn!(error = %e.chain(), "the console could not read the paused event types");
+        console.note_read_failure("paused_types");
+        e.to_string()
+    });
     Ok(Live {
         counts: counts?,
         throughput: throughput?,
         blocked: blocked?,
-        paused: paused?,
+        paused,
     })
 }
 
@@ -46,7 +94,7 @@ pub(crate) async fn page(
     Extension(actor): Extension<Actor>,
     base: Base,
 ) -> Result<Response, PageError> {
-    let live = read_live(&console).await?;
+    let live = live(&console, true).await?;
     let audit = console.repo().audit_log(AUDIT_ENTRIES_SHOWN).await?;
     let body = html! {
         section #live data-fragment=(base.link("/fragments/overview")) {
@@ -65,7 +113,7 @@ pub(crate) async fn fragment(
     Extension(actor): Extension<Actor>,
     base: Base,
 ) -> Result<Response, PageError> {
-    let live = read_live(&console).await?;
+    let live = live(&console, false).await?;
     Ok(live_section(&console, &actor, &base, &live).into_response())
 }
 
@@ -108,21 +156,36 @@ fn live_section(console: &Console, actor: &Actor, base: &Base, live: &Live) -> M
         h2 { "Processed per minute, last hour" }
         (chart(&live.throughput))
         h2 { "Paused event types" }
-        (paused_table(console, actor, base, &live.paused))
+        @match &live.paused {
+            Ok(paused) => (paused_table(console, actor, base, paused)),
+            Err(_) => p.warning data-testid="paused-unread" {
+                "The paused event types could not be read (a database not migrated to this version, or a role that may not read _System_OutboxPausedType): this overview cannot say which types are paused. The console's log has the error; outbox_console_read_failures_total counts it."
+            },
+        }
         h2 { "Longest-blocked records" }
         (blocked_table(base, &live.blocked))
     }
 }
 
-/// The chart: one bar per minute, the current minute on the right.
+/// The chart: one bar per minute, the current minute on the right, with labelled axes (rows
+/// per minute up the left, from 0 to the peak; minutes ago along the bottom).
 fn chart(t: &Throughput) -> Markup {
     let max = t.per_minute.iter().copied().max().unwrap_or(0).max(1);
+    // The plot sits right of the y labels (x 60..660) and above the x labels (y 10..110).
     html! {
-        svg.chart viewBox="0 0 600 110" role="img" aria-label="rows processed per minute" {
-            line x1="0" y1="100" x2="600" y2="100" class="axis" {}
+        svg.chart viewBox="0 0 680 140" role="img" aria-label="rows processed per minute, last hour" {
+            line x1="60" y1="110" x2="660" y2="110" class="axis" {}
+            line x1="60" y1="10" x2="60" y2="110" class="axis" {}
+            text.label x="54" y="14" text-anchor="end" data-testid="chart-y-max" { (max) }
+            text.label x="54" y="112" text-anchor="end" { "0" }
+            text.label x="12" y="60" text-anchor="middle" transform="rotate(-90 12 60)" { "rows / min" }
+            @for (x, label) in [(60, "60 min ago"), (360, "30 min ago"), (660, "now")] {
+                text.label x=(x) y="126" text-anchor="middle" { (label) }
+            }
+            text.label x="360" y="139" text-anchor="middle" data-testid="chart-x-axis" { "minutes ago (UTC, the database's clock)" }
             @for (i, n) in t.per_minute.iter().enumerate() {
                 @let h = (*n as f64 / max as f64 * 100.0).round();
-                rect x=(i * 10) y=(100.0 - h) width="8" height=(h) class="bar" {
+                rect x=(60 + i * 10) y=(110.0 - h) width="8" height=(h) class="bar" {
                     title { (59 - i) " min ago: " (n) }
                 }
             }
@@ -248,5 +311,16 @@ mod tests {
         let svg = chart(&t).into_string();
         assert_eq!(svg.matches("<rect").count(), 60);
         assert!(!svg.contains("style="));
+        // Labelled axes: the peak and zero up the left, minutes ago along the bottom.
+        assert!(svg.contains(r#"data-testid="chart-y-max">59<"#), "{svg}");
+        for label in [
+            "rows / min",
+            "60 min ago",
+            "30 min ago",
+            "now",
+            "minutes ago",
+        ] {
+            assert!(svg.contains(label), "no {label:?} in {svg}");
+        }
     }
 }

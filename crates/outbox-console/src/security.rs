@@ -245,7 +245,7 @@ pub(crate) async fn authenticate(
             } else {
                 "this console needs a token"
             };
-            (status, login_form(&base, message)).into_response()
+            login_form(&base, request.headers(), status, message)
         }
     }
 }

@@ -55,6 +55,9 @@ pub mod names {
     pub const BLOCKED_KEYS: &str = "outbox_blocked_keys";
     /// Counter: periodic queue reads that failed (the gauges keep their last values).
     pub const GAUGE_READ_ERRORS: &str = "outbox_gauge_read_errors_total";
+    /// Counter: reads of the paused event types that failed (the dispatcher keeps the last set
+    /// it read; a database not migrated to the pause table fails every one).
+    pub const PAUSE_READ_ERRORS: &str = "outbox_pause_read_errors_total";
     /// Counter, `status` (`processed`, `failed`): terminal rows deleted by the pruner
     /// ([`crate::prune_until_done`], the dispatcher's retention task).
     pub const PRUNED_ROWS: &str = "outbox_pruned_rows_total";
@@ -315,6 +318,11 @@ pub(crate) fn gauge_read_failed() {
     counter!(names::GAUGE_READ_ERRORS).increment(1);
 }
 
+/// Counts a failed read of the paused event types.
+pub(crate) fn pause_read_failed() {
+    counter!(names::PAUSE_READ_ERRORS).increment(1);
+}
+
 /// Bucket bounds, in seconds, of the outbox's histograms ([`HISTOGRAMS`]): 1 ms to 5 minutes.
 /// An exporter that makes summaries unless told the buckets (the Prometheus exporter does)
 /// should get these for those names: the `prometheus` feature's
@@ -397,6 +405,10 @@ pub fn describe_metrics() {
         describe_counter!(
             names::GAUGE_READ_ERRORS,
             "Periodic queue reads that failed."
+        );
+        describe_counter!(
+            names::PAUSE_READ_ERRORS,
+            "Reads of the paused event types that failed (the last set read is kept)."
         );
         describe_counter!(
             names::PRUNED_ROWS,

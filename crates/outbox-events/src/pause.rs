@@ -94,6 +94,7 @@ pub(crate) async fn run(repo: Arc<dyn OutboxRepository>, paused: Paused, stop: C
                 paused.set(types.into_iter().map(|p| p.event_type).collect());
             }
             Err(e) => {
+                crate::metrics::pause_read_failed();
                 if !std::mem::replace(&mut failing, true) {
                     tracing::warn!(error = %e.chain(), "could not read the paused event types; keeping the last known set");
                 }

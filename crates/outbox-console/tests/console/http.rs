@@ -246,9 +246,22 @@ async fn the_login_form_sets_a_strict_http_only_cookie(db: TestDb) {
         get(&console, "/", None).await.status,
         StatusCode::UNAUTHORIZED
     );
-    let bad = post(&console, "/login", None, "token=nope").await;
+    let bad = login_post(&console, "token=nope").await;
     assert_eq!(bad.status, StatusCode::UNAUTHORIZED);
-    let ok = post(&console, "/login", None, &format!("token={SECRET}")).await;
+    // The login form carries a CSRF token bound to its cookie (login CSRF): without either, or
+    // with another form's, the right token is refused.
+    let token = format!("token={SECRET}");
+    let bare = post(&console, "/login", None, &token).await;
+    assert_eq!(bare.status, StatusCode::FORBIDDEN, "{}", bare.body);
+    let (cookie, _) = login_csrf(&console).await;
+    let (_, other) = login_csrf(&console).await;
+    let request = Request::post("/login")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .header("cookie", cookie)
+        .body(Body::from(format!("{token}&csrf={other}")))
+        .unwrap();
+    assert_eq!(send(&console, request).await.status, StatusCode::FORBIDDEN);
+    let ok = login_post(&console, &token).await;
     assert_eq!(ok.status, StatusCode::SEE_OTHER);
     let cookie = ok
         .headers

@@ -5,6 +5,7 @@
 mod browser;
 mod hardening;
 mod http;
+mod load;
 mod net;
 mod support;
 mod timings;

@@ -88,6 +88,35 @@ pub async fn post(console: &Console, path: &str, token: Option<&str>, body: &str
     send(console, request.body(Body::from(body.to_string())).unwrap()).await
 }
 
+/// A login form's CSRF token and the cookie that carries it (`name=value`), from `GET /login`.
+pub async fn login_csrf(console: &Console) -> (String, String) {
+    let page = get(console, "/login", None).await;
+    let cookie = page
+        .headers
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.starts_with("outbox_console_login="))
+        .expect("the login form's cookie")
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string();
+    (cookie, csrf_of(&page.body))
+}
+
+/// `POST /login` with `body` (`token=…`), as a browser sends it from the login form: with the
+/// form's CSRF token and its cookie.
+pub async fn login_post(console: &Console, body: &str) -> Answer {
+    let (cookie, csrf) = login_csrf(console).await;
+    let request = Request::post("/login")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .header("cookie", cookie)
+        .body(Body::from(format!("{body}&csrf={csrf}")))
+        .unwrap();
+    send(console, request).await
+}
+
 /// The CSRF token of a page's forms.
 pub fn csrf_of(html: &str) -> String {
     let marker = "name=\"csrf\" value=\"";
