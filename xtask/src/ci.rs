@@ -6,6 +6,7 @@ use anyhow::{Result, bail};
 
 use crate::cmd::{Cmd, format_duration};
 use crate::pgbouncer::PgBouncer;
+use crate::standby::Standby;
 use crate::{bench, demo, deps, is_ci, postgres, tidy};
 
 /// What a CI step runs.
@@ -217,8 +218,25 @@ pub fn test(cargo_test_args: &[String]) -> Result<()> {
             .env("OUTBOX_TEST_PGBOUNCER_URL", &bouncer.url)
             .env("OUTBOX_REQUIRE_PGBOUNCER", "1");
     }
+    // The reads from a replica (the console's and `outbox status`'s `--read-database-url`)
+    // are tested against a hot standby made here; required under CI.
+    let standby = match reachable.is_ok().then(|| Standby::start(&url)) {
+        Some(Ok(standby)) => Some(standby),
+        Some(Err(e)) if is_ci() => return Err(e.context("CI=true requires a hot standby")),
+        Some(Err(e)) => {
+            println!("skipping the hot-standby tests: {e:#}");
+            None
+        }
+        None => None,
+    };
+    if let Some(standby) = &standby {
+        cargo_test = cargo_test
+            .env("OUTBOX_TEST_STANDBY_URL", &standby.url)
+            .env("OUTBOX_REQUIRE_STANDBY", "1");
+    }
     let result = cargo_test.run();
     drop(bouncer);
+    drop(standby);
     let outcome = if result.is_ok() { "passed" } else { "failed" };
     println!("backends: {backends}; tests {outcome}");
     result

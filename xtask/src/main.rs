@@ -16,6 +16,7 @@ mod deps;
 mod faults;
 mod pgbouncer;
 mod postgres;
+mod standby;
 mod tidy;
 
 use std::path::{Path, PathBuf};

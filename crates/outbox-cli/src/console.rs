@@ -46,6 +46,11 @@ pub struct ConsoleArgs {
     /// only, without tokens.
     #[arg(long)]
     pub proxy_user_header: Option<String>,
+    /// Read every page from this hot standby of the database (a streaming replica); actions
+    /// and their audit rows still go to the primary (`--database-url`). The overview shows how
+    /// far behind the standby is.
+    #[arg(long)]
+    pub read_database_url: Option<String>,
     /// The workers' stale-after, in milliseconds, to judge heartbeats by (their default when
     /// absent).
     #[arg(long)]
@@ -177,7 +182,10 @@ pub async fn run(url: Option<&str>, args: ConsoleArgs, consumers: &[Consumer]) -
             (None, false) => ", token required",
         }
     );
-    let console = Console::new(db.clone(), consumers.to_vec(), config)?;
+    let mut console = Console::new(db.clone(), consumers.to_vec(), config)?;
+    if let Some(standby) = &args.read_database_url {
+        console = console.reading_from(db::open_standby(standby).await?);
+    }
     let shutdown = CancellationToken::new();
     let on_signal = shutdown.clone();
     tokio::spawn(async move {

@@ -14,6 +14,31 @@ pub async fn open(url: Option<&str>, config: ConnectConfig) -> Result<Database> 
     Ok(db)
 }
 
+/// Opens a hot standby of the primary for reads (`--read-database-url`): a pool that gives up
+/// on a connection within 3 s, so a stopped standby is a clear error, not a wait. Its schema
+/// is the primary's (it is a streaming replica), checked as the primary's is.
+pub async fn open_standby(url: &str) -> Result<Database> {
+    let config = ConnectConfig {
+        acquire_timeout: std::time::Duration::from_secs(3),
+        ..ConnectConfig::default()
+    };
+    open(Some(url), config)
+        .await
+        .with_context(|| format!("cannot read from the standby at {}", redact(url)))
+}
+
+/// `url` without its password.
+fn redact(url: &str) -> String {
+    match (url.split_once("://"), url.rfind('@')) {
+        (Some((scheme, rest)), Some(at)) if rest.contains('@') => {
+            let creds = &url[scheme.len() + 3..at];
+            let user = creds.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}@{}", &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
 /// The environment variable that names a direct URL of the server for the wake-up `LISTEN`,
 /// when the database URL goes through a transaction pooler (`?outbox_pooler=transaction`).
 pub const LISTEN_URL_ENV: &str = "OUTBOX_LISTEN_URL";

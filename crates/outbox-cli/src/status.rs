@@ -36,6 +36,10 @@ pub struct StatusArgs {
     /// Print one JSON document instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Read from this hot standby of the database (a streaming replica) instead of the
+    /// primary; the output says how far behind it is.
+    #[arg(long)]
+    pub read_database_url: Option<String>,
 }
 
 impl StatusArgs {
@@ -61,7 +65,28 @@ struct StatusDoc {
 
 /// `outbox status`.
 pub async fn run(url: Option<&str>, args: StatusArgs) -> Result<ExitCode> {
-    let db = db::open(url, ConnectConfig::default()).await?;
+    let db = match &args.read_database_url {
+        Some(standby) => {
+            let db = db::open_standby(standby).await?;
+            if let Some(lag) = outbox_persistence::console::replica_lag(&db).await? {
+                let behind = lag
+                    .behind_seconds
+                    .map_or("no transaction replayed yet".to_string(), |s| {
+                        format!("data as of {s:.1} s ago")
+                    });
+                let caught_up = if lag.caught_up {
+                    ", caught up"
+                } else {
+                    ", replaying"
+                };
+                eprintln!("read from a hot standby: {behind}{caught_up}");
+            } else {
+                eprintln!("warning: --read-database-url is not a standby (not in recovery)");
+            }
+            db
+        }
+        None => db::open(url, ConnectConfig::default()).await?,
+    };
     let repo = db.repository();
     let policy = args.policy();
     if let Some(key) = &args.key {

@@ -81,7 +81,10 @@ pub(crate) async fn retry(
         Ok(filter) => filter,
         Err(why) => return Ok(bad_request(why)),
     };
-    let n = console.repo().retry_failed_by(filter, &actor.name).await?;
+    let n = console
+        .writer()
+        .retry_failed_by(filter, &actor.name)
+        .await?;
     console.overview_cache().invalidate().await;
     tracing::info!(actor = %actor.name, rows = n, "console: retried failed rows");
     let message = format!("Retried {n} failed row(s): they are pending again.");
@@ -123,7 +126,7 @@ async fn set_paused(
     let Some(event_type) = field(&fields, "event_type") else {
         return Ok(bad_request(&format!("name the event type to {verb}")));
     };
-    let repo = console.repo();
+    let repo = console.writer();
     let changed = if pause {
         repo.pause_event_type(event_type, &actor.name).await?
     } else {

@@ -318,8 +318,13 @@ pub struct Console {
 }
 
 struct Inner {
+    /// Where pages read: the primary, or a hot standby ([`Console::reading_from`]).
     db: Database,
     repo: Arc<dyn OutboxRepository>,
+    /// Where actions and their audit rows go: always the primary.
+    writer: Arc<dyn OutboxRepository>,
+    /// Whether `db` is a standby (its lag is shown, its failures named).
+    standby: bool,
     consumers: Vec<Consumer>,
     config: ConsoleConfig,
     /// The CSRF token of this console's run without tokens (random, from UUID v4s' bytes).
@@ -343,6 +348,7 @@ impl Console {
     ) -> Result<Self, ConsoleError> {
         check_config(&config)?;
         let repo = db.repository();
+        let writer = repo.clone();
         let token_csrf = config
             .tokens
             .iter()
@@ -352,6 +358,8 @@ impl Console {
             inner: Arc::new(Inner {
                 db,
                 repo,
+                writer,
+                standby: false,
                 consumers,
                 config,
                 csrf: security::random_secret(),
@@ -360,6 +368,44 @@ impl Console {
                 overview: overview::OverviewCache::default(),
             }),
         })
+    }
+
+    /// Sends every read (pages, the overview, the gate's counts) to `standby`, a streaming
+    /// replica of the primary this console was made with; actions (retry, pause, resume) and
+    /// their audit rows still go to the primary. The overview shows how far behind the
+    /// standby is. Call before serving (the console is shared once served).
+    pub fn reading_from(self, standby: Database) -> Self {
+        let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
+            db: shared.db.clone(),
+            repo: shared.repo.clone(),
+            writer: shared.writer.clone(),
+            standby: shared.standby,
+            consumers: shared.consumers.clone(),
+            config: shared.config.clone(),
+            csrf: shared.csrf.clone(),
+            token_csrf: shared.token_csrf.clone(),
+            logins: login::Logins::default(),
+            overview: overview::OverviewCache::default(),
+        });
+        let repo = standby.repository();
+        Self {
+            inner: Arc::new(Inner {
+                db: standby,
+                repo,
+                standby: true,
+                ..inner
+            }),
+        }
+    }
+
+    /// Where actions write: the primary.
+    pub(crate) fn writer(&self) -> &Arc<dyn OutboxRepository> {
+        &self.inner.writer
+    }
+
+    /// Whether pages read from a standby.
+    pub(crate) fn reads_standby(&self) -> bool {
+        self.inner.standby
     }
 
     /// The index of the token whose secret is `secret` (every token is compared, whichever

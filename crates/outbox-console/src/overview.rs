@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use axum::response::{IntoResponse, Response};
 use maud::{Markup, html};
-use outbox_persistence::console::{QueueCounts, Throughput, queue_counts, throughput};
+use outbox_persistence::console::{
+    QueueCounts, ReplicaLag, Throughput, queue_counts, replica_lag, throughput,
+};
 use outbox_persistence::{AuditEntry, BlockedKey, PausedType};
 
 use crate::layout::{Base, PageError, age, csrf_field, shell, ts};
@@ -34,6 +36,8 @@ struct Live {
     /// The paused types, or why they could not be read (shown as a banner: the rest of the
     /// overview stands without them).
     paused: Result<Vec<PausedType>, String>,
+    /// How far behind the standby the console reads from is (`None`: it reads the primary).
+    lag: Option<ReplicaLag>,
 }
 
 /// The live part last read and when: shared by every request for [`OVERVIEW_REFRESH`]. The
@@ -75,6 +79,11 @@ async fn read_live(console: &Console) -> Result<Live, PageError> {
         repo.blocked_keys(policy, BLOCKED_KEYS_SHOWN),
         repo.paused_event_types(),
     );
+    let lag = if console.reads_standby() {
+        replica_lag(console.db()).await?
+    } else {
+        None
+    };
     let paused = paused.map_err(|e| {
         tracing::warn!(error = %e.chain(), "the console could not read the paused event types");
         console.note_read_failure("paused_types");
@@ -85,6 +94,7 @@ async fn read_live(console: &Console) -> Result<Live, PageError> {
         throughput: throughput?,
         blocked: blocked?,
         paused,
+        lag,
     })
 }
 
@@ -141,6 +151,9 @@ fn live_section(console: &Console, actor: &Actor, base: &Base, live: &Live) -> M
     };
     let oldest = s.oldest_pending_age_seconds.map_or("none".to_string(), age);
     html! {
+        @if let Some(lag) = &live.lag {
+            p.note data-testid="replica-lag" { (describe_lag(lag)) }
+        }
         div.counts {
             (count("pending", "count-pending", s.pending))
             (count("processing", "count-processing", s.processing))
@@ -164,6 +177,20 @@ fn live_section(console: &Console, actor: &Actor, base: &Base, live: &Live) -> M
         }
         h2 { "Longest-blocked records" }
         (blocked_table(base, &live.blocked))
+    }
+}
+
+/// What the page says of the standby it reads from.
+fn describe_lag(lag: &ReplicaLag) -> String {
+    let reads = "Read from a hot standby (actions go to the primary)";
+    match (lag.behind_seconds, lag.caught_up) {
+        (None, _) => format!("{reads}: it has replayed no transaction yet."),
+        (Some(s), false) => format!(
+            "{reads}: data as of {s:.1} s ago; it is replaying what the primary wrote since."
+        ),
+        (Some(s), true) => format!(
+            "{reads}: data as of {s:.1} s ago, caught up with everything the primary has sent (the primary has written nothing newer)."
+        ),
     }
 }
 

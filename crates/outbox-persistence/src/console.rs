@@ -204,6 +204,37 @@ const SQLITE_THROUGHPUT: &str = "
     WHERE Status = 'processed' AND CreatedDate >= ?1 AND LastModifiedDate >= ?2
     GROUP BY 1";
 
+/// How far a hot standby's data is behind its primary, as `replica_lag` reads it on the standby.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplicaLag {
+    /// Seconds since the newest transaction the standby has replayed committed on the primary
+    /// (`now() - pg_last_xact_replay_timestamp()`); `None` before it replayed any.
+    pub behind_seconds: Option<f64>,
+    /// Whether the standby has replayed all the WAL it received (then a large
+    /// `behind_seconds` only means the primary has been idle).
+    pub caught_up: bool,
+}
+
+/// How far the database `db` reads from is behind its primary: `None` when it is not a standby
+/// (a primary, or SQLite).
+pub async fn replica_lag(db: &Database) -> Result<Option<ReplicaLag>> {
+    let Database::Postgres(pool) = db else {
+        return Ok(None);
+    };
+    let row: (bool, Option<f64>, bool) = sqlx::query_as(
+        "SELECT pg_is_in_recovery(),
+                EXTRACT(EPOCH FROM clock_timestamp() - pg_last_xact_replay_timestamp())::float8,
+                coalesce(pg_last_wal_receive_lsn() <= pg_last_wal_replay_lsn(), true)",
+    )
+    .persistent(pool_caches_statements(pool))
+    .fetch_one(pool)
+    .await?;
+    Ok(row.0.then_some(ReplicaLag {
+        behind_seconds: row.1,
+        caught_up: row.2,
+    }))
+}
+
 /// Rows that became `processed` in each minute of the last hour (see the module's note on
 /// [`THROUGHPUT_LOOKBACK`]).
 pub async fn throughput(db: &Database) -> Result<Throughput> {

@@ -7,6 +7,7 @@ mod events;
 mod heads;
 mod pause;
 mod production;
+mod standby;
 
 use std::process::{Command, Output};
 

@@ -7,5 +7,6 @@ mod hardening;
 mod http;
 mod load;
 mod net;
+mod standby;
 mod support;
 mod timings;
