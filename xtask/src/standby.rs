@@ -47,6 +47,19 @@ impl Standby {
                 bin.display()
             );
         }
+        remove_stale(&bin);
+        // A hot standby refuses to start with less of these than its primary.
+        let mut settings = String::new();
+        for name in [
+            "max_connections",
+            "max_worker_processes",
+            "max_locks_per_transaction",
+            "max_prepared_transactions",
+            "max_wal_senders",
+        ] {
+            let value = postgres::psql(server_url, &format!("SHOW {name}"))?;
+            settings.push_str(&format!("{name} = {}\n", value.trim()));
+        }
         let listen = free_port()?;
         let dir = std::env::temp_dir().join(format!("outbox-standby-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -58,14 +71,14 @@ impl Standby {
         };
         chown_postgres(&dir)?;
         as_postgres(&bin.join("pg_basebackup"))
-            .args(["-h", &host, "-p", &port.to_string(), "-U", "postgres", "-R", "-X", "stream"])
+            .args(["-h", &host, "-p", &port.to_string(), "-U", "postgres", "-R", "-X", "stream", "--checkpoint=fast"])
             .arg("-D")
             .arg(&dir)
             .run_quietly("pg_basebackup (the server's pg_hba.conf needs a replication entry for 127.0.0.1; .ci/run adds one)")?;
         std::fs::write(
             dir.join("postgresql.conf"),
             format!(
-                "port = {listen}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nhot_standby = on\nshared_buffers = 32MB\nmax_connections = 100\n",
+                "port = {listen}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nhot_standby = on\nshared_buffers = 32MB\n{settings}",
                 dir.display()
             ),
         )?;
@@ -81,8 +94,9 @@ impl Standby {
             .arg("-l")
             .arg(dir.join("standby.log"))
             .args(["-w", "-t", &START_TIMEOUT.as_secs().to_string(), "start"])
-            .run_quietly("pg_ctl start (the standby)")?;
-        postgres::wait_ready(&standby.url, START_TIMEOUT)?;
+            .run_quietly("pg_ctl start (the standby)")
+            .map_err(|e| e.context(log_tail(&dir)))?;
+        postgres::wait_ready(&standby.url, START_TIMEOUT).map_err(|e| e.context(log_tail(&dir)))?;
         println!("hot standby (pg_basebackup -R) at 127.0.0.1:{listen}");
         Ok(standby)
     }
@@ -101,6 +115,39 @@ impl Drop for Standby {
 
 /// Gives `dir` to the `postgres` user, readable by it alone (the server refuses a data
 /// directory others may read).
+/// The end of the standby's log, for an error (the directory goes with the guard).
+fn log_tail(dir: &Path) -> String {
+    let log = std::fs::read_to_string(dir.join("standby.log")).unwrap_or_default();
+    let tail: Vec<&str> = log.lines().rev().take(10).collect();
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    format!("the standby's log ends:\n{}", tail.join("\n"))
+}
+
+/// Stops and removes standbys that earlier runs left (a run stopped by Ctrl-C skips the guard,
+/// and `pg_ctl` detaches the server): each holds one of the primary's WAL senders.
+fn remove_stale(bin: &Path) {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    let mine = format!("outbox-standby-{}", std::process::id());
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        // Only those whose run is gone (another run's standby is in use).
+        let owner_alive = name
+            .strip_prefix("outbox-standby-")
+            .and_then(|pid| pid.parse::<u32>().ok())
+            .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        if name.starts_with("outbox-standby-") && name != mine && !owner_alive {
+            let _ = as_postgres(&bin.join("pg_ctl"))
+                .arg("-D")
+                .arg(entry.path())
+                .args(["-m", "immediate", "stop"])
+                .output();
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 fn chown_postgres(dir: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;

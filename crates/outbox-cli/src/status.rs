@@ -74,10 +74,10 @@ pub async fn run(url: Option<&str>, args: StatusArgs) -> Result<ExitCode> {
                     .map_or("no transaction replayed yet".to_string(), |s| {
                         format!("data as of {s:.1} s ago")
                     });
-                let caught_up = if lag.caught_up {
-                    ", caught up"
-                } else {
-                    ", replaying"
+                let caught_up = match (lag.streaming, lag.caught_up) {
+                    (false, _) => ", NOT streaming from the primary: the data may be old",
+                    (true, true) => ", caught up",
+                    (true, false) => ", replaying",
                 };
                 eprintln!("read from a hot standby: {behind}{caught_up}");
             } else {

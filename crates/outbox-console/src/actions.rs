@@ -85,7 +85,7 @@ pub(crate) async fn retry(
         .writer()
         .retry_failed_by(filter, &actor.name)
         .await?;
-    console.overview_cache().invalidate().await;
+    console.overview_cache().invalidate();
     tracing::info!(actor = %actor.name, rows = n, "console: retried failed rows");
     let message = format!("Retried {n} failed row(s): they are pending again.");
     Ok(done(&console, &actor, &base, message, "/failed"))
@@ -132,7 +132,7 @@ async fn set_paused(
     } else {
         repo.resume_event_type(event_type, &actor.name).await?
     };
-    console.overview_cache().invalidate().await;
+    console.overview_cache().invalidate();
     tracing::info!(actor = %actor.name, event_type, changed, "console: {verb}d an event type");
     let message = match (pause, changed) {
         (true, true) => format!(

@@ -206,7 +206,6 @@ impl IntoResponse for PageError {
             (DOCTYPE)
             html { body {
                 h1 { "The console could not read the queue" }
-                p { "When it reads from a standby (--read-database-url), the standby may be down or unreachable; actions still go to the primary." }
                 p.error data-testid="error-id" { "Error id " code { (id) } ": the console's log has the details under this id." }
             } }
         };

@@ -126,10 +126,12 @@ impl NamedToken {
             _ => (text, Role::Viewer),
         };
         match rest.split_once(':') {
-            Some((name, secret)) if !name.is_empty() && weak_secret(secret).is_none() => Ok(Self {
-                role,
-                ..Self::new(name, secret)
-            }),
+            Some((name, secret)) if !name.is_empty() && security::weak_secret(secret).is_none() => {
+                Ok(Self {
+                    role,
+                    ..Self::new(name, secret)
+                })
+            }
             _ => Err(ConsoleError::BadToken),
         }
     }
@@ -247,70 +249,6 @@ pub fn bind_check(addr: SocketAddr, config: &ConsoleConfig) -> Result<(), Consol
     }
 }
 
-/// Why `secret` is too weak for a console token, or `None`: shorter than [`MIN_SECRET_LEN`]
-/// characters, or fewer than 6 distinct characters (`aaaaaaaaaaaaaaaa`, `abababab…`).
-fn weak_secret(secret: &str) -> Option<&'static str> {
-    if secret.chars().count() < MIN_SECRET_LEN {
-        return Some("its secret is shorter than 16 characters");
-    }
-    let distinct: std::collections::HashSet<char> = secret.chars().collect();
-    (distinct.len() < 6).then_some("its secret repeats fewer than 6 distinct characters")
-}
-
-/// Refuses tokens an attacker could guess or that would be ambiguous: an empty name, a secret
-/// shorter than [`MIN_SECRET_LEN`] (an empty one from an unset variable would match an empty
-/// form field), two tokens with one secret; and a proxy's user header beside tokens.
-fn check_config(config: &ConsoleConfig) -> Result<(), ConsoleError> {
-    for (i, token) in config.tokens.iter().enumerate() {
-        let weak = |why| ConsoleError::WeakToken {
-            name: token.name.clone(),
-            why,
-        };
-        if token.name.trim().is_empty() {
-            return Err(weak("its name is empty"));
-        }
-        if let Some(why) = weak_secret(&token.secret) {
-            return Err(weak(why));
-        }
-        if token.secret.len() > security::MAX_SECRET_LEN {
-            return Err(weak("its secret is longer than 512 bytes"));
-        }
-        if config.tokens[..i].iter().any(|t| t.secret == token.secret) {
-            return Err(weak("its secret is another token's"));
-        }
-        // The audit and the sessions tell tokens apart by name.
-        if config.tokens[..i].iter().any(|t| t.name == token.name) {
-            return Err(weak("its name is another token's"));
-        }
-    }
-    for origin in &config.public_origins {
-        let authority = origin
-            .strip_prefix("https://")
-            .or_else(|| origin.strip_prefix("http://"));
-        let valid = authority.is_some_and(|a| {
-            let a = a.trim_end_matches('/');
-            !a.is_empty() && !a.contains(['/', '?', '#', '@', ' '])
-        });
-        if !valid {
-            return Err(ConsoleError::Config(
-                "a public origin is scheme://host[:port] (for example https://ops.example.com), without a path",
-            ));
-        }
-    }
-    let open = config.tokens.is_empty() && config.proxy_user_header.is_none();
-    if open && config.allow_actions && !config.public_origins.is_empty() {
-        tracing::warn!(
-            "the console has public origins but neither tokens nor a proxy's user header: whoever reaches it through the proxy can act; authenticate at the proxy and name the user (proxy_user_header), or configure tokens"
-        );
-    }
-    if config.proxy_user_header.is_some() && !config.tokens.is_empty() {
-        return Err(ConsoleError::Config(
-            "a proxy's user header and tokens exclude each other: authenticate at the proxy or with tokens",
-        ));
-    }
-    Ok(())
-}
-
 /// The console's state: the database, the service's consumers and the configuration.
 #[derive(Clone)]
 pub struct Console {
@@ -346,7 +284,7 @@ impl Console {
         consumers: Vec<Consumer>,
         config: ConsoleConfig,
     ) -> Result<Self, ConsoleError> {
-        check_config(&config)?;
+        security::check_config(&config)?;
         let repo = db.repository();
         let writer = repo.clone();
         let token_csrf = config
@@ -375,7 +313,11 @@ impl Console {
     /// their audit rows still go to the primary. The overview shows how far behind the
     /// standby is. Call before serving (the console is shared once served).
     pub fn reading_from(self, standby: Database) -> Self {
-        let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
+        let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| {
+            // Clones made before (a router already built) keep reading the primary, with
+            // their own sessions: only this console and its later clones read the standby.
+            tracing::warn!("Console::reading_from on a console already shared: its earlier clones keep reading the primary");
+            Inner {
             db: shared.db.clone(),
             repo: shared.repo.clone(),
             writer: shared.writer.clone(),
@@ -386,6 +328,7 @@ impl Console {
             token_csrf: shared.token_csrf.clone(),
             logins: login::Logins::default(),
             overview: overview::OverviewCache::default(),
+        }
         });
         let repo = standby.repository();
         Self {
@@ -567,30 +510,35 @@ mod tests {
             tokens,
             ..ConsoleConfig::default()
         };
-        let err = check_config(&config(vec![NamedToken::new("ops", "")])).unwrap_err();
+        let err = security::check_config(&config(vec![NamedToken::new("ops", "")])).unwrap_err();
         assert!(err.to_string().contains("shorter than 16"), "{err}");
-        assert!(check_config(&config(vec![NamedToken::new("ops", "aaaaaaaa")])).is_err());
+        assert!(security::check_config(&config(vec![NamedToken::new("ops", "aaaaaaaa")])).is_err());
         let repetitive = NamedToken::new("ops", "a".repeat(16));
-        assert!(check_config(&config(vec![repetitive])).is_err());
+        assert!(security::check_config(&config(vec![repetitive])).is_err());
         assert!(NamedToken::parse("ops:aaaaaaaaaaaaaaaa").is_err());
-        assert!(check_config(&config(vec![NamedToken::new("", "0123456789abcdef")])).is_err());
+        assert!(
+            security::check_config(&config(vec![NamedToken::new("", "0123456789abcdef")])).is_err()
+        );
         let same = vec![
             NamedToken::new("a", "0123456789abcdef"),
             NamedToken::operator("b", "0123456789abcdef"),
         ];
-        assert!(check_config(&config(same)).is_err());
+        assert!(security::check_config(&config(same)).is_err());
         let same_name = vec![
             NamedToken::new("ops", "0123456789abcdef"),
             NamedToken::operator("ops", "fedcba9876543210"),
         ];
-        assert!(check_config(&config(same_name)).is_err());
+        assert!(security::check_config(&config(same_name)).is_err());
         let origins = |o: &str| ConsoleConfig {
             public_origins: vec![o.to_string()],
             ..ConsoleConfig::default()
         };
-        assert!(check_config(&origins("https://ops.example.com")).is_ok());
-        assert!(check_config(&origins("ops.example.com")).is_err());
-        assert!(check_config(&origins("https://ops.example.com/console")).is_err());
-        assert!(check_config(&config(vec![NamedToken::new("ops", "0123456789abcdef")])).is_ok());
+        assert!(security::check_config(&origins("https://ops.example.com")).is_ok());
+        assert!(security::check_config(&origins("ops.example.com")).is_err());
+        assert!(security::check_config(&origins("https://ops.example.com/console")).is_err());
+        assert!(
+            security::check_config(&config(vec![NamedToken::new("ops", "0123456789abcdef")]))
+                .is_ok()
+        );
     }
 }

@@ -40,57 +40,106 @@ struct Live {
     lag: Option<ReplicaLag>,
 }
 
-/// The live part last read and when: shared by every request for [`OVERVIEW_REFRESH`]. The
-/// lock is held while a read runs, so concurrent requests wait for it instead of reading too.
+/// How long a failed read of the live part answers the polls that waited for it (they get the
+/// same error rather than each trying again behind the lock).
+const FAILURE_KEPT: Duration = Duration::from_secs(1);
+
+/// The longest one read of the live part may take (a standby that stops answering without
+/// refusing connections would otherwise hold every poll).
+const READ_LIMIT: Duration = Duration::from_secs(10);
+
+/// One read of the live part: what it read, or why it failed.
+type LiveRead = Result<Arc<Live>, String>;
+
+/// The live part last read (or why it failed) and when, shared by every request for
+/// [`OVERVIEW_REFRESH`] ([`FAILURE_KEPT`] for a failure). One read runs at a time (`flight`):
+/// requests that arrive meanwhile wait for it and take its result. Invalidating never waits
+/// for a read.
 #[derive(Default)]
-pub(crate) struct OverviewCache(tokio::sync::Mutex<Option<(Instant, Arc<Live>)>>);
+pub(crate) struct OverviewCache {
+    last: std::sync::Mutex<Option<(Instant, LiveRead)>>,
+    flight: tokio::sync::Mutex<()>,
+}
 
 impl OverviewCache {
     /// Drops the shared read: an action changed what it shows (the operator who paused a type
-    /// sees it paused at once).
-    pub(crate) async fn invalidate(&self) {
-        *self.0.lock().await = None;
+    /// sees it paused at once, when the console reads the primary).
+    pub(crate) fn invalidate(&self) {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// The shared read if it is recent enough: younger than `since` when it succeeded.
+    fn recent(&self, since: Instant) -> Option<LiveRead> {
+        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let (at, read) = last.as_ref()?;
+        let fresh = match read {
+            Ok(_) => *at >= since && at.elapsed() < OVERVIEW_REFRESH,
+            Err(_) => *at >= since && at.elapsed() < FAILURE_KEPT,
+        };
+        fresh.then(|| read.clone())
     }
 }
 
 /// The live part: the shared read when it is younger than [`OVERVIEW_REFRESH`] (and `fresh`
-/// is not asked for), otherwise read now (once, whoever else asks meanwhile). A failed read is
-/// not kept.
+/// is not asked for), otherwise read now, once, whoever else asks meanwhile (they take this
+/// read, or its failure).
 async fn live(console: &Console, fresh: bool) -> Result<Arc<Live>, PageError> {
-    let mut cached = console.overview_cache().0.lock().await;
-    if let Some((at, live)) = cached.as_ref()
-        && at.elapsed() < OVERVIEW_REFRESH
-        && !fresh
-    {
-        return Ok(live.clone());
+    let cache = console.overview_cache();
+    let asked = Instant::now();
+    // A fresh read must have begun after the request: anything older will not do.
+    let since = |asked: Instant| {
+        if fresh {
+            asked
+        } else {
+            asked.checked_sub(OVERVIEW_REFRESH).unwrap_or(asked)
+        }
+    };
+    if let Some(read) = cache.recent(since(asked)) {
+        return read.map_err(PageError);
     }
-    let live = Arc::new(read_live(console).await?);
-    *cached = Some((Instant::now(), live.clone()));
-    Ok(live)
+    let _flight = cache.flight.lock().await;
+    // Read by the flight this request waited for?
+    if let Some(read) = cache.recent(since(asked)) {
+        return read.map_err(PageError);
+    }
+    let began = Instant::now();
+    let read = match tokio::time::timeout(READ_LIMIT, read_live(console)).await {
+        Ok(Ok(live)) => Ok(Arc::new(live)),
+        Ok(Err(PageError(e))) => Err(e),
+        Err(_) => Err(format!(
+            "reading the overview took longer than {} s",
+            READ_LIMIT.as_secs()
+        )),
+    };
+    *cache.last.lock().unwrap_or_else(|e| e.into_inner()) = Some((began, read.clone()));
+    read.map_err(PageError)
 }
 
 async fn read_live(console: &Console) -> Result<Live, PageError> {
     let policy = console.config().claim_policy;
     let repo = console.repo();
+    let standby = console.reads_standby();
     // The blocked keys are read from the heads table; read them beside the counts.
-    let (counts, throughput, blocked, paused) = tokio::join!(
+    let (counts, throughput, blocked, paused, lag) = tokio::join!(
         queue_counts(console.db(), console.repo().as_ref(), policy),
         throughput(console.db()),
         repo.blocked_keys(policy, BLOCKED_KEYS_SHOWN),
         repo.paused_event_types(),
+        async {
+            match standby {
+                true => replica_lag(console.db()).await,
+                false => Ok(None),
+            }
+        },
     );
-    let lag = if console.reads_standby() {
-        replica_lag(console.db()).await?
-    } else {
-        None
-    };
+    let (counts, lag) = (counts?, lag?);
     let paused = paused.map_err(|e| {
         tracing::warn!(error = %e.chain(), "the console could not read the paused event types");
         console.note_read_failure("paused_types");
         e.to_string()
     });
     Ok(Live {
-        counts: counts?,
+        counts,
         throughput: throughput?,
         blocked: blocked?,
         paused,
@@ -183,6 +232,14 @@ fn live_section(console: &Console, actor: &Actor, base: &Base, live: &Live) -> M
 /// What the page says of the standby it reads from.
 fn describe_lag(lag: &ReplicaLag) -> String {
     let reads = "Read from a hot standby (actions go to the primary)";
+    if !lag.streaming {
+        let behind = lag.behind_seconds.map_or(String::new(), |s| {
+            format!(" (its newest data is {s:.1} s old)")
+        });
+        return format!(
+            "{reads}: it is NOT streaming from the primary (its WAL receiver is down){behind}; what this page shows may be old."
+        );
+    }
     match (lag.behind_seconds, lag.caught_up) {
         (None, _) => format!("{reads}: it has replayed no transaction yet."),
         (Some(s), false) => format!(

@@ -12,7 +12,7 @@ use subtle::ConstantTimeEq;
 
 use crate::layout::Base;
 use crate::login::{SESSION_COOKIE, cookie, login_form};
-use crate::{Console, Role};
+use crate::{Console, ConsoleConfig, ConsoleError, MIN_SECRET_LEN, Role};
 
 /// The Content-Security-Policy of every response: no inline script or style, nothing from
 /// another origin, no framing.
@@ -234,7 +234,11 @@ pub(crate) async fn authenticate(
     match actor_of(&console, request.headers(), touch) {
         Some(actor) => {
             request.extensions_mut().insert(actor);
-            next.run(request).await
+            let response = next.run(request).await;
+            if console.reads_standby() && response.status() == StatusCode::INTERNAL_SERVER_ERROR {
+                return with_standby_hint(response).await;
+            }
+            response
         }
         None if open => next.run(request).await,
         None => {
@@ -248,6 +252,24 @@ pub(crate) async fn authenticate(
             login_form(&base, request.headers(), status, message)
         }
     }
+}
+
+/// A failed page of a console that reads from a standby, saying so (the page's error id and
+/// the rest of it kept).
+async fn with_standby_hint(response: Response) -> Response {
+    let (parts, body) = response.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, 1 << 16).await else {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the console could not read the queue",
+        )
+            .into_response();
+    };
+    let hint = "<p data-testid=\"standby-hint\">This console reads from a standby \
+                (--read-database-url): the standby may be down or unreachable. Actions still go \
+                to the primary.</p>";
+    let page = String::from_utf8_lossy(&bytes).replacen("</h1>", &format!("</h1>{hint}"), 1);
+    Response::from_parts(parts, axum::body::Body::from(page))
 }
 
 /// A 400 for a query string holding a value the console never takes: a NUL or another
@@ -310,6 +332,70 @@ pub(crate) fn refuse_action(
 /// Whether `actor` may act on this console (its pages then show the action forms).
 pub(crate) fn may_act(console: &Console, actor: &Actor) -> bool {
     console.config().allow_actions && actor.role == Role::Operator
+}
+
+/// Why `secret` is too weak for a console token, or `None`: shorter than [`MIN_SECRET_LEN`]
+/// characters, or fewer than 6 distinct characters (`aaaaaaaaaaaaaaaa`, `abababab…`).
+pub(crate) fn weak_secret(secret: &str) -> Option<&'static str> {
+    if secret.chars().count() < MIN_SECRET_LEN {
+        return Some("its secret is shorter than 16 characters");
+    }
+    let distinct: std::collections::HashSet<char> = secret.chars().collect();
+    (distinct.len() < 6).then_some("its secret repeats fewer than 6 distinct characters")
+}
+
+/// Refuses tokens an attacker could guess or that would be ambiguous: an empty name, a secret
+/// shorter than [`MIN_SECRET_LEN`] (an empty one from an unset variable would match an empty
+/// form field), two tokens with one secret; and a proxy's user header beside tokens.
+pub(crate) fn check_config(config: &ConsoleConfig) -> Result<(), ConsoleError> {
+    for (i, token) in config.tokens.iter().enumerate() {
+        let weak = |why| ConsoleError::WeakToken {
+            name: token.name.clone(),
+            why,
+        };
+        if token.name.trim().is_empty() {
+            return Err(weak("its name is empty"));
+        }
+        if let Some(why) = weak_secret(&token.secret) {
+            return Err(weak(why));
+        }
+        if token.secret.len() > MAX_SECRET_LEN {
+            return Err(weak("its secret is longer than 512 bytes"));
+        }
+        if config.tokens[..i].iter().any(|t| t.secret == token.secret) {
+            return Err(weak("its secret is another token's"));
+        }
+        // The audit and the sessions tell tokens apart by name.
+        if config.tokens[..i].iter().any(|t| t.name == token.name) {
+            return Err(weak("its name is another token's"));
+        }
+    }
+    for origin in &config.public_origins {
+        let authority = origin
+            .strip_prefix("https://")
+            .or_else(|| origin.strip_prefix("http://"));
+        let valid = authority.is_some_and(|a| {
+            let a = a.trim_end_matches('/');
+            !a.is_empty() && !a.contains(['/', '?', '#', '@', ' '])
+        });
+        if !valid {
+            return Err(ConsoleError::Config(
+                "a public origin is scheme://host[:port] (for example https://ops.example.com), without a path",
+            ));
+        }
+    }
+    let open = config.tokens.is_empty() && config.proxy_user_header.is_none();
+    if open && config.allow_actions && !config.public_origins.is_empty() {
+        tracing::warn!(
+            "the console has public origins but neither tokens nor a proxy's user header: whoever reaches it through the proxy can act; authenticate at the proxy and name the user (proxy_user_header), or configure tokens"
+        );
+    }
+    if config.proxy_user_header.is_some() && !config.tokens.is_empty() {
+        return Err(ConsoleError::Config(
+            "a proxy's user header and tokens exclude each other: authenticate at the proxy or with tokens",
+        ));
+    }
+    Ok(())
 }
 
 /// `GET /assets/console.css`.

@@ -211,8 +211,11 @@ pub struct ReplicaLag {
     /// (`now() - pg_last_xact_replay_timestamp()`); `None` before it replayed any.
     pub behind_seconds: Option<f64>,
     /// Whether the standby has replayed all the WAL it received (then a large
-    /// `behind_seconds` only means the primary has been idle).
+    /// `behind_seconds` only means the primary has been idle, when it is `streaming`).
     pub caught_up: bool,
+    /// Whether its WAL receiver streams from the primary now (`pg_stat_wal_receiver`): when it
+    /// does not, "caught up" only means with what it received before it stopped.
+    pub streaming: bool,
 }
 
 /// How far the database `db` reads from is behind its primary: `None` when it is not a standby
@@ -221,10 +224,12 @@ pub async fn replica_lag(db: &Database) -> Result<Option<ReplicaLag>> {
     let Database::Postgres(pool) = db else {
         return Ok(None);
     };
-    let row: (bool, Option<f64>, bool) = sqlx::query_as(
+    let row: (bool, Option<f64>, bool, bool) = sqlx::query_as(
         "SELECT pg_is_in_recovery(),
-                EXTRACT(EPOCH FROM clock_timestamp() - pg_last_xact_replay_timestamp())::float8,
-                coalesce(pg_last_wal_receive_lsn() <= pg_last_wal_replay_lsn(), true)",
+                greatest(EXTRACT(EPOCH FROM clock_timestamp()
+                                 - pg_last_xact_replay_timestamp())::float8, 0),
+                coalesce(pg_last_wal_receive_lsn() <= pg_last_wal_replay_lsn(), false),
+                EXISTS (SELECT 1 FROM pg_stat_wal_receiver WHERE status = 'streaming')",
     )
     .persistent(pool_caches_statements(pool))
     .fetch_one(pool)
@@ -232,6 +237,7 @@ pub async fn replica_lag(db: &Database) -> Result<Option<ReplicaLag>> {
     Ok(row.0.then_some(ReplicaLag {
         behind_seconds: row.1,
         caught_up: row.2,
+        streaming: row.3,
     }))
 }
 

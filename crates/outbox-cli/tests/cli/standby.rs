@@ -63,15 +63,43 @@ async fn status_reads_a_standby() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(doc["pending"], 1);
-    // No standby there: a clear error, soon.
-    let gone = standby.replacen(
-        base.split('@')
-            .nth(1)
-            .and_then(|r| r.split('/').next())
-            .unwrap(),
-        "127.0.0.1:1",
-        1,
+    // Replay paused, a row more on the primary: the standby's status does not have it.
+    let psql = |sql: &str| {
+        let out = std::process::Command::new("psql")
+            .args([standby.as_str(), "-qAtc", sql])
+            .output()
+            .expect("psql");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    psql("SELECT pg_wal_replay_pause()");
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &[NewEvent::new("lead.updated", lead)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let out = outbox(
+        &db.url,
+        &["status", "--json", "--read-database-url", &standby],
     );
+    let primary = outbox(&db.url, &["status", "--json"]);
+    psql("SELECT pg_wal_replay_resume()");
+    let doc: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let on_primary: serde_json::Value = serde_json::from_str(&stdout(&primary)).unwrap();
+    assert_eq!(
+        (doc["pending"].clone(), on_primary["pending"].clone()),
+        (1.into(), 2.into())
+    );
+    // No standby there: a clear error, soon.
+    let authority = {
+        let rest = base.split_once("://").map_or(base.as_str(), |(_, r)| r);
+        let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+        rest.split('/').next().unwrap_or(rest).to_string()
+    };
+    let gone = standby.replacen(&authority, "127.0.0.1:1", 1);
     let started = Instant::now();
     let out = outbox(&db.url, &["status", "--read-database-url", &gone]);
     assert!(!out.status.success());
