@@ -47,7 +47,13 @@ pub(crate) async fn release_from(
                 return released_or_lost(env, id, ours, unsure).await;
             }
             match env.repo.release_claim(state.fence, message).await {
-                Ok(FenceOutcome::Written) => return AttemptOutcome::Released,
+                Ok(FenceOutcome::Written) => {
+                    // The row is no longer this worker's: its beat stops before the fence is
+                    // let go (a group's beat taken after would send the spent fence and log
+                    // the claim lost).
+                    beat.stop();
+                    return AttemptOutcome::Released;
+                }
                 Ok(FenceOutcome::Lost) => {
                     drop(state);
                     return released_or_lost(env, id, ours, unsure).await;
@@ -312,7 +318,11 @@ pub(crate) async fn detached(
                 }
             };
             match written {
-                Ok(FenceOutcome::Written) => return failure_outcome(&failure),
+                Ok(FenceOutcome::Written) => {
+                    // As for a release: no beat of a row that is no longer this worker's.
+                    beat.stop();
+                    return failure_outcome(&failure);
+                }
                 Ok(FenceOutcome::Lost) => {
                     drop(state);
                     return lost_or_landed(env, claim, &failure, landed, tried).await;

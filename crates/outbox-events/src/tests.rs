@@ -1686,3 +1686,78 @@ fn a_release_that_landed_is_told_from_a_reclaim() {
         "a reclaim on SQLite is dated by its host's clock"
     );
 }
+
+/// A graceful stop while a batch's begin retries (on SQLite, another process holds the
+/// writer): its members are given back one by one, each release retried after a failure, and
+/// the group's beat runs between them. It never sends the spent fence of a member already
+/// released: that member's beat stops before its fence is let go (it used to keep beating
+/// until the batch ended, and each such beat logged the claim lost).
+#[tokio::test(start_paused = true)]
+async fn a_batch_given_back_at_a_stop_never_beats_a_released_claim() {
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
+    repo.expect_backend_name().return_const("mock");
+    repo.expect_serializes_writers().return_const(true);
+    repo.expect_begin_batch_attempt()
+        .returning(|_, _| Err(unavailable()));
+    let released: Arc<Mutex<Vec<outbox_persistence::EventId>>> = Arc::default();
+    let tries: Arc<Mutex<Vec<outbox_persistence::EventId>>> = Arc::default();
+    let (r, t) = (Arc::clone(&released), Arc::clone(&tries));
+    repo.expect_release_claim()
+        .returning(move |fence: Fence, _| {
+            let mut tries = t.lock().unwrap();
+            let first = !tries.contains(&fence.id);
+            tries.push(fence.id);
+            if first {
+                // Fails once (the writer is busy): the release backs off, and the group beats.
+                return Err(unavailable());
+            }
+            r.lock().unwrap().push(fence.id);
+            Ok(FenceOutcome::Written)
+        });
+    let stale: Arc<Mutex<Vec<Fence>>> = Arc::default();
+    let (r, s) = (Arc::clone(&released), Arc::clone(&stale));
+    repo.expect_heartbeat_many()
+        .returning(move |fences: Vec<Fence>| {
+            let released = r.lock().unwrap();
+            Ok(fences
+                .into_iter()
+                .map(|f| {
+                    if released.contains(&f.id) {
+                        s.lock().unwrap().push(f);
+                        BeatOutcome::Lost
+                    } else {
+                        BeatOutcome::Beaten(Fence {
+                            id: f.id,
+                            last_written: f.last_written + chrono::Duration::microseconds(1),
+                        })
+                    }
+                })
+                .collect())
+        });
+    let stop = CancellationToken::new();
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::ZERO, || Ok(())),
+        config(),
+    )
+    .with_stop(stop.clone());
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        stop.cancel();
+    });
+    let (_, ran) = runner.run_batch(batch_claims(4)).await;
+    assert_eq!(ran, 0);
+    assert_eq!(released.lock().unwrap().len(), 4, "every member given back");
+    assert!(
+        stale.lock().unwrap().is_empty(),
+        "a released claim was beaten under its spent fence: {:?}",
+        stale.lock().unwrap()
+    );
+    let metrics = runner.metrics().snapshot();
+    assert_eq!(
+        (metrics.not_run, metrics.lost_claims),
+        (4, 0),
+        "{metrics:?}"
+    );
+}
