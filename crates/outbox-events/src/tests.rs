@@ -871,6 +871,15 @@ fn mock_repo() -> MockOutboxRepository {
     repo
 }
 
+/// [`mock_repo`] of a backend whose attempt holds the only write lock (SQLite's).
+fn serialized_mock_repo() -> MockOutboxRepository {
+    let mut repo = MockOutboxRepository::new();
+    repo.expect_note_alive().returning(|_| ());
+    repo.expect_backend_name().return_const("mock");
+    repo.expect_serializes_writers().return_const(true);
+    repo
+}
+
 /// A beat whose `COMMIT` got no answer may have landed: the next beat then finds the row moved
 /// past the fence it holds. The read-back (tried again while it fails) finds the row still the
 /// version that beat wrote, so it is this worker's own beat: its value becomes the fence, the claim is not lost, and the
@@ -1694,10 +1703,7 @@ fn a_release_that_landed_is_told_from_a_reclaim() {
 /// until the batch ended, and each such beat logged the claim lost).
 #[tokio::test(start_paused = true)]
 async fn a_batch_given_back_at_a_stop_never_beats_a_released_claim() {
-    let mut repo = MockOutboxRepository::new();
-    repo.expect_note_alive().returning(|_| ());
-    repo.expect_backend_name().return_const("mock");
-    repo.expect_serializes_writers().return_const(true);
+    let mut repo = serialized_mock_repo();
     repo.expect_begin_batch_attempt()
         .returning(|_, _| Err(unavailable()));
     let released: Arc<Mutex<Vec<outbox_persistence::EventId>>> = Arc::default();

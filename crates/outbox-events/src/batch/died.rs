@@ -81,11 +81,7 @@ impl Batch<'_> {
             if let Step::Decided(d) | Step::Written(d, _) = step {
                 effects.append(&mut d.effects);
             }
-            // Not a written member whose COMMIT may have landed: its fence may be spent, and a
-            // beat under it would report the claim lost; its bookkeeping reads the row back
-            // first and beats only a claim that is still this worker's.
-            let may_be_spent = may_have_landed && matches!(step, Step::Written(..));
-            if !matches!(step, Step::Done(_)) && !may_be_spent {
+            if !matches!(step, Step::Done(_)) {
                 self.members[i].beat.ensure_running(true);
             }
         }
