@@ -18,6 +18,7 @@ mod plans;
 mod production;
 mod repository;
 mod retention;
+mod rollup;
 mod status;
 mod wakeups;
 mod workers;

@@ -70,6 +70,30 @@ pub fn explain() -> Result<()> {
     run_bench(&["--explain"])
 }
 
+/// The console's timing test on every table shape, 10M rows included, in a release build, held
+/// to its bounds (crates/outbox-console/tests/console/timings.rs; docs/console.md keeps the
+/// figures). About ten minutes, most of it filling the tables.
+pub fn console_timings() -> Result<()> {
+    let url = postgres::database_url();
+    postgres::require(&url, "the console timings")?;
+    Cmd::cargo(&[
+        "test",
+        "--release",
+        "-p",
+        "outbox-console",
+        "--test",
+        "console",
+        "timings",
+        "--",
+        "--nocapture",
+    ])
+    .env("DATABASE_URL", &url)
+    .env("OUTBOX_REQUIRE_POSTGRES", "1")
+    .env("OUTBOX_CONSOLE_TIMINGS", "full")
+    .env("OUTBOX_CONSOLE_TIMING_LIMITS", "1")
+    .run()
+}
+
 /// Builds `outbox-bench` in release and runs it with `args` against the PostgreSQL server under
 /// test (`DATABASE_URL`).
 fn run_bench(args: &[&str]) -> Result<()> {

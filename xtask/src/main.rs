@@ -43,6 +43,9 @@ commands:
   explain          run `outbox-bench --explain`: the PostgreSQL plans of the eligible query
                    and of claim_next on seeded tables (10k, 100k, 1M rows and a hot key's
                    backlog)
+  console-timings  the console's pages and `outbox status` on big PostgreSQL tables (1M rows
+                   recent, old and with a hot record; 10M rows), release build, each page's
+                   best of three held to its bound (200 ms on 1M rows, 500 ms on 10M)
   consumer-map [--check]
                    write docs/consumer-map.md from `outbox-demo consumers` (--check: fail
                    when stale)
@@ -105,6 +108,10 @@ fn run(args: Vec<String>) -> Result<()> {
         "explain" => {
             no_arguments(command, rest)?;
             bench::explain()
+        }
+        "console-timings" => {
+            no_arguments(command, rest)?;
+            bench::console_timings()
         }
         "help" | "-h" | "--help" => {
             println!("{USAGE}");

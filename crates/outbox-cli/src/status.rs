@@ -128,7 +128,14 @@ fn print_stats(stats: &OutboxStats, policy: ClaimPolicy) {
         "processing   {} ({} stale: heartbeat older than {:?})",
         stats.processing, stats.stale_claims, policy.stale_after
     );
-    println!("processed    {}", stats.processed);
+    if stats.processed_estimated {
+        println!(
+            "processed    about {} (the planner's estimate: the table is large)",
+            stats.processed
+        );
+    } else {
+        println!("processed    {}", stats.processed);
+    }
     println!("failed       {}", stats.failed);
     println!(
         "retrying     {} pending rows that failed before",

@@ -104,6 +104,17 @@ fn age_name(age: Option<std::time::Duration>) -> String {
     }
 }
 
+/// A prunable count as the retention page shows it: counted up to
+/// [`outbox_persistence::console::PRUNABLE_COUNTED`], "more than" past it.
+fn prunable(count: Option<u64>) -> String {
+    use outbox_persistence::console::PRUNABLE_COUNTED;
+    match count {
+        None => "none (kept forever)".into(),
+        Some(n) if n > PRUNABLE_COUNTED => format!("more than {PRUNABLE_COUNTED}"),
+        Some(n) => n.to_string(),
+    }
+}
+
 /// `GET /retention`.
 pub(crate) async fn retention_page(
     State(console): State<Console>,
@@ -111,14 +122,14 @@ pub(crate) async fn retention_page(
     base: Base,
 ) -> Result<Response, PageError> {
     let policy = console.config().prune_policy;
-    let report = console.repo().count_prunable(policy).await?;
+    let report = outbox_persistence::console::prunable_rows(console.db(), &policy).await?;
     let body = html! {
         table.detail {
             tr { th { "processed rows kept" } td { (age_name(policy.processed_older_than)) } }
             tr { th { "failed rows kept" } td { (age_name(policy.failed_older_than)) } }
             tr { th { "batch size" } td { (policy.batch_size) } }
-            tr { th { "processed rows prunable now" } td data-testid="prunable-processed" { (report.processed) } }
-            tr { th { "failed rows prunable now" } td data-testid="prunable-failed" { (report.failed) } }
+            tr { th { "processed rows prunable now" } td data-testid="prunable-processed" { (prunable(report.processed)) } }
+            tr { th { "failed rows prunable now" } td data-testid="prunable-failed" { (prunable(report.failed)) } }
         }
         p.note {
             "Pruning deletes only terminal rows older than their status' age, oldest first, in \

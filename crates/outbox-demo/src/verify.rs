@@ -134,6 +134,14 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         non_terminal == 0,
         format!("{processed} processed, {failed} failed, {non_terminal} pending or processing"),
     );
+    // Nothing is pruned during a run, and every row ends through the outbox's settles.
+    let tallied = outbox_persistence::test_support::inspect::rollup_total(db).await?;
+    check(
+        &mut checks,
+        "the chart's rollup counts each processed row once",
+        tallied == processed,
+        format!("{tallied} counted by the throughput rollup, {processed} rows processed"),
+    );
 
     check_effect_log(db, &events, &by_id, &mut checks).await?;
     let opportunities = check_creates(db, &events, &mut checks).await?;

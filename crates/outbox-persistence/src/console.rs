@@ -3,16 +3,19 @@
 //! takes no row lock a worker needs.
 //!
 //! - [`throughput`]: rows that became `processed` per minute over the last hour, for the
-//!   overview's chart. `LastModifiedDate` (the time a row became terminal) is deliberately not
-//!   indexed (heartbeats write it), so the query walks the terminal index over the rows
-//!   created in the last [`THROUGHPUT_LOOKBACK`] and counts those processed in the last hour:
-//!   a row that waited longer than that before it was processed is not in the chart.
+//!   overview's chart, read from the rollup `_System_OutboxThroughput` (PostgreSQL migration
+//!   0016, SQLite 0009), which the settles keep in the attempt's own transaction: sixty
+//!   minutes of counts, whatever the table holds. It used to count the `processed` rows
+//!   created in the last 6 h, which on a busy outbox was most of the table.
 //! - [`queue_counts`]: rows by status, the oldest pending age, stale claims and retrying rows.
 //!   On PostgreSQL every count but `processed` reads the partial indexes; counting hundreds of
 //!   thousands of `processed` rows would take a scan (about 100 ms per million rows), so above
 //!   [`ESTIMATE_PROCESSED_ABOVE`] rows in the table `processed` is the planner's row estimate
 //!   less the exact other counts, flagged as an estimate. SQLite reads the repository's
 //!   `stats` (its staleness is observed by the workers' process, see `docs/state-machine.md`).
+//! - [`prunable_rows`]: the terminal rows a prune would delete now, counted up to
+//!   [`PRUNABLE_COUNTED`] per status (an exact count of a long-kept history took seconds on
+//!   10M rows; `outbox prune --dry-run` still counts them all).
 //! - [`failed_rows`]: `failed` rows filtered by event type and error text, newest first, over
 //!   the terminal index; [`failed_types`]: the failed rows per event type.
 
@@ -23,11 +26,9 @@ use record_key::RecordKey;
 
 use crate::postgres::{Begin, begin_sql, pool_caches_statements};
 use crate::sqlite::{format_ts, parse_ts};
-use crate::{ClaimPolicy, Database, EventId, EventRow, OutboxStats, Result};
+use crate::{ClaimPolicy, Database, EventId, EventRow, OutboxStats, PrunePolicy, Result};
 
-/// Above this many rows in the table (the planner's estimate), [`queue_counts`] estimates the
-/// `processed` count on PostgreSQL instead of counting it.
-pub const ESTIMATE_PROCESSED_ABOVE: f64 = 200_000.0;
+pub use crate::ESTIMATE_PROCESSED_ABOVE;
 
 /// The queue's counts for the console, from [`queue_counts`].
 #[derive(Debug, Clone, PartialEq)]
@@ -41,8 +42,9 @@ pub struct QueueCounts {
 const PG_COUNTS: &str = "
     WITH clock AS (SELECT clock_timestamp() AS now)
     SELECT
-      (SELECT count(*) FROM _System_OutboxEvent
-        WHERE Status NOT IN ('processed', 'failed') AND Status = 'pending'),
+      (SELECT count(*) FROM _System_OutboxEvent WHERE Status NOT IN ('processed', 'failed'))
+        - (SELECT count(*) FROM _System_OutboxEvent
+            WHERE Status NOT IN ('processed', 'failed') AND Status = 'processing'),
       (SELECT count(*) FROM _System_OutboxEvent
         WHERE Status NOT IN ('processed', 'failed') AND Status = 'processing'),
       (SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'failed'),
@@ -109,6 +111,7 @@ pub async fn queue_counts(
         pending: n(pending),
         processing: n(processing),
         processed: n(processed),
+        processed_estimated: estimate.is_some(),
         failed: n(failed),
         oldest_pending_age_seconds: oldest,
         stale_claims: n(stale),
@@ -120,9 +123,6 @@ pub async fn queue_counts(
         processed_estimated: estimate.is_some(),
     })
 }
-
-/// How far back (by `CreatedDate`) [`throughput`] looks for rows processed in the last hour.
-pub const THROUGHPUT_LOOKBACK: Duration = Duration::from_secs(6 * 3600);
 
 /// The window [`throughput`] counts: the last hour.
 pub const THROUGHPUT_WINDOW: Duration = Duration::from_secs(3600);
@@ -189,20 +189,18 @@ async fn begin_read(pool: &sqlx::PgPool) -> Result<sqlx::Transaction<'static, sq
     Ok(pool.begin_with(sqlx::AssertSqlSafe(sql)).await?)
 }
 
+/// The rollup's last sixty minutes (a row per minute and backend, summed), by its primary key.
 const PG_THROUGHPUT: &str = "
     WITH clock AS (SELECT clock_timestamp() AS now)
-    SELECT (SELECT now FROM clock), date_trunc('minute', LastModifiedDate) AS minute, count(*)
-    FROM _System_OutboxEvent
-    WHERE Status = 'processed'
-      AND CreatedDate >= (SELECT now FROM clock) - $1::interval
-      AND LastModifiedDate >= date_trunc('minute', (SELECT now FROM clock)) - interval '59 minutes'
-    GROUP BY 2";
+    SELECT (SELECT now FROM clock), t.Minute, sum(t.Processed)::bigint
+    FROM _System_OutboxThroughput t
+    WHERE t.Minute >= (date_trunc('minute', (SELECT now FROM clock) AT TIME ZONE 'UTC')
+                       AT TIME ZONE 'UTC') - interval '59 minutes'
+    GROUP BY t.Minute";
 
+/// The rollup's last sixty minutes on SQLite (a row per minute, `YYYY-MM-DDTHH:MM`).
 const SQLITE_THROUGHPUT: &str = "
-    SELECT substr(LastModifiedDate, 1, 16), count(*)
-    FROM _System_OutboxEvent
-    WHERE Status = 'processed' AND CreatedDate >= ?1 AND LastModifiedDate >= ?2
-    GROUP BY 1";
+    SELECT Minute, Processed FROM _System_OutboxThroughput WHERE Minute >= ?1";
 
 /// How far a hot standby's data is behind its primary, as `replica_lag` reads it on the standby.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -241,15 +239,15 @@ pub async fn replica_lag(db: &Database) -> Result<Option<ReplicaLag>> {
     }))
 }
 
-/// Rows that became `processed` in each minute of the last hour (see the module's note on
-/// [`THROUGHPUT_LOOKBACK`]).
+/// Rows that became `processed` in each minute of the last hour, from the rollup the settles
+/// keep (see the module's note): rows other code set `processed` with its own SQL are counted
+/// on SQLite (a trigger keeps it) and not on PostgreSQL (the settle functions do).
 pub async fn throughput(db: &Database) -> Result<Throughput> {
     match db {
         Database::Postgres(pool) => {
             let mut tx = begin_read(pool).await?;
             let rows: Vec<(DateTime<Utc>, DateTime<Utc>, i64)> = sqlx::query_as(PG_THROUGHPUT)
                 .persistent(pool_caches_statements(pool))
-                .bind(interval(THROUGHPUT_LOOKBACK))
                 .fetch_all(&mut *tx)
                 .await?;
             tx.commit().await?;
@@ -266,10 +264,8 @@ pub async fn throughput(db: &Database) -> Result<Throughput> {
                 .duration_trunc(chrono::Duration::minutes(1))
                 .unwrap_or(now);
             let since = minute - chrono::Duration::minutes(59);
-            let created = now - chrono::Duration::from_std(THROUGHPUT_LOOKBACK).unwrap_or_default();
             let rows: Vec<(String, i64)> = sqlx::query_as(SQLITE_THROUGHPUT)
-                .bind(format_ts(created))
-                .bind(format_ts(since))
+                .bind(since.format("%Y-%m-%dT%H:%M").to_string())
                 .fetch_all(pool)
                 .await?;
             let mut minutes = Vec::with_capacity(rows.len());
@@ -428,6 +424,107 @@ pub async fn failed_types(db: &Database) -> Result<Vec<(String, u64)>> {
         .into_iter()
         .map(|(t, n)| (t, u64::try_from(n).unwrap_or(0)))
         .collect())
+}
+
+/// The most rows [`prunable_rows`] counts of each status: past it a count says "more than".
+pub const PRUNABLE_COUNTED: u64 = 100_000;
+
+/// The terminal rows a prune would delete now, from [`prunable_rows`]: each count stops at
+/// [`PRUNABLE_COUNTED`] + 1, which means "more than [`PRUNABLE_COUNTED`]"; `None` for a status
+/// the policy keeps forever.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prunable {
+    /// `processed` rows older than the policy's age for them.
+    pub processed: Option<u64>,
+    /// `failed` rows older than the policy's age for them.
+    pub failed: Option<u64>,
+}
+
+/// One status' prunable rows on PostgreSQL, at most `$2` of them: `$1` the age. The status is
+/// a literal, so that the plan uses the partial `outbox_terminal_idx`, and the walk is in its
+/// order ([`PRUNABLE_PLAN`]): without it, on a table whose rows were all younger than the age,
+/// the count read all 10M of them (0.9 s) to count none.
+macro_rules! pg_prunable {
+    ($status:literal) => {
+        concat!(
+            "WITH clock AS (SELECT clock_timestamp() - $1::interval AS cutoff)
+    SELECT count(*) FROM (
+      SELECT 1 FROM _System_OutboxEvent
+      WHERE Status = '",
+            $status,
+            "' AND CreatedDate < (SELECT cutoff FROM clock)
+        AND LastModifiedDate < (SELECT cutoff FROM clock)
+      ORDER BY CreatedDate
+      LIMIT $2) c"
+        )
+    };
+}
+
+/// The plan of `pg_prunable!` for this transaction: the terminal index in its order, stopping at
+/// the cap. The cutoff is not known when the plan is made, so the planner guesses a third of the
+/// rows and preferred a sequential scan and a sort (50 ms to count none of 1M rows), or a bitmap
+/// of every old row (0.4 s to count 100,001 of 900,000).
+const PRUNABLE_PLAN: &str = "SELECT set_config('enable_seqscan', 'off', true),
+    set_config('enable_bitmapscan', 'off', true), set_config('enable_sort', 'off', true)";
+
+/// One status' prunable rows on SQLite: `?1` the status, `?2` the cutoff, `?3` the cap.
+const SQLITE_PRUNABLE: &str = "
+    SELECT count(*) FROM (
+      SELECT 1 FROM _System_OutboxEvent
+      WHERE Status = ?1 AND CreatedDate < ?2 AND LastModifiedDate < ?2
+      LIMIT ?3)";
+
+/// The rows a prune under `policy` would delete now (see [`Prunable`]), with the database's
+/// clock on PostgreSQL and the host's on SQLite, as the prune itself.
+pub async fn prunable_rows(db: &Database, policy: &PrunePolicy) -> Result<Prunable> {
+    let cap = i64::try_from(PRUNABLE_COUNTED + 1).unwrap_or(i64::MAX);
+    let mut out = Prunable::default();
+    let ages = [
+        (policy.processed_older_than, "processed", &mut out.processed),
+        (policy.failed_older_than, "failed", &mut out.failed),
+    ];
+    for (age, status, count) in ages {
+        let Some(age) = age else { continue };
+        let n: i64 = match db {
+            Database::Postgres(pool) => {
+                let sql = match status {
+                    "processed" => pg_prunable!("processed"),
+                    _ => pg_prunable!("failed"),
+                };
+                let mut tx = begin_read(pool).await?;
+                sqlx::query(PRUNABLE_PLAN)
+                    .persistent(pool_caches_statements(pool))
+                    .execute(&mut *tx)
+                    .await?;
+                let n = sqlx::query_scalar(sql)
+                    .persistent(pool_caches_statements(pool))
+                    .bind(interval(age))
+                    .bind(cap)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                n
+            }
+            Database::Sqlite(pool) => {
+                let now = crate::truncate_micros(Utc::now());
+                let Some(cutoff) = chrono::Duration::from_std(age)
+                    .ok()
+                    .and_then(|age| now.checked_sub_signed(age))
+                else {
+                    *count = Some(0);
+                    continue;
+                };
+                sqlx::query_scalar(SQLITE_PRUNABLE)
+                    .bind(status)
+                    .bind(format_ts(cutoff))
+                    .bind(cap)
+                    .fetch_one(pool)
+                    .await?
+            }
+        };
+        *count = Some(u64::try_from(n).unwrap_or(0));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -36,6 +36,7 @@ mod retention;
 pub mod sqlite;
 pub mod statement;
 mod stats;
+pub use stats::ESTIMATE_PROCESSED_ABOVE;
 #[cfg(feature = "test-support")]
 pub mod test_support;
 mod tx;

@@ -393,8 +393,12 @@ pub struct OutboxStats {
     pub pending: u64,
     /// Rows in `processing`.
     pub processing: u64,
-    /// Rows in `processed`.
+    /// Rows in `processed`: on PostgreSQL above [`crate::ESTIMATE_PROCESSED_ABOVE`] rows in
+    /// the table, the planner's row estimate less the other counts (`processed_estimated`),
+    /// so that reading the queue's health costs the same however much history the table keeps.
     pub processed: u64,
+    /// Whether `processed` is an estimate (see `processed`).
+    pub processed_estimated: bool,
     /// Rows in `failed`.
     pub failed: u64,
     /// Age in seconds of the oldest `pending` row.

@@ -125,6 +125,22 @@ pub async fn retry_count_sum(db: &Database) -> Result<i64> {
     })
 }
 
+/// The rows the throughput rollup (`_System_OutboxThroughput`, the console's chart) counts as
+/// processed, over every minute it keeps (a day).
+pub async fn rollup_total(db: &Database) -> Result<i64> {
+    const SQL: &str =
+        "SELECT CAST(coalesce(sum(Processed), 0) AS BIGINT) FROM _System_OutboxThroughput";
+    Ok(match db {
+        Database::Postgres(pool) => {
+            let mut tx = super::read(pool).await?;
+            crate::statement::query_scalar(SQL)
+                .fetch_one(&mut *tx)
+                .await?
+        }
+        Database::Sqlite(pool) => crate::statement::query_scalar(SQL).fetch_one(pool).await?,
+    })
+}
+
 /// The record key of a random pending row of `event_type` that has failed fewer than
 /// `max_retry_count` times: the fault injection locks that record's own row to provoke lock
 /// timeouts without using up one event's attempts.
