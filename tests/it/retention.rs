@@ -251,6 +251,17 @@ async fn dry_run_changes_nothing(db: TestDb) {
             more: false
         }
     );
+    // The console's count (capped, on the terminal index in order) agrees, and says nothing of
+    // a status the policy keeps.
+    let shown = outbox_persistence::console::prunable_rows(&db.db, &p)
+        .await
+        .unwrap();
+    assert_eq!((shown.processed, shown.failed), (Some(12), Some(3)));
+    let kept = policy(None, Some(30), 5);
+    let shown = outbox_persistence::console::prunable_rows(&db.db, &kept)
+        .await
+        .unwrap();
+    assert_eq!((shown.processed, shown.failed), (None, Some(3)));
     assert_eq!(all_rows(&repo).await, before, "a dry run changes nothing");
     let done = prune_all(&repo, p).await;
     assert_eq!((done.processed, done.failed), (dry.processed, dry.failed));

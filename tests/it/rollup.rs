@@ -2,18 +2,20 @@
 //! PostgreSQL 0016 and SQLite 0009) checked against the rows: after a drain through batches,
 //! with failed attempts, a killed attempt connection (PostgreSQL) and reclaims, each minute's
 //! count equals the rows processed in that minute, and a prune of every processed row leaves
-//! the counts as they were.
+//! the counts as they were; a settle rolled back takes its count back with it.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::repository::lead;
 use async_trait::async_trait;
 use outbox_events::{
     AttemptContext, DispatchMode, Dispatcher, Handler, HandlerError, Handlers, OutboxEvent,
     WorkerConfig,
 };
-use outbox_persistence::{NewEvent, PrunePolicy, with_tx};
+use outbox_persistence::test_support::inspect::rollup_total;
+use outbox_persistence::{ClaimPolicy, Fence, FenceOutcome, NewEvent, PrunePolicy, Scope, with_tx};
 use outbox_tests::{Backend, TestDb, backend_tests, drain};
 
 /// Fails the first attempt of every fifth event and, on PostgreSQL, kills the attempt's own
@@ -171,4 +173,61 @@ async fn rollup_matches_the_rows_through_kills_and_prunes(db: TestDb) {
     assert_eq!(chart.total(), total as u64);
 }
 
-backend_tests!(rollup_matches_the_rows_through_kills_and_prunes);
+/// The tally commits and rolls back with the settle that wrote it: a batch's settle and one
+/// event's settle, rolled back, leave the rollup as it was (the rows stay claimed); committed,
+/// they count each row once, in the minute the row records.
+async fn the_tally_rolls_back_with_its_settle(db: TestDb) {
+    let repo = db.repository();
+    let policy = ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(1), 5);
+    let events: Vec<NewEvent> = (0..3)
+        .map(|i| NewEvent::new("t", lead(&format!("tally{i}"))))
+        .collect();
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    let claims = repo.claim_batch(policy, &Scope::All, 3).await.unwrap();
+    assert_eq!(claims.len(), 3, "the heads of three records");
+    let fences: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
+    for commit in [false, true] {
+        let (mut batch, lost) = repo
+            .begin_batch_attempt(Duration::from_secs(5), fences[..2].to_vec())
+            .await
+            .unwrap();
+        assert!(lost.is_empty(), "{lost:?}");
+        let outcomes = batch
+            .mark_processed_many(fences[..2].to_vec())
+            .await
+            .unwrap();
+        assert_eq!(outcomes, vec![FenceOutcome::Written; 2]);
+        if commit {
+            batch.commit().await.unwrap();
+        } else {
+            batch.rollback().await.unwrap();
+        }
+        let mut one = repo
+            .begin_attempt(Duration::from_secs(5), fences[2])
+            .await
+            .unwrap()
+            .expect("the claim holds");
+        assert_eq!(
+            one.mark_processed(fences[2]).await.unwrap(),
+            FenceOutcome::Written
+        );
+        if commit {
+            one.commit().await.unwrap();
+        } else {
+            one.rollback().await.unwrap();
+        }
+        let tallied = rollup_total(&db.db).await.unwrap();
+        let processed = db
+            .count("SELECT count(*) FROM _System_OutboxEvent WHERE Status = 'processed'")
+            .await;
+        assert_eq!((tallied, processed), if commit { (3, 3) } else { (0, 0) });
+    }
+    assert_eq!(from_rollup(&db).await, from_rows(&db).await);
+}
+
+backend_tests!(
+    rollup_matches_the_rows_through_kills_and_prunes,
+    the_tally_rolls_back_with_its_settle
+);

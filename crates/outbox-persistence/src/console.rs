@@ -475,7 +475,8 @@ const SQLITE_PRUNABLE: &str = "
       LIMIT ?3)";
 
 /// The rows a prune under `policy` would delete now (see [`Prunable`]), with the database's
-/// clock on PostgreSQL and the host's on SQLite, as the prune itself.
+/// clock on PostgreSQL and the host's on SQLite, as the prune itself (without a repository's
+/// test `ClockShift`: the console has none).
 pub async fn prunable_rows(db: &Database, policy: &PrunePolicy) -> Result<Prunable> {
     let cap = i64::try_from(PRUNABLE_COUNTED + 1).unwrap_or(i64::MAX);
     let mut out = Prunable::default();

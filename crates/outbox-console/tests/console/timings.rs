@@ -25,9 +25,11 @@ struct Shape {
     name: &'static str,
     /// Rows in millions.
     millions: i64,
-    /// `processed` rows per million; the rest of each million is `pending` (a tenth of them
-    /// retrying), then `failed`.
+    /// `processed` rows per million; the rest of each million is `processing` (see
+    /// `processing`), `pending` (a tenth of them retrying), then `failed`.
     processed: i64,
+    /// `processing` rows per million, each on a record of its own, one in a hundred stale.
+    processing: i64,
     /// `failed` rows per million (the newest of each million).
     failed: i64,
     /// The keys the pending rows are spread over (one key: a hot record).
@@ -40,11 +42,12 @@ struct Shape {
 }
 
 /// The busy table of issue 40: rows created over the last 5.5 hours at an even rate, 95%
-/// processed, 45,000 pending over 40,000 keys, 5,000 failed.
+/// processed, 45,000 pending over 40,000 keys, 5,000 failed; and 1,000 in flight.
 const RECENT: Shape = Shape {
     name: "1M recent",
     millions: 1,
-    processed: 950_000,
+    processed: 949_000,
+    processing: 1_000,
     failed: 5_000,
     pending_keys: 40_000,
     oldest_ago: "5.5 hours",
@@ -64,6 +67,7 @@ const OLD: Shape = Shape {
 const HOT: Shape = Shape {
     name: "1M hot record",
     processed: 900_000,
+    processing: 0,
     failed: 0,
     pending_keys: 1,
     ..RECENT
@@ -81,6 +85,7 @@ const TEN_MILLION: Shape = Shape {
 fn fill(shape: &Shape, m: i64) -> String {
     let total = shape.millions * 1_000_000;
     let (processed, failed) = (shape.processed, shape.failed);
+    let running = processed + shape.processing;
     let pending_end = 1_000_000 - failed;
     let keys = shape.pending_keys;
     let (oldest, newest) = (shape.oldest_ago, shape.newest_ago);
@@ -90,12 +95,15 @@ fn fill(shape: &Shape, m: i64) -> String {
          SELECT gen_random_uuid(), 'type.' || (g % 7),
                 '{{\"object\":\"Lead\",\"record_id\":\"' || g || '\",\"snapshot\":{{}}}}',
                 CASE WHEN i <= {processed} THEN 'processed'
+                     WHEN i <= {running} THEN 'processing'
                      WHEN i <= {pending_end} THEN 'pending' ELSE 'failed' END,
                 CASE WHEN i > {pending_end} THEN 5
-                     WHEN i > {processed} AND i % 10 = 0 THEN 2 ELSE 0 END,
-                CASE WHEN i > {processed} AND i <= {pending_end} THEN 'lead:k' || (g % {keys})
+                     WHEN i > {running} AND i % 10 = 0 THEN 2 ELSE 0 END,
+                CASE WHEN i > {running} AND i <= {pending_end} THEN 'lead:k' || (g % {keys})
                      ELSE 'lead:' || g END,
-                at, at + interval '0.2 s',
+                at,
+                CASE WHEN i > {processed} AND i <= {running} AND i % 100 <> 0 THEN now()
+                     ELSE at + interval '0.2 s' END,
                 CASE WHEN i > {pending_end} THEN 'handler failed: timeout after ' || (g % 97) || ' ms' END
          FROM generate_series({m} * 1000000 + 1, ({m} + 1) * 1000000) AS g,
               LATERAL (SELECT g - {m} * 1000000 AS i,
@@ -105,12 +113,12 @@ fn fill(shape: &Shape, m: i64) -> String {
     )
 }
 
-/// The rollup of a busy hour: 8 backends processing 2,500 rows a minute each over the last 60
-/// minutes, as the settles would have left it.
+/// The rollup of a busy hour: 8 backends processing 400 rows a minute each over the last 60
+/// minutes (about the 1M table's rate), as the settles would have left it.
 const ROLLUP: &str = "
     INSERT INTO _System_OutboxThroughput (Minute, Backend, Processed)
     SELECT date_trunc('minute', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
-             - m * interval '1 minute', 1000 + b, 2500
+             - m * interval '1 minute', 1000 + b, 400
     FROM generate_series(0, 59) AS m, generate_series(1, 8) AS b";
 
 /// Fills a fresh database with `shape`.

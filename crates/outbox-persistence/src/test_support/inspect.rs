@@ -130,14 +130,44 @@ pub async fn retry_count_sum(db: &Database) -> Result<i64> {
 pub async fn rollup_total(db: &Database) -> Result<i64> {
     const SQL: &str =
         "SELECT CAST(coalesce(sum(Processed), 0) AS BIGINT) FROM _System_OutboxThroughput";
+    scalar(db, SQL).await
+}
+
+/// The rows that ended `processed` in the last 23 hours, by their `LastModifiedDate` (the span
+/// the rollup surely keeps whole), and what the rollup counts for them, to compare: a
+/// database whose rows were processed before the rollup existed (migration 0016 on
+/// PostgreSQL, 0009 on SQLite) or more than a day ago is compared over what both still hold.
+pub async fn rollup_against_rows(db: &Database) -> Result<(i64, i64)> {
+    const PG_ROWS: &str = "SELECT count(*) FROM _System_OutboxEvent
+        WHERE Status = 'processed' AND LastModifiedDate >= date_trunc('minute',
+            (clock_timestamp() - interval '23 hours') AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'";
+    const PG_TALLY: &str = "SELECT coalesce(sum(Processed), 0)::bigint
+        FROM _System_OutboxThroughput
+        WHERE Minute >= date_trunc('minute',
+            (clock_timestamp() - interval '23 hours') AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'";
+    const SQLITE_ROWS: &str = "SELECT count(*) FROM _System_OutboxEvent
+        WHERE Status = 'processed'
+          AND substr(LastModifiedDate, 1, 16) >= strftime('%Y-%m-%dT%H:%M', 'now', '-23 hours')";
+    const SQLITE_TALLY: &str = "SELECT CAST(coalesce(sum(Processed), 0) AS BIGINT)
+        FROM _System_OutboxThroughput
+        WHERE Minute >= strftime('%Y-%m-%dT%H:%M', 'now', '-23 hours')";
+    let (rows, tally) = match db {
+        Database::Postgres(_) => (PG_ROWS, PG_TALLY),
+        Database::Sqlite(_) => (SQLITE_ROWS, SQLITE_TALLY),
+    };
+    Ok((scalar(db, tally).await?, scalar(db, rows).await?))
+}
+
+/// One `BIGINT` read.
+async fn scalar(db: &Database, sql: &'static str) -> Result<i64> {
     Ok(match db {
         Database::Postgres(pool) => {
             let mut tx = super::read(pool).await?;
-            crate::statement::query_scalar(SQL)
+            crate::statement::query_scalar(sql)
                 .fetch_one(&mut *tx)
                 .await?
         }
-        Database::Sqlite(pool) => crate::statement::query_scalar(SQL).fetch_one(pool).await?,
+        Database::Sqlite(pool) => crate::statement::query_scalar(sql).fetch_one(pool).await?,
     })
 }
 
