@@ -35,7 +35,7 @@ impl Handler for Tally {
     ) -> Result<(), HandlerError> {
         let first = self.seen.lock().unwrap().insert(event.id);
         let n = event.id.as_u128();
-        if first && n % 7 == 0 && self.backend == Backend::Postgres {
+        if first && n.is_multiple_of(7) && self.backend == Backend::Postgres {
             let killed = with_tx!(ctx.tx(), |conn| {
                 sqlx::query_scalar::<_, bool>("SELECT pg_terminate_backend(pg_backend_pid())")
                     .fetch_one(conn)
@@ -45,7 +45,7 @@ impl Handler for Tally {
                 "killed its own connection: {killed:?}"
             )));
         }
-        if first && n % 5 == 0 {
+        if first && n.is_multiple_of(5) {
             return Err(HandlerError::Retryable("fails once".into()));
         }
         Ok(())
