@@ -72,7 +72,7 @@ pub fn explain() -> Result<()> {
 
 /// The console's timing test on every table shape, 10M rows included, in a release build, held
 /// to its bounds (crates/outbox-console/tests/console/timings.rs; docs/console.md keeps the
-/// figures). About ten minutes, most of it filling the tables.
+/// figures). About five minutes, most of it filling the tables.
 pub fn console_timings() -> Result<()> {
     let url = postgres::database_url();
     postgres::require(&url, "the console timings")?;
