@@ -15,7 +15,7 @@
 //! From these, verification tells a handler that ran again while it still ran (a claim taken
 //! over from a live worker) from a redelivery after its process died.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -333,8 +333,11 @@ pub struct JournalFindings {
     pub ran_twice: usize,
     /// Runs that died with their process and were followed by another run.
     pub superseded: Vec<Superseded>,
-    /// Processes that aborted on a poison event (`died` rows).
+    /// Processes that aborted on a poison event (`died` rows; a process dies once, a `died` row
+    /// repeated after a lost reply counts once).
     pub poison_deaths: usize,
+    /// Their process ids.
+    pub poisoned_pids: BTreeSet<i64>,
 }
 
 struct Run<'a> {
@@ -353,8 +356,6 @@ pub fn analyse(entries: &[Entry]) -> JournalFindings {
     let mut open: HashMap<(&str, i32, i64), usize> = HashMap::new();
     let mut open_by_event: HashMap<&str, Vec<usize>> = HashMap::new();
     let mut deaths: HashMap<i64, Vec<i64>> = HashMap::new();
-    // A process dies once: a `died` row repeated (a retry after its reply was lost) counts once.
-    let mut poisoned: HashSet<i64> = HashSet::new();
     let mut findings = JournalFindings::default();
     for e in entries {
         let key = (e.event_id.as_str(), e.retry_count, e.pid);
@@ -386,7 +387,7 @@ pub fn analyse(entries: &[Entry]) -> JournalFindings {
                     }
                 }
                 if e.mark == Mark::Died {
-                    poisoned.insert(e.pid);
+                    findings.poisoned_pids.insert(e.pid);
                     deaths.entry(e.pid).or_default().push(e.seq);
                 }
             }
@@ -394,7 +395,7 @@ pub fn analyse(entries: &[Entry]) -> JournalFindings {
             Mark::Sent => {}
         }
     }
-    (findings.runs, findings.poison_deaths) = (runs.len(), poisoned.len());
+    (findings.runs, findings.poison_deaths) = (runs.len(), findings.poisoned_pids.len());
     for run in &runs {
         let Some(next) = run.next_start else {
             continue;

@@ -78,6 +78,8 @@ pub struct Verification {
     pub poison_failed: i64,
     /// Processes a poison event aborted (journaled).
     pub poison_deaths: usize,
+    /// Their process ids.
+    pub poisoned_pids: std::collections::BTreeSet<i64>,
     /// Journaled runs of slow and poison handlers.
     pub journaled_runs: usize,
     /// Journaled runs that died with their process and were run again: the fault suite, which
@@ -181,6 +183,7 @@ pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
         poison: integrity.poison,
         poison_failed: integrity.poison_failed,
         poison_deaths: integrity.journal.poison_deaths,
+        poisoned_pids: integrity.journal.poisoned_pids.clone(),
         journaled_runs: integrity.journal.runs,
         superseded: integrity.journal.superseded,
     })
