@@ -165,13 +165,13 @@ pub fn run(args: &[String]) -> Result<()> {
             Ok(report) => {
                 println!("\n{}", report.markdown);
                 if !report.passed {
-                    failed.push(name);
+                    failed.push(format!("{name} ({})", report.failed.join("; ")));
                 }
                 reports.push(report.markdown);
             }
             Err(error) => {
                 println!("\nfault suite on {name}: ERROR: {error:#}");
-                failed.push(name);
+                failed.push(format!("{name} (error: {error:#})"));
             }
         }
     }
@@ -181,7 +181,11 @@ pub fn run(args: &[String]) -> Result<()> {
         println!("report written to {}", path.display());
     }
     if !failed.is_empty() {
-        bail!("the fault suite failed on {}", failed.join(", "));
+        bail!(
+            "the fault suite (seed {}) failed on {}",
+            options.seed,
+            failed.join(", ")
+        );
     }
     println!("fault suite passed");
     Ok(())

@@ -95,9 +95,15 @@ impl Suite<'_> {
             md.push_str(&self.lost_claim_logs());
         }
         let _ = writeln!(md, "\nLogs of each work process: `{}`", self.dir.display());
+        let failed = checks
+            .iter()
+            .filter(|c| !c.1)
+            .map(|(name, _, detail)| format!("{name}: {detail}"))
+            .collect();
         SuiteReport {
             markdown: md,
             passed,
+            failed,
         }
     }
 

@@ -63,6 +63,9 @@ pub(super) struct Suite<'a> {
 pub(super) struct SuiteReport {
     pub(super) markdown: String,
     pub(super) passed: bool,
+    /// The invariants that failed, each with what was measured: repeated in the suite's last
+    /// line, which is what a CI log's tail keeps.
+    pub(super) failed: Vec<String>,
 }
 
 impl<'a> Suite<'a> {

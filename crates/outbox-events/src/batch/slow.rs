@@ -121,7 +121,13 @@ impl<'a> Unstarted<'a> {
                 return Some((AttemptOutcome::LostClaim, false));
             }
             match self.env.repo.release_claim(state.fence, SLOW_HANDLER).await {
-                Ok(FenceOutcome::Written) => return Some((AttemptOutcome::NotRun, false)),
+                Ok(FenceOutcome::Written) => {
+                    // The row is no longer this worker's: its beat stops before the fence is
+                    // let go (a group's beat taken after would send the spent fence and report
+                    // the claim lost), as in `release_from`.
+                    beat.stop();
+                    return Some((AttemptOutcome::NotRun, false));
+                }
                 Ok(FenceOutcome::Lost) => return Some((AttemptOutcome::LostClaim, false)),
                 Err(e) => {
                     tracing::warn!(error = %e.chain(), "giving back a claim of a long handler's worker failed; confirming the claim");
