@@ -100,6 +100,14 @@ const RULES: &[Rule] = &[
         forbidden_transitive: &[],
     },
     Rule {
+        // Webhooks: a consumer built on the workers like the relay; its tables' SQL lives in
+        // outbox-persistence (`webhooks`), reached through outbox-events' re-export.
+        krate: "outbox-webhooks",
+        workspace: WorkspaceDeps::Only(&["outbox-events"]),
+        forbidden_direct: &["sqlx"],
+        forbidden_transitive: &[],
+    },
+    Rule {
         // The operator console: the repository and its `console` reads, the consumers and the
         // gate; its SQL lives in outbox-persistence.
         krate: "outbox-console",

@@ -241,7 +241,7 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> (AttemptOu
             if error.is_lock_timeout() {
                 env.metrics.lock_timeout(&claim.event.event_type);
             }
-            let mut failure = env.failure(claim, error.is_retryable(), error.to_string());
+            let mut failure = env.handler_failure(claim, &error);
             failure.effects = sent;
             tracing::info!(error = %failure.message, "handler failed");
             finish_failure(env, claim, beat, tx, failure).await

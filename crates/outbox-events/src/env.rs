@@ -105,10 +105,35 @@ pub(crate) struct Failure {
 
 impl AttemptEnv {
     pub(crate) fn failure(&self, claim: &Claim, retryable: bool, message: String) -> Failure {
+        self.failure_after(claim, retryable, None, message)
+    }
+
+    /// The failure a handler's error records: retried (not sooner than the delay it asked
+    /// for, [`crate::HandlerError::retry_in`]) or `failed`.
+    pub(crate) fn handler_failure(&self, claim: &Claim, error: &crate::HandlerError) -> Failure {
+        self.failure_after(
+            claim,
+            error.is_retryable(),
+            error.retry_delay(),
+            error.to_string(),
+        )
+    }
+
+    fn failure_after(
+        &self,
+        claim: &Claim,
+        retryable: bool,
+        asked: Option<std::time::Duration>,
+        message: String,
+    ) -> Failure {
         let failures = claim.event.retry_count.saturating_add(1);
         let bookkeeping = if retryable && failures < self.config.max_retry_attempts {
+            // The row waits `retry_delay` + `extra_delay`: a handler's own wait replaces the
+            // worker's backoff when it is longer.
+            let own = self.config.extra_retry_delay(failures);
+            let asked = asked.map_or(own, |a| a.saturating_sub(self.config.retry_delay));
             FailureBookkeeping::Retry {
-                extra_delay: self.config.extra_retry_delay(failures),
+                extra_delay: own.max(asked),
             }
         } else {
             FailureBookkeeping::Fail

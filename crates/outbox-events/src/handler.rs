@@ -51,6 +51,16 @@ pub enum HandlerError {
         #[source]
         source: BoxError,
     },
+    /// Try again, not sooner than `delay` from now (a receiver's `Retry-After`, a handler's
+    /// own backoff schedule), up to `MaxRetryAttempts` like [`HandlerError::Retryable`]. The
+    /// worker's own backoff applies when it is longer. Built by [`HandlerError::retry_in`].
+    #[error("retryable in {}s: {message}", delay.as_secs_f64())]
+    RetryIn {
+        /// The shortest wait before the next attempt.
+        delay: std::time::Duration,
+        /// Why it failed.
+        message: String,
+    },
     /// A database error from the handler's own statements; a lock timeout or a lost connection
     /// is retried like [`HandlerError::Retryable`].
     #[error("database: {}", .0.chain())]
@@ -107,6 +117,22 @@ impl HandlerError {
         HandlerError::PermanentFrom {
             context: context.into(),
             source: source.into(),
+        }
+    }
+
+    /// A retryable failure whose next attempt waits at least `delay`.
+    pub fn retry_in(delay: std::time::Duration, message: impl Into<String>) -> Self {
+        HandlerError::RetryIn {
+            delay,
+            message: message.into(),
+        }
+    }
+
+    /// The shortest wait before the next attempt the handler asked for, if any.
+    pub fn retry_delay(&self) -> Option<std::time::Duration> {
+        match self {
+            HandlerError::RetryIn { delay, .. } => Some(*delay),
+            _ => None,
         }
     }
 
@@ -344,16 +370,28 @@ impl Handlers {
         self.register_arc(consumer.through_the_broker(), Arc::new(handler))
     }
 
-    /// The handler of `event_type`.
+    /// The handler of `event_type` (see [`Handlers::get_named`] for prefixes).
     pub fn get(&self, event_type: &str) -> Option<&Arc<dyn Handler>> {
-        self.by_type.get(event_type).map(|(_, h)| h)
+        self.get_named(event_type).map(|(_, h)| h)
     }
 
-    /// The handler of `event_type` with its consumer's name (the ledger's handler id).
+    /// The handler of `event_type` with its consumer's name (the ledger's handler id): the
+    /// one registered for the type itself, else the one whose prefix (a registered type
+    /// ending in `*`, such as `webhook:*`) is the longest that starts it.
     pub(crate) fn get_named(&self, event_type: &str) -> Option<(&str, &Arc<dyn Handler>)> {
-        self.by_type
-            .get(event_type)
-            .map(|(c, h)| (c.name.as_str(), h))
+        let found = self.by_type.get(event_type).or_else(|| {
+            self.by_type
+                .iter()
+                .filter_map(|(registered, entry)| {
+                    let prefix = registered.strip_suffix('*')?;
+                    event_type
+                        .starts_with(prefix)
+                        .then_some((prefix.len(), entry))
+                })
+                .max_by_key(|(len, _)| *len)
+                .map(|(_, entry)| entry)
+        });
+        found.map(|(c, h)| (c.name.as_str(), h))
     }
 
     /// The consumer declarations, sorted by event type.

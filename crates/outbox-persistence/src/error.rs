@@ -40,6 +40,10 @@ pub enum Error {
     /// mode, a transaction pooler not declared): the message says what to change.
     #[error("{0}")]
     Unsupported(String),
+    /// A value given to the repository that it refuses (an endpoint's name), or a stored
+    /// value it cannot read: the message says which.
+    #[error("invalid: {0}")]
+    Invalid(String),
     /// Running migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[source] sqlx::migrate::MigrateError),

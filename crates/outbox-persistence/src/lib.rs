@@ -40,6 +40,7 @@ pub use stats::ESTIMATE_PROCESSED_ABOVE;
 #[cfg(feature = "test-support")]
 pub mod test_support;
 mod tx;
+pub mod webhooks;
 
 use std::time::Duration;
 

@@ -175,6 +175,12 @@ pub fn run(args: &[String]) -> Result<()> {
             }
         }
     }
+    finish(&options, &reports, &failed)
+}
+
+/// Writes the report file if asked for, and fails naming every failed run and its failed
+/// invariants with the seed (the line a CI log's tail keeps).
+fn finish(options: &Options, reports: &[String], failed: &[String]) -> Result<()> {
     if let Some(path) = &options.report {
         std::fs::write(path, reports.join("\n"))
             .with_context(|| format!("writing {}", path.display()))?;

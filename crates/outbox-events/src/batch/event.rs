@@ -82,7 +82,7 @@ impl Batch<'_> {
                 if error.is_lock_timeout() {
                     env.metrics.lock_timeout(&claim.event.event_type);
                 }
-                let mut failure = env.failure(claim, error.is_retryable(), error.to_string());
+                let mut failure = env.handler_failure(claim, &error);
                 failure.effects = sent;
                 tracing::info!(error = %failure.message, "handler failed");
                 if let Err(stop) = undo(tx, touched).await {

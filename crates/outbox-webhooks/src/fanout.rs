@@ -1,0 +1,166 @@
+//! The fan-out: a source event's attempt enqueues one delivery row per endpoint that subscribes
+//! to its type, in the attempt's own transaction, with the body frozen. A disabled endpoint
+//! gets its rows too: its deliveries' type is paused, so they wait in order and go out once it
+//! is enabled again; nothing is dropped while it is off.
+
+use std::sync::Arc;
+
+use outbox_events::persistence::webhooks::{self, delivery_event_type};
+use outbox_events::{
+    AttemptContext, Consumer, EffectKind, Handler, HandlerError, NewEvent, OutboxEvent,
+    OutboxRepository,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::WebhookConfig;
+
+/// The fan-out's consumer name.
+pub const FANOUT_CONSUMER: &str = "webhooks-fanout";
+
+/// The namespace of `webhook-id`s (UUID version 5 names).
+const ID_NAMESPACE: uuid::Uuid = uuid::Uuid::from_u128(0x7765_6268_6f6f_4b73_8f75_7462_6f78_0039);
+
+/// The `webhook-id` of `source_event_id`'s delivery to `endpoint`: `msg_` and a name-based
+/// UUID of the two, the same for every attempt, so a receiver can deduplicate on it.
+pub fn webhook_id(source_event_id: &str, endpoint: &str) -> String {
+    let name = format!("{}:{endpoint}|{source_event_id}", endpoint.len());
+    format!(
+        "msg_{}",
+        uuid::Uuid::new_v5(&ID_NAMESPACE, name.as_bytes()).simple()
+    )
+}
+
+/// What a delivery row carries (its payload).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delivery {
+    /// `Webhook`: the delivery's record key is `webhook:<record_id>`.
+    pub object: String,
+    /// `<endpoint>|<the source event's record key>` (`<endpoint>|event:<id>` for an event
+    /// about no record).
+    pub record_id: String,
+    /// The endpoint's name.
+    pub endpoint: String,
+    /// The source event.
+    pub source_event_id: String,
+    /// The source event's record key, if any.
+    pub record: Option<String>,
+    /// `<CreatedDate in Unix microseconds>.<source event id>`: the order within the record.
+    pub sequence: String,
+    /// The body as it is sent and signed, byte for byte.
+    pub body: String,
+}
+
+/// The Standard Webhooks envelope.
+#[derive(Serialize)]
+struct Envelope<'a> {
+    #[serde(rename = "type")]
+    event_type: &'a str,
+    timestamp: String,
+    data: serde_json::Value,
+}
+
+/// The fan-out handler, registered for each source event type.
+pub struct WebhookFanOut {
+    repo: Arc<dyn OutboxRepository>,
+    config: WebhookConfig,
+}
+
+impl WebhookFanOut {
+    /// A fan-out that enqueues through `repo` (the dispatcher's repository).
+    pub fn new(repo: Arc<dyn OutboxRepository>, config: WebhookConfig) -> Self {
+        Self { repo, config }
+    }
+
+    /// Its consumer declaration for `event_type`: rows enqueued in the attempt's transaction,
+    /// derived from the frozen event only, so a rolled-back attempt leaves none and a committed
+    /// one never runs again.
+    pub fn consumer(event_type: &str) -> Consumer {
+        Consumer::new(FANOUT_CONSUMER, event_type).effect(
+            EffectKind::DeterministicFieldSet,
+            "enqueues one webhook delivery row per subscribed endpoint in the attempt's transaction (its body and webhook-id derived from the event alone)",
+            None,
+        )
+    }
+
+    /// The delivery rows of `event` for `endpoints`.
+    fn deliveries(
+        &self,
+        event: &OutboxEvent,
+        endpoints: &[webhooks::WebhookEndpoint],
+    ) -> Result<Vec<NewEvent>, HandlerError> {
+        let data: serde_json::Value = serde_json::from_str(&event.payload).map_err(|e| {
+            HandlerError::permanent_from("the event's payload is not JSON; nothing to send", e)
+        })?;
+        let body = serde_json::to_string(&Envelope {
+            event_type: &event.event_type,
+            timestamp: event
+                .created_date
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            data,
+        })
+        .expect("a JSON value serializes");
+        if body.len() > self.config.max_body_bytes {
+            return Err(HandlerError::Permanent(format!(
+                "the webhook body is {} bytes, over the {}-byte limit: not sent to any endpoint",
+                body.len(),
+                self.config.max_body_bytes
+            )));
+        }
+        let id = event.id.to_string();
+        let record = event.record_key.as_ref().map(|k| k.as_str().to_string());
+        let sequence = format!("{}.{id}", event.created_date.timestamp_micros());
+        endpoints
+            .iter()
+            .map(|endpoint| {
+                let subject = record.clone().unwrap_or_else(|| format!("event:{id}"));
+                let delivery = Delivery {
+                    object: "Webhook".into(),
+                    record_id: format!("{}|{subject}", endpoint.name),
+                    endpoint: endpoint.name.clone(),
+                    source_event_id: id.clone(),
+                    record: record.clone(),
+                    sequence: sequence.clone(),
+                    body: body.clone(),
+                };
+                let payload = serde_json::to_string(&delivery).expect("strings serialize");
+                Ok(NewEvent::new(delivery_event_type(&endpoint.name), payload))
+            })
+            .collect()
+    }
+}
+
+#[outbox_events::async_trait]
+impl Handler for WebhookFanOut {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        let endpoints: Vec<_> = webhooks::endpoints(ctx.tx())
+            .await?
+            .into_iter()
+            .filter(|e| e.subscribes_to(&event.event_type))
+            .collect();
+        if endpoints.is_empty() {
+            return Ok(());
+        }
+        let rows = self.deliveries(event, &endpoints)?;
+        self.repo.enqueue(ctx.tx(), &rows).await?;
+        tracing::debug!(event_id = %event.id, deliveries = rows.len(), "fanned out to webhook endpoints");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_webhook_id_is_stable_per_event_and_endpoint() {
+        let a = webhook_id("0190-a", "billing");
+        assert_eq!(a, webhook_id("0190-a", "billing"));
+        assert_ne!(a, webhook_id("0190-a", "crm"));
+        assert_ne!(a, webhook_id("0190-b", "billing"));
+        assert!(a.starts_with("msg_") && a.len() == 36, "{a}");
+    }
+}

@@ -1,0 +1,314 @@
+//! Deliveries to a real receiver, checked with the official verifier: signatures, order per
+//! (endpoint, record), a failing endpoint or record that holds back no one, rotation, 410,
+//! the address check, on both backends.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use outbox_events::EventStatus;
+use outbox_tests::{TestDb, backend_tests};
+use outbox_webhooks::{WebhookConfig, Webhooks, webhook_id};
+use serde_json::Value;
+
+use crate::common::{Receiver, config, dispatcher, enqueue, open_rows, rows, wait_for};
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// Every delivery the receiver acknowledged (2xx) for `endpoint`, in the order it answered.
+fn acknowledged<'a>(log: &'a [Value], endpoint: &str) -> Vec<&'a Value> {
+    log.iter()
+        .filter(|e| e["endpoint"] == endpoint && e["status"] == 200)
+        .collect()
+}
+
+/// Per record, the sequences acknowledged in the order acknowledged must increase; returns the
+/// violations.
+fn order_violations(acks: &[&Value]) -> usize {
+    let mut last: HashMap<String, (i64, String)> = HashMap::new();
+    let mut violations = 0;
+    for ack in acks {
+        let record = ack["record"].as_str().unwrap_or_default().to_string();
+        let (micros, id) = ack["sequence"]
+            .as_str()
+            .and_then(|s| s.split_once('.'))
+            .expect("a sequence header");
+        let at = (micros.parse::<i64>().unwrap(), id.to_string());
+        if let Some(prev) = last.get(&record)
+            && *prev >= at
+        {
+            violations += 1;
+        }
+        last.insert(record, at);
+    }
+    violations
+}
+
+async fn every_delivery_verifies_in_order_per_endpoint_and_record(db: TestDb) {
+    let repo = db.repository();
+    let mut receiver = Receiver::start();
+    let hooks = Webhooks::new(repo.clone(), config());
+    let (added, all_secret) = hooks
+        .add("all", &receiver.url("all"), &[], "test")
+        .await
+        .unwrap();
+    assert!(added);
+    let (_, leads_secret) = hooks
+        .add(
+            "leads",
+            &receiver.url("leads"),
+            &["lead.updated".to_string()],
+            "test",
+        )
+        .await
+        .unwrap();
+    receiver.secrets("all", &[&all_secret]);
+    receiver.secrets("leads", &[&leads_secret]);
+    let events = enqueue(&repo, 120, 10).await;
+    let handle = dispatcher(&repo, &hooks, 4).await;
+    wait_for(LIMIT, "every delivery acknowledged", async || {
+        open_rows(&repo).await == 0
+    })
+    .await;
+    handle.shutdown().await;
+
+    let log = receiver.log();
+    assert!(!log.is_empty());
+    for entry in &log {
+        assert_eq!(entry["verifies"], serde_json::json!([true]), "{entry}");
+        assert_eq!(
+            entry["tamper_refused"], true,
+            "a changed body verified: {entry}"
+        );
+    }
+    let all = acknowledged(&log, "all");
+    let leads = acknowledged(&log, "leads");
+    let ids = |acks: &[&Value]| -> HashSet<String> {
+        acks.iter()
+            .map(|a| a["body"]["data"]["snapshot"]["seq"].to_string())
+            .collect()
+    };
+    assert_eq!(
+        ids(&all).len(),
+        120,
+        "every event reached the endpoint for all types"
+    );
+    assert_eq!(ids(&leads).len(), 60, "every lead event, and only those");
+    assert!(leads.iter().all(|a| a["body"]["type"] == "lead.updated"));
+    assert_eq!(order_violations(&all), 0);
+    assert_eq!(order_violations(&leads), 0);
+    // The envelope and the headers of our own.
+    let (first_id, first_key) = &events[0];
+    let first = all
+        .iter()
+        .find(|a| a["sequence"].as_str().unwrap().ends_with(first_id.as_str()))
+        .expect("the first event's delivery");
+    assert_eq!(first["record"], first_key.as_str());
+    assert_eq!(first["id"], webhook_id(first_id, "all"));
+    assert_eq!(first["body"]["type"], "account.updated");
+    assert!(first["body"]["timestamp"].as_str().unwrap().ends_with('Z'));
+    // Each attempt is kept (on SQLite by a task that waits for the attempt's lock).
+    wait_for(LIMIT, "every attempt kept", async || {
+        hooks.attempts("all", 1000).await.unwrap().len() == 120
+    })
+    .await;
+    let attempts = hooks.attempts("all", 1000).await.unwrap();
+    assert!(attempts.iter().all(|a| a.status_code == Some(200)
+        && a.error.is_none()
+        && a.response_body.as_deref() == Some(r#"{"received": true}"#)));
+}
+
+async fn a_failing_endpoint_or_record_holds_back_no_one(db: TestDb) {
+    let repo = db.repository();
+    let mut receiver = Receiver::start();
+    let hooks = Webhooks::new(repo.clone(), config().with_disable_after_failures(1_000));
+    for name in ["dead", "healthy"] {
+        let (_, secret) = hooks
+            .add(name, &receiver.url(name), &[], "test")
+            .await
+            .unwrap();
+        receiver.secrets(name, &[&secret]);
+    }
+    receiver.behave("dead", "fail");
+    receiver.fail_records("healthy", &["account:A002"]);
+    enqueue(&repo, 80, 8).await;
+    let handle = dispatcher(&repo, &hooks, 4).await;
+    // The healthy endpoint gets every record but the failing one, in time.
+    wait_for(LIMIT, "the healthy endpoint's other records", async || {
+        let log = receiver.log();
+        let acks = acknowledged(&log, "healthy");
+        acks.len() == 80 - 10
+    })
+    .await;
+    let log = receiver.log();
+    assert_eq!(order_violations(&acknowledged(&log, "healthy")), 0);
+    assert!(
+        log.iter().any(|e| e["endpoint"] == "dead"),
+        "the dead endpoint was tried"
+    );
+    assert!(acknowledged(&log, "dead").is_empty());
+    // The failing record's later deliveries wait behind its first: only it was tried.
+    let tried: HashSet<String> = log
+        .iter()
+        .filter(|e| e["endpoint"] == "healthy" && e["record"] == "account:A002")
+        .map(|e| e["id"].to_string())
+        .collect();
+    assert_eq!(
+        tried.len(),
+        1,
+        "only the record's oldest delivery was tried"
+    );
+    // Healed, everything drains in order.
+    receiver.behave("dead", "ok");
+    receiver.fail_records("healthy", &[]);
+    wait_for(LIMIT, "everything delivered once healed", async || {
+        open_rows(&repo).await == 0
+    })
+    .await;
+    handle.shutdown().await;
+    let log = receiver.log();
+    for name in ["dead", "healthy"] {
+        assert_eq!(order_violations(&acknowledged(&log, name)), 0, "{name}");
+    }
+    let attempts = hooks.attempts("dead", 1000).await.unwrap();
+    assert!(
+        attempts
+            .iter()
+            .any(|a| a.status_code == Some(500) && a.error.as_deref() == Some("HTTP 500"))
+    );
+    let retried = attempts.iter().map(|a| a.attempt).max().unwrap();
+    assert!(retried > 1, "the dead endpoint's deliveries were retried");
+}
+
+async fn a_rotated_secret_verifies_under_both_keys(db: TestDb) {
+    let repo = db.repository();
+    let mut receiver = Receiver::start();
+    let hooks = Webhooks::new(repo.clone(), config());
+    let (_, old) = hooks
+        .add("crm", &receiver.url("crm"), &[], "test")
+        .await
+        .unwrap();
+    let new = hooks.rotate("crm", "test").await.unwrap();
+    assert_ne!(old, new);
+    receiver.secrets("crm", &[&old, &new]);
+    enqueue(&repo, 10, 5).await;
+    let handle = dispatcher(&repo, &hooks, 2).await;
+    wait_for(LIMIT, "delivered", async || open_rows(&repo).await == 0).await;
+    // After the overlap only the new one signs.
+    hooks
+        .rotate_with("crm", &new, Duration::ZERO, "test")
+        .await
+        .unwrap();
+    enqueue(&repo, 2, 2).await;
+    wait_for(LIMIT, "delivered", async || open_rows(&repo).await == 0).await;
+    handle.shutdown().await;
+    let log = receiver.log();
+    assert_eq!(log.len(), 12);
+    for entry in &log[..10] {
+        assert_eq!(entry["signatures"], 2, "{entry}");
+        assert_eq!(
+            entry["verifies"],
+            serde_json::json!([true, true]),
+            "{entry}"
+        );
+    }
+    for entry in &log[10..] {
+        assert_eq!(entry["signatures"], 1, "{entry}");
+        assert_eq!(
+            entry["verifies"],
+            serde_json::json!([false, true]),
+            "{entry}"
+        );
+    }
+    let audit = repo.audit_log(20).await.unwrap();
+    assert!(audit.iter().any(|a| a.action == "webhook-rotate"));
+    let shown = format!("{audit:?} {:?}", hooks.list().await.unwrap());
+    assert!(
+        !shown.contains(&old) && !shown.contains(&new),
+        "a secret leaked"
+    );
+}
+
+async fn gone_disables_the_endpoint_and_enable_resumes_in_order(db: TestDb) {
+    let repo = db.repository();
+    let mut receiver = Receiver::start();
+    let hooks = Webhooks::new(repo.clone(), config());
+    let (_, secret) = hooks
+        .add("old", &receiver.url("old"), &[], "test")
+        .await
+        .unwrap();
+    receiver.secrets("old", &[&secret]);
+    receiver.behave("old", "gone");
+    enqueue(&repo, 20, 4).await;
+    let handle = dispatcher(&repo, &hooks, 2).await;
+    wait_for(LIMIT, "the endpoint disabled", async || {
+        !hooks.get("old").await.unwrap().enabled
+    })
+    .await;
+    let endpoint = hooks.get("old").await.unwrap();
+    assert_eq!(
+        endpoint.disabled_reason.as_deref(),
+        Some("the receiver answered 410 Gone")
+    );
+    let paused = repo.paused_event_types().await.unwrap();
+    assert!(paused.iter().any(|p| p.event_type == "webhook:old"));
+    // Disabled, nothing more is sent.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let tried = receiver.log().len();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        receiver.log().len(),
+        tried,
+        "a disabled endpoint got requests"
+    );
+    receiver.behave("old", "ok");
+    assert!(hooks.enable("old", "test").await.unwrap());
+    wait_for(LIMIT, "resumed and delivered", async || {
+        open_rows(&repo).await == 0
+    })
+    .await;
+    handle.shutdown().await;
+    let log = receiver.log();
+    assert_eq!(acknowledged(&log, "old").len(), 20);
+    assert_eq!(order_violations(&acknowledged(&log, "old")), 0);
+    let actions: Vec<String> = repo
+        .audit_log(20)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| a.action)
+        .collect();
+    assert!(actions.contains(&"webhook-disable".to_string()));
+    assert!(actions.contains(&"webhook-enable".to_string()));
+}
+
+async fn loopback_is_refused_unless_allowed(db: TestDb) {
+    let repo = db.repository();
+    let receiver = Receiver::start();
+    // The default policy: public addresses only.
+    let hooks = Webhooks::new(repo.clone(), WebhookConfig::default());
+    hooks
+        .add("local", &receiver.url("local"), &[], "test")
+        .await
+        .unwrap();
+    enqueue(&repo, 1, 1).await;
+    let handle = dispatcher(&repo, &hooks, 1).await;
+    wait_for(LIMIT, "an attempt kept", async || {
+        !hooks.attempts("local", 10).await.unwrap().is_empty()
+    })
+    .await;
+    handle.shutdown().await;
+    let attempt = &hooks.attempts("local", 10).await.unwrap()[0];
+    let error = attempt.error.as_deref().unwrap_or_default();
+    assert!(error.starts_with("refused: 127.0.0.1 resolves"), "{error}");
+    assert_eq!(attempt.status_code, None);
+    assert!(receiver.log().is_empty(), "the request reached loopback");
+    assert_eq!(rows(&repo, "webhook:", EventStatus::Processed).await, 0);
+}
+
+backend_tests!(
+    every_delivery_verifies_in_order_per_endpoint_and_record,
+    a_failing_endpoint_or_record_holds_back_no_one,
+    a_rotated_secret_verifies_under_both_keys,
+    gone_disables_the_endpoint_and_enable_resumes_in_order,
+    loopback_is_refused_unless_allowed,
+);
