@@ -126,6 +126,7 @@ const RULES: &[Rule] = &[
             "outbox-events",
             "outbox-relay",
             "outbox-console",
+            "outbox-webhooks",
         ]),
         forbidden_direct: &[],
         forbidden_transitive: &[],

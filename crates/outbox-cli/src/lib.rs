@@ -34,6 +34,7 @@ pub mod db;
 pub mod metrics;
 pub mod ops;
 pub mod status;
+pub mod webhooks;
 
 use std::process::ExitCode;
 
@@ -82,6 +83,10 @@ pub enum OperatorCommand {
     /// Delete terminal rows (processed, failed) older than an age, in small batches; never a
     /// pending or processing row. `--dry-run` counts them.
     Prune(PruneArgs),
+    /// Webhook endpoints: add, list, disable, enable, rotate a secret, recent attempts (see
+    /// docs/webhooks.md).
+    #[command(subcommand)]
+    Webhooks(webhooks::WebhooksCommand),
 }
 
 /// Runs one operator command against the database at `url`; `consumers` are the consumers the
@@ -107,6 +112,7 @@ pub async fn run_operator(
         OperatorCommand::Consumers(a) => ops::consumers(consumers, a.json),
         OperatorCommand::Gate(a) => ops::gate(url, consumers, a.json).await,
         OperatorCommand::Prune(args) => ops::prune(url, args).await,
+        OperatorCommand::Webhooks(command) => webhooks::run(url, command).await,
     }
 }
 

@@ -61,6 +61,8 @@ struct StatusDoc {
     stats: OutboxStats,
     blocked_keys: Vec<BlockedKey>,
     paused_event_types: Vec<PausedType>,
+    /// The webhook endpoints (never their secrets).
+    webhook_endpoints: Vec<outbox_webhooks::WebhookEndpoint>,
 }
 
 /// `outbox status`.
@@ -102,17 +104,22 @@ pub async fn run(url: Option<&str>, args: StatusArgs) -> Result<ExitCode> {
     let stats = repo.stats(policy).await?;
     let blocked = repo.blocked_keys(policy, args.blocked).await?;
     let paused = repo.paused_event_types().await?;
+    let endpoints = outbox_webhooks::Webhooks::new(repo, Default::default())
+        .list()
+        .await?;
     db.close().await;
     if args.json {
         let doc = StatusDoc {
             stats,
             blocked_keys: blocked,
             paused_event_types: paused,
+            webhook_endpoints: endpoints,
         };
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print_stats(&stats, policy);
         print_paused(&paused);
+        print_endpoints(&endpoints);
         print_blocked(&blocked);
     }
     Ok(ExitCode::SUCCESS)
@@ -155,11 +162,37 @@ fn print_stats(stats: &OutboxStats, policy: ClaimPolicy) {
 
 fn print_paused(paused: &[PausedType]) {
     for p in paused {
+        if p.event_type
+            .starts_with(outbox_webhooks::DELIVERY_TYPE_PREFIX)
+        {
+            // A disabled endpoint's deliveries: shown with the endpoint.
+            continue;
+        }
         println!(
             "paused          {} (by {} since {}; no worker claims it until `outbox resume`)",
             p.event_type,
             p.paused_by,
             ts(p.paused_at)
+        );
+    }
+}
+
+fn print_endpoints(endpoints: &[outbox_webhooks::WebhookEndpoint]) {
+    if endpoints.is_empty() {
+        return;
+    }
+    let disabled: Vec<_> = endpoints.iter().filter(|e| !e.enabled).collect();
+    println!(
+        "webhooks        {} endpoint(s), {} disabled",
+        endpoints.len(),
+        disabled.len()
+    );
+    for e in disabled {
+        println!(
+            "  DISABLED      {} ({}); its deliveries wait until `outbox webhooks enable {}`",
+            e.name,
+            e.disabled_reason.as_deref().unwrap_or("no reason given"),
+            e.name
         );
     }
 }

@@ -8,6 +8,7 @@ mod heads;
 mod pause;
 mod production;
 mod standby;
+mod webhooks;
 
 use std::process::{Command, Output};
 
