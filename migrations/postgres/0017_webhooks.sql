@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS _System_OutboxWebhookEndpoint (
 );
 
 -- One row per HTTP attempt of a delivery: what the receiver answered (or the error), how long
--- it took, and the first 4 KiB of its body. Pruned with the outbox's retention (by At).
+-- it took, and the first 4 KiB of its body. Indexed by At for pruning (retention does not prune
+-- it yet).
 CREATE TABLE IF NOT EXISTS _System_OutboxWebhookAttempt (
     Id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     Endpoint text NOT NULL,

@@ -370,7 +370,8 @@ impl Handlers {
         self.register_arc(consumer.through_the_broker(), Arc::new(handler))
     }
 
-    /// The handler of `event_type` (see [`Handlers::get_named`] for prefixes).
+    /// The handler of `event_type`: the one registered for the type itself, else the one whose
+    /// prefix (a registered type ending in `*`) is the longest that starts it.
     pub fn get(&self, event_type: &str) -> Option<&Arc<dyn Handler>> {
         self.get_named(event_type).map(|(_, h)| h)
     }

@@ -16,6 +16,9 @@ use sqlx::Row;
 
 use crate::{Error, EventId, Result, Tx};
 
+mod attempts;
+pub use attempts::{AttemptsOf, clip_body, delivery_attempts, record_delivery_attempt};
+
 /// The event type of an endpoint's deliveries.
 pub fn delivery_event_type(endpoint: &str) -> String {
     format!("{DELIVERY_TYPE_PREFIX}{endpoint}")
@@ -304,7 +307,11 @@ pub async fn set_endpoint_enabled(
         .rows_affected(),
     } == 1;
     if changed {
-        pause_deliveries(tx, &delivery_event_type(name), !enabled, actor).await?;
+        let event_type = delivery_event_type(name);
+        pause_deliveries(tx, &event_type, !enabled, actor).await?;
+        if enabled {
+            due_now(tx, &event_type).await?;
+        }
     }
     if changed {
         let (action, detail) = if enabled {
@@ -318,6 +325,32 @@ pub async fn set_endpoint_enabled(
         audit(tx, actor, action, &detail).await?;
     }
     Ok(changed)
+}
+
+/// Makes an enabled endpoint's waiting deliveries due now: a retry's wait that ran past the
+/// enable (a schedule's hours) would hold the endpoint's records for nothing. Pending rows
+/// only: a claimed row's `LastModifiedDate` is its worker's fence.
+async fn due_now(tx: &mut Tx, event_type: &str) -> Result<()> {
+    match tx {
+        Tx::Postgres(tx) => crate::statement::query(
+            "UPDATE _System_OutboxEvent SET LastModifiedDate = clock_timestamp()
+             WHERE EventType = $1 AND Status = 'pending' AND LastModifiedDate > clock_timestamp()",
+        )
+        .bind(event_type)
+        .execute(&mut **tx)
+        .await
+        .map(drop)?,
+        Tx::Sqlite(tx) => crate::statement::query(
+            "UPDATE _System_OutboxEvent SET LastModifiedDate = $2
+             WHERE EventType = $1 AND Status = 'pending' AND LastModifiedDate > $2",
+        )
+        .bind(event_type)
+        .bind(now_text())
+        .execute(&mut **tx)
+        .await
+        .map(drop)?,
+    }
+    Ok(())
 }
 
 /// Pauses (`pause`) or resumes an endpoint's deliveries' event type.
@@ -410,11 +443,13 @@ pub async fn rotate_endpoint_secret(
 }
 
 /// Counts a delivery's outcome on its endpoint: a success clears the failures, a failure adds
-/// one. Returns the failures since the last success.
+/// one. Returns the failures since the last success. A success with none to clear writes
+/// nothing (the endpoint's row is every delivery's: no lock, no dead version for it).
 pub async fn note_delivery(tx: &mut Tx, name: &str, succeeded: bool) -> Result<i32> {
     const NOTE: &str = "UPDATE _System_OutboxWebhookEndpoint
          SET ConsecutiveFailures = CASE WHEN $2 THEN 0 ELSE ConsecutiveFailures + 1 END
-         WHERE Name = $1 RETURNING ConsecutiveFailures";
+         WHERE Name = $1 AND NOT ($2 AND ConsecutiveFailures = 0)
+         RETURNING ConsecutiveFailures";
     let failures: Option<i64> = match tx {
         Tx::Postgres(tx) => crate::statement::query_scalar::<_, i32>(NOTE)
             .bind(name)
@@ -431,137 +466,6 @@ pub async fn note_delivery(tx: &mut Tx, name: &str, succeeded: bool) -> Result<i
         }
     };
     Ok(failures.unwrap_or(0) as i32)
-}
-
-/// The first [`RESPONSE_BODY_KEPT`] bytes of `body`, cut at a character boundary.
-pub fn clip_body(body: &str) -> String {
-    let mut end = body.len().min(RESPONSE_BODY_KEPT);
-    while !body.is_char_boundary(end) {
-        end -= 1;
-    }
-    body[..end].to_string()
-}
-
-/// Keeps one attempt of a delivery.
-pub async fn record_delivery_attempt(tx: &mut Tx, attempt: &DeliveryAttempt) -> Result<()> {
-    let body = attempt.response_body.as_deref().map(clip_body);
-    match tx {
-        Tx::Postgres(tx) => {
-            crate::statement::query(
-                "INSERT INTO _System_OutboxWebhookAttempt
-                   (Endpoint, EventId, SourceEventId, Attempt, StatusCode, LatencyMs, ResponseBody, Error)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-            )
-            .bind(&attempt.endpoint)
-            .bind(attempt.event_id)
-            .bind(attempt.source_event_id)
-            .bind(attempt.attempt)
-            .bind(attempt.status_code)
-            .bind(attempt.latency_ms)
-            .bind(body)
-            .bind(&attempt.error)
-            .execute(&mut **tx)
-            .await?;
-        }
-        Tx::Sqlite(tx) => {
-            crate::statement::query(
-                "INSERT INTO _System_OutboxWebhookAttempt
-                   (Endpoint, EventId, SourceEventId, Attempt, StatusCode, LatencyMs, ResponseBody, Error, At)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-            )
-            .bind(&attempt.endpoint)
-            .bind(attempt.event_id.to_string())
-            .bind(attempt.source_event_id.to_string())
-            .bind(attempt.attempt)
-            .bind(attempt.status_code)
-            .bind(attempt.latency_ms)
-            .bind(body)
-            .bind(&attempt.error)
-            .bind(now_text())
-            .execute(&mut **tx)
-            .await?;
-        }
-    }
-    Ok(())
-}
-
-/// Which attempts [`delivery_attempts`] reads.
-#[derive(Debug, Clone)]
-pub enum AttemptsOf {
-    /// An endpoint's newest.
-    Endpoint(String),
-    /// Those carrying these source events (the first 500), for every endpoint.
-    SourceEvents(Vec<EventId>),
-}
-
-/// Delivery attempts, newest first, at most `limit`.
-pub async fn delivery_attempts(
-    tx: &mut Tx,
-    of: &AttemptsOf,
-    limit: u32,
-) -> Result<Vec<DeliveryAttempt>> {
-    const COLS: &str =
-        "Endpoint, EventId, SourceEventId, Attempt, At, StatusCode, LatencyMs, ResponseBody, Error";
-    let (filter, binds): (String, Vec<String>) = match of {
-        AttemptsOf::Endpoint(name) => ("Endpoint = $1".into(), vec![name.clone()]),
-        AttemptsOf::SourceEvents(ids) => {
-            let ids: Vec<String> = ids.iter().take(500).map(|id| id.to_string()).collect();
-            if ids.is_empty() {
-                return Ok(Vec::new());
-            }
-            let marks: Vec<String> = match tx {
-                Tx::Postgres(_) => (1..=ids.len()).map(|i| format!("${i}::uuid")).collect(),
-                Tx::Sqlite(_) => (1..=ids.len()).map(|i| format!("${i}")).collect(),
-            };
-            (format!("SourceEventId IN ({})", marks.join(", ")), ids)
-        }
-    };
-    // Built from constants and numbered placeholders: every value is bound.
-    let sql = format!(
-        "SELECT {COLS} FROM _System_OutboxWebhookAttempt WHERE {filter} ORDER BY Id DESC LIMIT {limit}"
-    );
-    let mut out = Vec::new();
-    match tx {
-        Tx::Postgres(tx) => {
-            let mut query = crate::statement::query(sqlx::AssertSqlSafe(sql));
-            for b in &binds {
-                query = query.bind(b);
-            }
-            for row in query.fetch_all(&mut **tx).await? {
-                out.push(DeliveryAttempt {
-                    endpoint: row.try_get(0)?,
-                    event_id: row.try_get(1)?,
-                    source_event_id: row.try_get(2)?,
-                    attempt: row.try_get(3)?,
-                    at: Some(row.try_get(4)?),
-                    status_code: row.try_get(5)?,
-                    latency_ms: row.try_get(6)?,
-                    response_body: row.try_get(7)?,
-                    error: row.try_get(8)?,
-                });
-            }
-        }
-        Tx::Sqlite(tx) => {
-            let mut query = crate::statement::query(sqlx::AssertSqlSafe(sql));
-            for b in &binds {
-                query = query.bind(b);
-            }
-            for row in query.fetch_all(&mut **tx).await? {
-                out.push(DeliveryAttempt {
-                    endpoint: row.try_get(0)?,
-                    event_id: crate::sqlite::parse_id(&row.try_get::<String, _>(1)?)?,
-                    source_event_id: crate::sqlite::parse_id(&row.try_get::<String, _>(2)?)?,
-                    attempt: row.try_get::<i64, _>(3)? as i32,
-                    at: Some(crate::sqlite::parse_ts(&row.try_get::<String, _>(4)?)?),
-                    status_code: row.try_get::<Option<i64>, _>(5)?.map(|c| c as i32),
-                    latency_ms: row.try_get::<i64, _>(6)? as i32,
-                    response_body: row.try_get(7)?,
-                    error: row.try_get(8)?,
-                });
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// One audit row in `tx`.

@@ -49,23 +49,33 @@ impl Webhooks {
         Self { repo, config }
     }
 
-    /// Registers the fan-out for each of `source_types` (event types no other handler takes:
-    /// one handler per type) and the delivery for every `webhook:*` row, with their consumer
-    /// declarations (the delivery through the effect ledger, so the rollout gate sees it
-    /// protected).
-    pub fn register<S: AsRef<str>>(&self, handlers: Handlers, source_types: &[S]) -> Handlers {
-        let fan_out = Arc::new(WebhookFanOut::new(self.repo.clone(), self.config.clone()));
+    /// Registers the fan-out for each of `source_types` and the delivery for every
+    /// `webhook:*` row, with their consumer declarations (the delivery through the effect
+    /// ledger, so the rollout gate sees it protected), for workers run with `worker` (its
+    /// `MaxRetryAttempts` bounds a delivery's attempts). Refused when a source type already
+    /// has a handler in `handlers` (one handler runs per type).
+    pub fn register<S: AsRef<str>>(
+        &self,
+        handlers: Handlers,
+        source_types: &[S],
+        worker: &outbox_events::WorkerConfig,
+    ) -> Result<Handlers, Error> {
+        let config = self.config.clone().for_workers(worker);
+        let fan_out = Arc::new(WebhookFanOut::new(self.repo.clone(), config.clone()));
         let mut handlers = handlers;
         for event_type in source_types {
-            handlers = handlers.register_arc(
-                WebhookFanOut::consumer(event_type.as_ref()),
-                fan_out.clone(),
-            );
+            let event_type = event_type.as_ref();
+            if handlers.get(event_type).is_some() {
+                return Err(Error::Invalid(format!(
+                    "{event_type:?} has a handler already: the fan-out takes types no other handler takes"
+                )));
+            }
+            handlers = handlers.register_arc(WebhookFanOut::consumer(event_type), fan_out.clone());
         }
-        handlers.register_with_ledger(
+        Ok(handlers.register_with_ledger(
             WebhookDelivery::consumer(),
-            WebhookDelivery::new(self.repo.clone(), self.config.clone()),
-        )
+            WebhookDelivery::new(self.repo.clone(), config),
+        ))
     }
 
     /// Adds an endpoint with a new secret, which is returned (shown once: it is never listed).

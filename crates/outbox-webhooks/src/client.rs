@@ -93,7 +93,8 @@ fn canonical(ip: IpAddr) -> IpAddr {
 /// Not loopback, private, link-local (which holds the clouds' metadata address
 /// 169.254.169.254), shared (100.64.0.0/10), unspecified, broadcast, multicast, documentation,
 /// benchmarking or reserved; for IPv6 not unique-local (fc00::/7, where clouds put their
-/// metadata service too), link-local, NAT64 or documentation.
+/// metadata service too), link-local, site-local, IPv4-compatible (::/96), NAT64 or
+/// documentation; a 6to4 address (2002::/16) is judged by the IPv4 address it carries.
 fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
@@ -107,19 +108,27 @@ fn is_public(ip: IpAddr) -> bool {
                 || v4.is_documentation()
                 || a == 0
                 || (a == 100 && (64..128).contains(&b))
-                || (a == 192 && b == 0)
+                || (a == 192 && b == 0 && v4.octets()[2] == 0)
                 || (a == 198 && (18..20).contains(&b))
                 || a >= 240)
         }
         IpAddr::V6(v6) => {
-            let first = v6.segments()[0];
+            let s = v6.segments();
+            // 6to4 (2002::/16) carries an IPv4 address: judged as that address.
+            if s[0] == 0x2002 {
+                let [a, b] = s[1].to_be_bytes();
+                let [c, d] = s[2].to_be_bytes();
+                return is_public(IpAddr::V4(std::net::Ipv4Addr::new(a, b, c, d)));
+            }
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
-                || (first & 0xfe00) == 0xfc00
-                || (first & 0xffc0) == 0xfe80
-                || (first == 0x64 && v6.segments()[1] == 0xff9b)
-                || (first == 0x2001 && v6.segments()[1] == 0x0db8))
+                || s[..6] == [0; 6]
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || (s[0] & 0xffc0) == 0xfec0
+                || (s[0] == 0x64 && s[1] == 0xff9b)
+                || (s[0] == 0x2001 && s[1] == 0x0db8))
         }
     }
 }
@@ -202,28 +211,47 @@ impl Client {
         body: Bytes,
     ) -> Result<Answer, SendError> {
         let tls = url.scheme_str() == Some("https");
-        let host = url.host().unwrap_or_default().to_string();
+        // An IPv6 literal's brackets are the URL's, not the address's.
+        let host = url
+            .host()
+            .unwrap_or_default()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string();
         let port = url.port_u16().unwrap_or(if tls { 443 } else { 80 });
         let key = (tls, host.clone(), port);
-        let mut sender = match self.idle_connection(&key) {
+        let idle = self.idle_connection(&key);
+        let reused = idle.is_some();
+        let mut sender = match idle {
             Some(sender) => sender,
             None => self.connect(tls, &host, port).await?,
         };
         let path = url.path_and_query().map_or("/", |p| p.as_str());
-        let mut request = hyper::Request::post(path)
-            .header(hyper::header::HOST, host_header(&host, port, tls))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .header(hyper::header::USER_AGENT, "outbox-webhooks/1");
-        for (name, value) in headers {
-            request = request.header(*name, value);
-        }
-        let request = request
-            .body(Full::new(body))
-            .map_err(|e| SendError::Request(e.to_string()))?;
-        let response = sender
-            .send_request(request)
-            .await
-            .map_err(|e| SendError::Request(e.to_string()))?;
+        let request = |headers: &[(&str, String)], body: Bytes| {
+            let mut request = hyper::Request::post(path)
+                .header(hyper::header::HOST, host_header(&host, port, tls))
+                .header(hyper::header::CONTENT_TYPE, "application/json")
+                .header(hyper::header::USER_AGENT, "outbox-webhooks/1");
+            for (name, value) in headers {
+                request = request.header(*name, value);
+            }
+            request
+                .body(Full::new(body))
+                .map_err(|e| SendError::Request(e.to_string()))
+        };
+        let response = match sender.send_request(request(headers, body.clone())?).await {
+            Ok(response) => response,
+            // A kept connection the receiver closed meanwhile: once more on a new one (the
+            // request was not sent, or got no answer).
+            Err(e) if reused && (e.is_canceled() || e.is_closed() || e.is_incomplete_message()) => {
+                sender = self.connect(tls, &host, port).await?;
+                sender
+                    .send_request(request(headers, body)?)
+                    .await
+                    .map_err(|e| SendError::Request(e.to_string()))?
+            }
+            Err(e) => return Err(SendError::Request(e.to_string())),
+        };
         let status = response.status().as_u16();
         let retry_after = response
             .headers()
@@ -320,15 +348,14 @@ impl Client {
         host: &str,
         stream: TcpStream,
     ) -> Result<SendRequest<Full<Bytes>>, SendError> {
-        let connect_err = |e: String| SendError::Connect(e);
         if tls {
             let name = ServerName::try_from(host.to_string())
-                .map_err(|e| connect_err(format!("{host}: {e}")))?;
+                .map_err(|e| SendError::Connect(format!("{host}: {e}")))?;
             let stream = self
                 .tls
                 .connect(name, stream)
                 .await
-                .map_err(|e| connect_err(format!("TLS with {host}: {e}")))?;
+                .map_err(|e| SendError::Connect(format!("TLS with {host}: {e}")))?;
             http1(TokioIo::new(stream)).await
         } else {
             http1(TokioIo::new(stream)).await
@@ -416,10 +443,21 @@ mod tests {
             "fe80::1",
             "::ffff:127.0.0.1",
             "::ffff:169.254.169.254",
+            "192.0.0.8",
+            "fec0::1",
+            "::127.0.0.1",
+            "2002:7f00:1::",
+            "2002:a9fe:a9fe::",
         ] {
             assert!(!policy.permits(ip(refused)), "{refused}");
         }
-        for public in ["93.184.216.34", "1.1.1.1", "2606:4700:4700::1111"] {
+        for public in [
+            "93.184.216.34",
+            "1.1.1.1",
+            "192.0.1.1",
+            "2606:4700:4700::1111",
+            "2002:5db8:d822::",
+        ] {
             assert!(policy.permits(ip(public)), "{public}");
         }
     }

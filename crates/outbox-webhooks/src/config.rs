@@ -43,6 +43,9 @@ pub struct WebhookConfig {
     pub addresses: AddressPolicy,
     /// Idle keep-alive connections kept per host and port: 16.
     pub idle_per_host: usize,
+    /// The workers' `MaxRetryAttempts` ([`WebhookConfig::for_workers`]): a delivery's failure
+    /// that leaves it one attempt disables its endpoint instead of letting it end `failed`.
+    pub max_attempts: i32,
 }
 
 impl Default for WebhookConfig {
@@ -57,11 +60,18 @@ impl Default for WebhookConfig {
             rotation_overlap: Duration::from_secs(24 * 60 * 60),
             addresses: AddressPolicy::default(),
             idle_per_host: 16,
+            max_attempts: outbox_events::DEFAULT_MAX_RETRY_ATTEMPTS,
         }
     }
 }
 
 impl WebhookConfig {
+    /// Takes the `MaxRetryAttempts` of the workers that run the deliveries.
+    pub fn for_workers(mut self, worker: &outbox_events::WorkerConfig) -> Self {
+        self.max_attempts = worker.max_retry_attempts;
+        self
+    }
+
     /// Replaces the retry schedule.
     pub fn with_retry_schedule(mut self, schedule: Vec<Duration>) -> Self {
         self.retry_schedule = schedule;

@@ -14,13 +14,16 @@ use outbox_events::{
 
 use crate::client::{Answer, Client, SendError};
 pub use crate::fanout::Delivery;
+use crate::side::{SideWrite, SideWriter};
 use crate::{WebhookConfig, headers, signature, webhook_id};
 
 /// The delivery's consumer name (the ledger's handler id).
 pub const DELIVERY_CONSUMER: &str = "webhooks";
 
-/// How often a side write (attempt log, endpoint state) is tried.
-const SIDE_TRIES: u32 = 10;
+/// The longest a send may take on SQLite, whose attempt holds the database's one write lock
+/// while it runs: below the default lock timeout (5 s), so that the application's own writes
+/// wait for it rather than fail.
+pub const SQLITE_SEND_LIMIT: Duration = Duration::from_secs(3);
 
 /// The ledger's name of the one effect of a delivery.
 const EFFECT: &str = "deliver";
@@ -51,17 +54,25 @@ pub fn classify(status: u16) -> Outcome {
 
 /// The delivery handler, registered for `webhook:*` (see [`WebhookDelivery::consumer`]).
 pub struct WebhookDelivery {
-    repo: Arc<dyn OutboxRepository>,
     client: Client,
     config: WebhookConfig,
+    side: SideWriter,
 }
 
 impl WebhookDelivery {
-    /// A sender with `config`, keeping its attempts through `repo` (the dispatcher's).
+    /// A sender with `config`, keeping its attempts through `repo` (the dispatcher's). On a
+    /// backend whose attempt holds the one write lock (SQLite) a send's timeouts are held
+    /// below its lock timeout, [`SQLITE_SEND_LIMIT`]: every other writer waits while a
+    /// delivery runs.
     pub fn new(repo: Arc<dyn OutboxRepository>, config: WebhookConfig) -> Self {
+        let mut config = config;
+        if repo.serializes_writers() {
+            config.total_timeout = config.total_timeout.min(SQLITE_SEND_LIMIT);
+            config.connect_timeout = config.connect_timeout.min(SQLITE_SEND_LIMIT);
+        }
         Self {
-            repo,
             client: Client::new(config.clone()),
+            side: SideWriter::new(repo, config.disable_after_failures),
             config,
         }
     }
@@ -118,32 +129,48 @@ impl WebhookDelivery {
             .await
     }
 
-    /// What the answer (or its absence) makes of the attempt: `Ok` when delivered, the
-    /// retry otherwise (a 410 disables the endpoint first).
-    async fn judge(
+    /// What the answer (or its absence) makes of the attempt `failures` (1 for the first):
+    /// `Ok` when delivered, the retry otherwise. A 410 disables the endpoint; so does a
+    /// delivery's failure that leaves it one attempt (of the workers' `MaxRetryAttempts`): it
+    /// never ends `failed` for an endpoint that is down, it waits for it to be enabled.
+    fn judge(
         &self,
         endpoint: &str,
         delivery_id: EventId,
         failures: i32,
         answer: &Result<Answer, SendError>,
     ) -> Result<(), HandlerError> {
-        let jitter = jitter(delivery_id, failures);
-        let wait = self.config.retry_wait(failures, jitter);
+        let wait = self
+            .config
+            .retry_wait(failures, jitter(delivery_id, failures));
         let (outcome, why) = match answer {
             Ok(a) => (classify(a.status), format!("HTTP {}", a.status)),
             Err(e) => (Outcome::Failed, e.to_string()),
         };
+        let disable = |reason: String| {
+            self.side.send(SideWrite::Disable {
+                endpoint: endpoint.to_string(),
+                reason,
+            });
+        };
+        let last = failures + 1 >= self.config.max_attempts && self.config.max_attempts > 1;
         match outcome {
             Outcome::Delivered => Ok(()),
             Outcome::Gone => {
-                self.disable(endpoint, "the receiver answered 410 Gone")
-                    .await;
+                disable("the receiver answered 410 Gone".into());
+                // Held by the pause until it is enabled; then at once.
                 Err(HandlerError::retry_in(
-                    wait,
+                    PAUSED_WAIT,
                     format!(
                         "{why}: the endpoint is disabled; the delivery waits for it to be enabled"
                     ),
                 ))
+            }
+            _ if last => {
+                disable(format!(
+                    "a delivery failed {failures} attempts ({why}); its last attempt waits for the endpoint to be enabled"
+                ));
+                Err(HandlerError::retry_in(PAUSED_WAIT, why))
             }
             Outcome::SlowDown => {
                 let asked = answer
@@ -157,91 +184,11 @@ impl WebhookDelivery {
             Outcome::Failed => Err(HandlerError::retry_in(wait, why)),
         }
     }
-
-    /// Disables `endpoint` on a transaction of its own (the attempt's rolls back with its
-    /// failure).
-    async fn disable(&self, endpoint: &str, reason: &str) {
-        let endpoint = endpoint.to_string();
-        let reason = reason.to_string();
-        self.on_the_side(move |mut tx| {
-            let (endpoint, reason) = (endpoint.clone(), reason.clone());
-            async move {
-                webhooks::set_endpoint_enabled(
-                    &mut tx,
-                    &endpoint,
-                    false,
-                    Some(&reason),
-                    "webhooks",
-                )
-                .await?;
-                tx.commit().await
-            }
-        })
-        .await;
-    }
-
-    /// Runs `write` on a transaction of its own, tried again with backoff for about 10 s: at
-    /// once on PostgreSQL; on SQLite, whose one writer is the attempt itself, in a task that
-    /// waits for it to end.
-    async fn on_the_side<F, Fut>(&self, write: F)
-    where
-        F: Fn(outbox_events::Tx) -> Fut + Send + 'static,
-        Fut: std::future::Future<Output = outbox_events::persistence::Result<()>> + Send,
-    {
-        let repo = self.repo.clone();
-        let run = async move {
-            let mut backoff = Duration::from_millis(50);
-            for try_number in 1..=SIDE_TRIES {
-                let written = match repo.begin().await {
-                    Ok(tx) => write(tx).await,
-                    Err(e) => Err(e),
-                };
-                match written {
-                    Ok(()) => return,
-                    Err(e) if try_number == SIDE_TRIES => {
-                        tracing::warn!(error = %e, "a webhook's side write failed (its attempt log or endpoint state); giving up");
-                    }
-                    Err(e) => {
-                        tracing::debug!(error = %e, try_number, "a webhook's side write failed; trying again");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
-                    }
-                }
-            }
-        };
-        if self.repo.serializes_writers() {
-            tokio::spawn(run);
-        } else {
-            run.await;
-        }
-    }
-
-    /// Keeps the attempt and counts it on its endpoint, disabling it after sustained failure.
-    async fn keep(&self, attempt: DeliveryAttempt, delivered: bool) {
-        let disable_after = self.config.disable_after_failures;
-        self.on_the_side(move |mut tx| {
-            let attempt = attempt.clone();
-            async move {
-            webhooks::record_delivery_attempt(&mut tx, &attempt).await?;
-            let failures = webhooks::note_delivery(&mut tx, &attempt.endpoint, delivered).await?;
-            if !delivered && failures >= disable_after {
-                let reason = format!("{failures} failed attempts in a row");
-                webhooks::set_endpoint_enabled(
-                    &mut tx,
-                    &attempt.endpoint,
-                    false,
-                    Some(&reason),
-                    "webhooks",
-                )
-                .await?;
-                tracing::warn!(endpoint = %attempt.endpoint, failures, "webhook endpoint disabled after sustained failure");
-            }
-            tx.commit().await
-            }
-        })
-        .await;
-    }
 }
+
+/// The wait of a delivery whose endpoint is (being) disabled: the pause holds it meanwhile, so
+/// that once enabled it goes at once.
+const PAUSED_WAIT: Duration = Duration::from_secs(1);
 
 /// -1.0..=1.0 from the delivery and its failure count: spread, and the same on every replay.
 fn jitter(id: EventId, failures: i32) -> f64 {
@@ -260,57 +207,66 @@ impl Handler for WebhookDelivery {
         let delivery: Delivery = serde_json::from_str(&event.payload).map_err(|e| {
             HandlerError::permanent_from("not a webhook delivery row the fan-out wrote", e)
         })?;
-        let Some(endpoint) = webhooks::endpoint(ctx.tx(), &delivery.endpoint).await? else {
-            return Err(HandlerError::Permanent(format!(
-                "no webhook endpoint is named {:?} any more",
-                delivery.endpoint
-            )));
-        };
-        if !endpoint.enabled {
-            // Claimed before the pause reached this worker: its type is paused, so it is not
-            // claimed again until the endpoint is enabled; then it goes first, in order.
-            return Err(HandlerError::retry_in(
-                Duration::from_secs(1),
-                "the endpoint is disabled; the delivery waits for it to be enabled",
-            ));
-        }
+        let endpoint = webhooks::endpoint(ctx.tx(), &delivery.endpoint).await?;
         let attempt = event.retry_count + 1;
-        let effect = ctx.effect(EFFECT);
-        let sent = effect
+        // A delivery the ledger records as sent is not sent again, whatever became of its
+        // endpoint since: the checks run only when it is to be sent.
+        let status: u16 = ctx
+            .effect(EFFECT)
             .once(|_key| async {
+                let Some(endpoint) = endpoint else {
+                    return Err(HandlerError::Permanent(format!(
+                        "no webhook endpoint is named {:?} any more",
+                        delivery.endpoint
+                    )));
+                };
+                if !endpoint.enabled {
+                    // Claimed before the pause reached this worker: held by it from now on.
+                    return Err(HandlerError::retry_in(
+                        PAUSED_WAIT,
+                        "the endpoint is disabled; the delivery waits for it to be enabled",
+                    ));
+                }
                 let started = Instant::now();
                 let answer = self.send(&endpoint, &delivery, attempt).await;
-                let latency_ms = i32::try_from(started.elapsed().as_millis()).unwrap_or(i32::MAX);
-                let delivered =
-                    matches!(&answer, Ok(a) if classify(a.status) == Outcome::Delivered);
-                let source_event_id = delivery.source_event_id.parse().unwrap_or_default();
-                self.keep(
-                    DeliveryAttempt {
-                        endpoint: endpoint.name.clone(),
-                        event_id: event.id,
-                        source_event_id,
-                        attempt,
-                        at: None,
-                        status_code: answer.as_ref().ok().map(|a| i32::from(a.status)),
-                        latency_ms,
-                        response_body: answer.as_ref().ok().map(|a| a.body.clone()),
-                        error: match &answer {
-                            Ok(a) if !delivered => Some(format!("HTTP {}", a.status)),
-                            Ok(_) => None,
-                            Err(e) => Some(e.to_string()),
-                        },
-                    },
-                    delivered,
-                )
-                .await;
+                self.keep(event, &delivery, &endpoint.name, attempt, started, &answer);
                 self.judge(&endpoint.name, event.id, attempt, &answer)
-                    .await
                     .map(|()| answer.map(|a| a.status).unwrap_or_default())
             })
-            .await;
-        sent.map(|status: u16| {
-            tracing::debug!(event_id = %event.id, endpoint = %endpoint.name, status, "webhook delivered");
-        })
+            .await?;
+        tracing::debug!(event_id = %event.id, endpoint = %delivery.endpoint, status, "webhook delivered");
+        Ok(())
+    }
+}
+
+impl WebhookDelivery {
+    /// Queues the attempt's record.
+    fn keep(
+        &self,
+        event: &OutboxEvent,
+        delivery: &Delivery,
+        endpoint: &str,
+        attempt: i32,
+        started: Instant,
+        answer: &Result<Answer, SendError>,
+    ) {
+        let delivered = matches!(answer, Ok(a) if classify(a.status) == Outcome::Delivered);
+        let record = DeliveryAttempt {
+            endpoint: endpoint.to_string(),
+            event_id: event.id,
+            source_event_id: delivery.source_event_id.parse().unwrap_or_default(),
+            attempt,
+            at: None,
+            status_code: answer.as_ref().ok().map(|a| i32::from(a.status)),
+            latency_ms: i32::try_from(started.elapsed().as_millis()).unwrap_or(i32::MAX),
+            response_body: answer.as_ref().ok().map(|a| a.body.clone()),
+            error: match answer {
+                Ok(a) if !delivered => Some(format!("HTTP {}", a.status)),
+                Ok(_) => None,
+                Err(e) => Some(e.to_string()),
+            },
+        };
+        self.side.send(SideWrite::Attempt(record, delivered));
     }
 }
 

@@ -30,6 +30,23 @@ pub fn webhook_id(source_event_id: &str, endpoint: &str) -> String {
     )
 }
 
+/// The most bytes of a record id (the `record-key` crate's limit).
+const MAX_RECORD_ID: usize = 255;
+
+/// A delivery's record id: `<endpoint>|<subject>`, or `<endpoint>|h:<SHA-256 of the subject>`
+/// when that would be too long for a record id (a source key near its own limit): one key per
+/// (endpoint, record) either way.
+fn delivery_record_id(endpoint: &str, subject: &str) -> String {
+    let plain = format!("{endpoint}|{subject}");
+    if plain.len() <= MAX_RECORD_ID {
+        return plain;
+    }
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(subject.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{endpoint}|h:{hex}")
+}
+
 /// What a delivery row carries (its payload).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Delivery {
@@ -115,7 +132,7 @@ impl WebhookFanOut {
                 let subject = record.clone().unwrap_or_else(|| format!("event:{id}"));
                 let delivery = Delivery {
                     object: "Webhook".into(),
-                    record_id: format!("{}|{subject}", endpoint.name),
+                    record_id: delivery_record_id(&endpoint.name, &subject),
                     endpoint: endpoint.name.clone(),
                     source_event_id: id.clone(),
                     record: record.clone(),
@@ -154,6 +171,19 @@ impl Handler for WebhookFanOut {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_record_key_is_hashed_into_a_record_id_that_fits() {
+        let long = format!("account:{}", "x".repeat(250));
+        let endpoint = "e".repeat(63);
+        let id = delivery_record_id(&endpoint, &long);
+        assert!(id.len() <= MAX_RECORD_ID && id.contains("|h:"), "{id}");
+        assert_eq!(id, delivery_record_id(&endpoint, &long));
+        assert_ne!(id, delivery_record_id(&endpoint, &format!("{long}y")));
+        assert_eq!(delivery_record_id("crm", "lead:1"), "crm|lead:1");
+        let envelope = format!(r#"{{"object":"Webhook","record_id":"{id}"}}"#);
+        assert!(outbox_events::persistence::EventEnvelope::parse(&envelope).is_ok());
+    }
 
     #[test]
     fn a_webhook_id_is_stable_per_event_and_endpoint() {

@@ -25,12 +25,15 @@ mod config;
 mod deliver;
 mod error;
 mod fanout;
+mod side;
 pub mod signature;
 
 pub use admin::{Webhooks, validate_url};
 pub use client::{AddressPolicy, Subnet};
 pub use config::{DEFAULT_RETRY_SCHEDULE, WebhookConfig};
-pub use deliver::{DELIVERY_CONSUMER, Delivery, WebhookDelivery, classify};
+pub use deliver::{
+    DELIVERY_CONSUMER, Delivery, Outcome, SQLITE_SEND_LIMIT, WebhookDelivery, classify,
+};
 pub use error::Error;
 pub use fanout::{FANOUT_CONSUMER, WebhookFanOut, webhook_id};
 pub use outbox_events::persistence::webhooks::{

@@ -138,8 +138,19 @@ pub async fn dispatcher(
     hooks: &Webhooks,
     workers: usize,
 ) -> DispatcherHandle {
-    let handlers = hooks.register(Handlers::new(), &TYPES);
-    Dispatcher::new(repo.clone(), handlers, fast(workers))
+    dispatcher_with(repo, hooks, fast(workers)).await
+}
+
+/// [`dispatcher`] with `worker`.
+pub async fn dispatcher_with(
+    repo: &Arc<dyn OutboxRepository>,
+    hooks: &Webhooks,
+    worker: WorkerConfig,
+) -> DispatcherHandle {
+    let handlers = hooks
+        .register(Handlers::new(), &TYPES, &worker)
+        .expect("the source types have no handler");
+    Dispatcher::new(repo.clone(), handlers, worker)
         .start_pull()
         .await
         .expect("the rollout gate passes the webhook consumers")

@@ -10,7 +10,9 @@ use outbox_tests::{TestDb, backend_tests};
 use outbox_webhooks::{WebhookConfig, Webhooks, webhook_id};
 use serde_json::Value;
 
-use crate::common::{Receiver, config, dispatcher, enqueue, open_rows, rows, wait_for};
+use crate::common::{
+    Receiver, config, dispatcher, dispatcher_with, enqueue, fast, open_rows, rows, wait_for,
+};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -305,7 +307,95 @@ async fn loopback_is_refused_unless_allowed(db: TestDb) {
     assert_eq!(rows(&repo, "webhook:", EventStatus::Processed).await, 0);
 }
 
+async fn a_dead_endpoint_is_disabled_before_its_deliveries_fail(db: TestDb) {
+    let repo = db.repository();
+    let mut receiver = Receiver::start();
+    let hooks = Webhooks::new(repo.clone(), config());
+    let (_, secret) = hooks
+        .add("down", &receiver.url("down"), &[], "test")
+        .await
+        .unwrap();
+    receiver.secrets("down", &[&secret]);
+    receiver.behave("down", "fail");
+    enqueue(&repo, 6, 3).await;
+    // The workers' default MaxRetryAttempts (5): a delivery's fourth failure disables the
+    // endpoint, its fifth attempt waits for the enable.
+    let worker = fast(2).with_max_retry_attempts(outbox_events::DEFAULT_MAX_RETRY_ATTEMPTS);
+    let handle = dispatcher_with(&repo, &hooks, worker).await;
+    wait_for(LIMIT, "the endpoint disabled", async || {
+        !hooks.get("down").await.unwrap().enabled
+    })
+    .await;
+    let reason = hooks.get("down").await.unwrap().disabled_reason.unwrap();
+    assert!(reason.contains("its last attempt waits"), "{reason}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(rows(&repo, "webhook:", EventStatus::Failed).await, 0);
+    receiver.behave("down", "ok");
+    assert!(hooks.enable("down", "test").await.unwrap());
+    wait_for(LIMIT, "delivered once enabled", async || {
+        open_rows(&repo).await == 0
+    })
+    .await;
+    handle.shutdown().await;
+    assert_eq!(rows(&repo, "", EventStatus::Failed).await, 0);
+    let log = receiver.log();
+    assert_eq!(acknowledged(&log, "down").len(), 6);
+    assert_eq!(order_violations(&acknowledged(&log, "down")), 0);
+}
+
+async fn retry_after_is_honoured(db: TestDb) {
+    let repo = db.repository();
+    let mut receiver = Receiver::start();
+    let hooks = Webhooks::new(repo.clone(), config());
+    let (_, secret) = hooks
+        .add("busy", &receiver.url("busy"), &[], "test")
+        .await
+        .unwrap();
+    receiver.secrets("busy", &[&secret]);
+    receiver.behave("busy", "retry-after:2");
+    enqueue(&repo, 1, 1).await;
+    let handle = dispatcher(&repo, &hooks, 1).await;
+    wait_for(LIMIT, "two attempts", async || receiver.log().len() >= 2).await;
+    receiver.behave("busy", "ok");
+    wait_for(LIMIT, "delivered", async || open_rows(&repo).await == 0).await;
+    handle.shutdown().await;
+    let log = receiver.log();
+    assert_eq!(log[0]["status"], 429);
+    let gap = log[1]["at"].as_f64().unwrap() - log[0]["at"].as_f64().unwrap();
+    // The schedule's wait is 100 ms: the 2 s are the receiver's.
+    assert!(
+        gap >= 1.9,
+        "the second attempt came {gap:.2} s after a Retry-After of 2"
+    );
+    assert_eq!(log[0]["id"], log[1]["id"], "one webhook-id across attempts");
+}
+
+async fn a_host_name_is_checked_after_dns(db: TestDb) {
+    let repo = db.repository();
+    let receiver = Receiver::start();
+    let hooks = Webhooks::new(repo.clone(), WebhookConfig::default());
+    let url = format!("http://localhost:{}/named", receiver.port);
+    hooks.add("named", &url, &[], "test").await.unwrap();
+    enqueue(&repo, 1, 1).await;
+    let handle = dispatcher(&repo, &hooks, 1).await;
+    wait_for(LIMIT, "an attempt kept", async || {
+        !hooks.attempts("named", 10).await.unwrap().is_empty()
+    })
+    .await;
+    handle.shutdown().await;
+    let attempt = &hooks.attempts("named", 10).await.unwrap()[0];
+    let error = attempt.error.as_deref().unwrap_or_default();
+    assert!(
+        error.starts_with("refused: localhost resolves to"),
+        "{error}"
+    );
+    assert!(receiver.log().is_empty(), "the request reached loopback");
+}
+
 backend_tests!(
+    a_dead_endpoint_is_disabled_before_its_deliveries_fail,
+    retry_after_is_honoured,
+    a_host_name_is_checked_after_dns,
     every_delivery_verifies_in_order_per_endpoint_and_record,
     a_failing_endpoint_or_record_holds_back_no_one,
     a_rotated_secret_verifies_under_both_keys,

@@ -1,0 +1,139 @@
+//! The delivery attempts' log (`_System_OutboxWebhookAttempt`): one row per HTTP attempt.
+
+use sqlx::Row;
+
+use super::{DeliveryAttempt, RESPONSE_BODY_KEPT, now_text};
+use crate::{EventId, Result, Tx};
+
+/// The first [`RESPONSE_BODY_KEPT`] bytes of `body`, cut at a character boundary, without NUL
+/// (PostgreSQL's `text` refuses it; a receiver may send anything).
+pub fn clip_body(body: &str) -> String {
+    let mut end = body.len().min(RESPONSE_BODY_KEPT);
+    while !body.is_char_boundary(end) {
+        end -= 1;
+    }
+    body[..end].replace('\0', "\u{fffd}")
+}
+
+/// Keeps one attempt of a delivery.
+pub async fn record_delivery_attempt(tx: &mut Tx, attempt: &DeliveryAttempt) -> Result<()> {
+    let body = attempt.response_body.as_deref().map(clip_body);
+    let error = attempt.error.as_deref().map(clip_body);
+    match tx {
+        Tx::Postgres(tx) => {
+            crate::statement::query(
+                "INSERT INTO _System_OutboxWebhookAttempt
+                   (Endpoint, EventId, SourceEventId, Attempt, StatusCode, LatencyMs, ResponseBody, Error)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            )
+            .bind(&attempt.endpoint)
+            .bind(attempt.event_id)
+            .bind(attempt.source_event_id)
+            .bind(attempt.attempt)
+            .bind(attempt.status_code)
+            .bind(attempt.latency_ms)
+            .bind(body)
+            .bind(error)
+            .execute(&mut **tx)
+            .await?;
+        }
+        Tx::Sqlite(tx) => {
+            crate::statement::query(
+                "INSERT INTO _System_OutboxWebhookAttempt
+                   (Endpoint, EventId, SourceEventId, Attempt, StatusCode, LatencyMs, ResponseBody, Error, At)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            )
+            .bind(&attempt.endpoint)
+            .bind(attempt.event_id.to_string())
+            .bind(attempt.source_event_id.to_string())
+            .bind(attempt.attempt)
+            .bind(attempt.status_code)
+            .bind(attempt.latency_ms)
+            .bind(body)
+            .bind(error)
+            .bind(now_text())
+            .execute(&mut **tx)
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Which attempts [`delivery_attempts`] reads.
+#[derive(Debug, Clone)]
+pub enum AttemptsOf {
+    /// An endpoint's newest.
+    Endpoint(String),
+    /// Those carrying these source events (the first 500), for every endpoint.
+    SourceEvents(Vec<EventId>),
+}
+
+/// Delivery attempts, newest first, at most `limit`.
+pub async fn delivery_attempts(
+    tx: &mut Tx,
+    of: &AttemptsOf,
+    limit: u32,
+) -> Result<Vec<DeliveryAttempt>> {
+    const COLS: &str =
+        "Endpoint, EventId, SourceEventId, Attempt, At, StatusCode, LatencyMs, ResponseBody, Error";
+    let (filter, binds): (String, Vec<String>) = match of {
+        AttemptsOf::Endpoint(name) => ("Endpoint = $1".into(), vec![name.clone()]),
+        AttemptsOf::SourceEvents(ids) => {
+            let ids: Vec<String> = ids.iter().take(500).map(|id| id.to_string()).collect();
+            if ids.is_empty() {
+                return Ok(Vec::new());
+            }
+            let marks: Vec<String> = match tx {
+                Tx::Postgres(_) => (1..=ids.len()).map(|i| format!("${i}::uuid")).collect(),
+                Tx::Sqlite(_) => (1..=ids.len()).map(|i| format!("${i}")).collect(),
+            };
+            (format!("SourceEventId IN ({})", marks.join(", ")), ids)
+        }
+    };
+    // Built from constants and numbered placeholders: every value is bound.
+    let sql = format!(
+        "SELECT {COLS} FROM _System_OutboxWebhookAttempt WHERE {filter} ORDER BY Id DESC LIMIT {limit}"
+    );
+    let mut out = Vec::new();
+    match tx {
+        Tx::Postgres(tx) => {
+            let mut query = crate::statement::query(sqlx::AssertSqlSafe(sql));
+            for b in &binds {
+                query = query.bind(b);
+            }
+            for row in query.fetch_all(&mut **tx).await? {
+                out.push(DeliveryAttempt {
+                    endpoint: row.try_get(0)?,
+                    event_id: row.try_get(1)?,
+                    source_event_id: row.try_get(2)?,
+                    attempt: row.try_get(3)?,
+                    at: Some(row.try_get(4)?),
+                    status_code: row.try_get(5)?,
+                    latency_ms: row.try_get(6)?,
+                    response_body: row.try_get(7)?,
+                    error: row.try_get(8)?,
+                });
+            }
+        }
+        Tx::Sqlite(tx) => {
+            let mut query = crate::statement::query(sqlx::AssertSqlSafe(sql));
+            for b in &binds {
+                query = query.bind(b);
+            }
+            for row in query.fetch_all(&mut **tx).await? {
+                out.push(DeliveryAttempt {
+                    endpoint: row.try_get(0)?,
+                    event_id: crate::sqlite::parse_id(&row.try_get::<String, _>(1)?)?,
+                    source_event_id: crate::sqlite::parse_id(&row.try_get::<String, _>(2)?)?,
+                    attempt: row.try_get::<i64, _>(3)? as i32,
+                    at: Some(crate::sqlite::parse_ts(&row.try_get::<String, _>(4)?)?),
+                    status_code: row.try_get::<Option<i64>, _>(5)?.map(|c| c as i32),
+                    latency_ms: row.try_get::<i64, _>(6)? as i32,
+                    response_body: row.try_get(7)?,
+                    error: row.try_get(8)?,
+                });
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,136 @@
+//! What a delivery writes beside its attempt: the attempt log, the endpoint's failures in a
+//! row, and disabling the endpoint. They must survive the attempt's rollback (a failed attempt
+//! is kept too), so they are not written in its transaction; and they must not cost the
+//! attempt a connection while it holds one (on PostgreSQL a pool sized for the workers would
+//! starve their heartbeats; on SQLite the attempt holds the one write lock). One task per
+//! sender writes them, in order, in batches, on one connection after the attempts that queued
+//! them: it holds no row lock across an attempt, and the hot endpoint row is written once per
+//! batch at most.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use outbox_events::OutboxRepository;
+use outbox_events::persistence::webhooks::{self, DeliveryAttempt};
+use tokio::sync::mpsc;
+
+/// One write.
+#[derive(Debug, Clone)]
+pub(crate) enum SideWrite {
+    /// Keep an attempt and count it on its endpoint (`delivered`: a 2xx).
+    Attempt(DeliveryAttempt, bool),
+    /// Disable an endpoint, for a reason.
+    Disable { endpoint: String, reason: String },
+}
+
+/// Writes queued beyond this are dropped (logged): the attempt log is a record, the queue
+/// must not grow without bound behind a database that is away.
+const QUEUE: usize = 10_000;
+/// The most writes in one transaction.
+const BATCH: usize = 256;
+/// How often a batch is tried.
+const TRIES: u32 = 10;
+
+/// The writer: a queue and the task that drains it, started on first use.
+pub(crate) struct SideWriter {
+    repo: Arc<dyn OutboxRepository>,
+    disable_after: i32,
+    queue: OnceLock<mpsc::Sender<SideWrite>>,
+}
+
+impl SideWriter {
+    pub(crate) fn new(repo: Arc<dyn OutboxRepository>, disable_after: i32) -> Self {
+        Self {
+            repo,
+            disable_after,
+            queue: OnceLock::new(),
+        }
+    }
+
+    /// Queues `write` (never waits).
+    pub(crate) fn send(&self, write: SideWrite) {
+        let queue = self.queue.get_or_init(|| {
+            let (tx, rx) = mpsc::channel(QUEUE);
+            tokio::spawn(run(self.repo.clone(), rx, self.disable_after));
+            tx
+        });
+        if let Err(e) = queue.try_send(write) {
+            tracing::warn!(error = %e, "the webhook attempt log's queue is full; an attempt's record is dropped");
+        }
+    }
+}
+
+async fn run(
+    repo: Arc<dyn OutboxRepository>,
+    mut rx: mpsc::Receiver<SideWrite>,
+    disable_after: i32,
+) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < BATCH {
+            match rx.try_recv() {
+                Ok(write) => batch.push(write),
+                Err(_) => break,
+            }
+        }
+        let mut backoff = Duration::from_millis(50);
+        for try_number in 1..=TRIES {
+            match write(&repo, &batch, disable_after).await {
+                Ok(()) => break,
+                Err(e) if try_number == TRIES => {
+                    tracing::warn!(error = %e, writes = batch.len(), "the webhooks' side writes failed; giving them up");
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, try_number, "the webhooks' side writes failed; trying again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+}
+
+async fn write(
+    repo: &Arc<dyn OutboxRepository>,
+    batch: &[SideWrite],
+    disable_after: i32,
+) -> outbox_events::persistence::Result<()> {
+    let mut tx = repo.begin().await?;
+    for write in batch {
+        match write {
+            SideWrite::Attempt(attempt, delivered) => {
+                webhooks::record_delivery_attempt(&mut tx, attempt).await?;
+                let failures =
+                    webhooks::note_delivery(&mut tx, &attempt.endpoint, *delivered).await?;
+                if !delivered && failures >= disable_after {
+                    let reason = format!("{failures} failed attempts in a row");
+                    if webhooks::set_endpoint_enabled(
+                        &mut tx,
+                        &attempt.endpoint,
+                        false,
+                        Some(&reason),
+                        crate::deliver::DELIVERY_CONSUMER,
+                    )
+                    .await?
+                    {
+                        tracing::warn!(endpoint = %attempt.endpoint, failures, "webhook endpoint disabled after sustained failure");
+                    }
+                }
+            }
+            SideWrite::Disable { endpoint, reason } => {
+                if webhooks::set_endpoint_enabled(
+                    &mut tx,
+                    endpoint,
+                    false,
+                    Some(reason),
+                    crate::deliver::DELIVERY_CONSUMER,
+                )
+                .await?
+                {
+                    tracing::warn!(%endpoint, reason, "webhook endpoint disabled");
+                }
+            }
+        }
+    }
+    tx.commit().await
+}
