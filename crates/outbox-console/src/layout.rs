@@ -60,6 +60,7 @@ const NAV: &[(&str, &str)] = &[
     ("/failed", "Failed rows"),
     ("/records", "Record"),
     ("/consumers", "Consumers"),
+    ("/webhooks", "Webhooks"),
     ("/retention", "Retention"),
     ("/audit", "Audit log"),
 ];

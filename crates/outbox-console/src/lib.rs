@@ -25,6 +25,7 @@ mod overview;
 mod records;
 pub mod security;
 mod serve;
+mod webhooks;
 
 pub use overview::OVERVIEW_REFRESH;
 pub use serve::ConnectionLimits;
@@ -417,6 +418,7 @@ pub fn router(state: Console) -> Router {
         .route("/failed", get(failed::page))
         .route("/consumers", get(consumers::consumers_page))
         .route("/retention", get(consumers::retention_page))
+        .route("/webhooks", get(webhooks::page))
         .route("/audit", get(overview::audit_page))
         .route("/actions/retry", post(actions::retry))
         .route("/actions/pause", post(actions::pause))

@@ -178,7 +178,9 @@ pub struct FailedFilter {
 
 /// A reading transaction of the console's own on PostgreSQL: READ COMMITTED, READ ONLY, with
 /// the outbox's timeouts.
-async fn begin_read(pool: &sqlx::PgPool) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+pub(crate) async fn begin_read(
+    pool: &sqlx::PgPool,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
     let sql = begin_sql(Begin {
         read_only: true,
         lock_timeout: crate::DEFAULT_LOCK_TIMEOUT,

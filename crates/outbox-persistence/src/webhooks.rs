@@ -468,6 +468,32 @@ pub async fn note_delivery(tx: &mut Tx, name: &str, succeeded: bool) -> Result<i
     Ok(failures.unwrap_or(0) as i32)
 }
 
+/// An endpoint with its newest attempts, as the console shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EndpointView {
+    /// The endpoint (its secrets are never serialized or printed).
+    pub endpoint: WebhookEndpoint,
+    /// Its newest attempts, newest first.
+    pub attempts: Vec<DeliveryAttempt>,
+}
+
+/// Every endpoint with its newest `attempts` attempts, read in one read-only transaction (on
+/// a hot standby too): the console's webhooks page.
+pub async fn console_view(db: &crate::Database, attempts: u32) -> Result<Vec<EndpointView>> {
+    let mut tx = match db {
+        crate::Database::Postgres(pool) => Tx::Postgres(crate::console::begin_read(pool).await?),
+        crate::Database::Sqlite(pool) => Tx::Sqlite(pool.begin().await?),
+    };
+    let mut views = Vec::new();
+    for endpoint in endpoints(&mut tx).await? {
+        let of = AttemptsOf::Endpoint(endpoint.name.clone());
+        let attempts = delivery_attempts(&mut tx, &of, attempts).await?;
+        views.push(EndpointView { endpoint, attempts });
+    }
+    tx.rollback().await?;
+    Ok(views)
+}
+
 /// One audit row in `tx`.
 async fn audit(tx: &mut Tx, actor: &str, action: &str, detail: &str) -> Result<()> {
     match tx {

@@ -21,6 +21,7 @@ const PAGES: &[&str] = &[
     "/failed?type=x&error=boom",
     "/consumers",
     "/retention",
+    "/webhooks",
     "/audit",
     "/login",
     "/assets/console.css",
@@ -422,7 +423,74 @@ async fn the_event_page_lists_the_effects_the_ledger_records(db: TestDb) {
     );
 }
 
+async fn the_webhooks_page_shows_endpoints_and_attempts_never_a_secret(db: TestDb) {
+    use outbox_persistence::webhooks::{
+        DeliveryAttempt, NewEndpoint, SecretText, add_endpoint, record_delivery_attempt,
+        set_endpoint_enabled,
+    };
+    let console = console(&db, ConsoleConfig::default());
+    let empty = get(&console, "/webhooks", None).await;
+    assert!(
+        empty.body.contains("No webhook endpoints"),
+        "{}",
+        empty.body
+    );
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let repo = db.repository();
+    let mut tx = repo.begin().await.unwrap();
+    for (name, url) in [
+        ("crm", "https://crm.example.com/in"),
+        ("odd", HOSTILE_ERROR),
+    ] {
+        let endpoint = NewEndpoint {
+            name: name.into(),
+            url: url.into(),
+            event_types: vec!["lead.updated".into()],
+            secret: SecretText(secret.into()),
+        };
+        assert!(add_endpoint(&mut tx, &endpoint, "test").await.unwrap());
+    }
+    set_endpoint_enabled(&mut tx, "odd", false, Some("receiver gone"), "test")
+        .await
+        .unwrap();
+    let attempt = DeliveryAttempt {
+        endpoint: "crm".into(),
+        event_id: uuid::Uuid::now_v7(),
+        source_event_id: uuid::Uuid::now_v7(),
+        attempt: 2,
+        at: None,
+        status_code: Some(503),
+        latency_ms: 17,
+        response_body: Some(HOSTILE_ERROR.into()),
+        error: Some("HTTP 503".into()),
+    };
+    record_delivery_attempt(&mut tx, &attempt).await.unwrap();
+    tx.commit().await.unwrap();
+    let page = get(&console, "/webhooks", None).await;
+    assert_eq!(page.status, StatusCode::OK);
+    let body = &page.body;
+    assert!(body.contains("https://crm.example.com/in") && body.contains("lead.updated"));
+    assert!(
+        body.contains("DISABLED") && body.contains("receiver gone"),
+        "{body}"
+    );
+    assert!(
+        body.contains("HTTP 503") && body.contains("17 ms"),
+        "{body}"
+    );
+    assert!(body.contains(&attempt.event_id.to_string()));
+    assert!(
+        !body.contains(secret) && !body.contains("whsec_"),
+        "a secret on the page"
+    );
+    assert!(
+        !body.contains(HOSTILE_ERROR),
+        "an unescaped value on the page"
+    );
+}
+
 outbox_tests::backend_tests!(
+    the_webhooks_page_shows_endpoints_and_attempts_never_a_secret,
     the_event_page_lists_the_effects_the_ledger_records,
     foreign_hosts_and_origins_are_refused,
     every_page_carries_the_security_headers,
