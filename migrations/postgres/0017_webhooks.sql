@@ -24,12 +24,13 @@ CREATE TABLE IF NOT EXISTS _System_OutboxWebhookEndpoint (
 );
 
 -- One row per HTTP attempt of a delivery: what the receiver answered (or the error), how long
--- it took, and the first 4 KiB of its body. Indexed by At for pruning (retention does not prune
--- it yet).
+-- it took, and the first 4 KiB of its body. It references the delivery's outbox row, so
+-- retention's prune of that row removes its attempts (a TRUNCATE of the outbox table must name
+-- this table too).
 CREATE TABLE IF NOT EXISTS _System_OutboxWebhookAttempt (
     Id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     Endpoint text NOT NULL,
-    EventId uuid NOT NULL,
+    EventId uuid NOT NULL REFERENCES _System_OutboxEvent (Id) ON DELETE CASCADE,
     SourceEventId uuid NOT NULL,
     Attempt integer NOT NULL,
     At timestamptz NOT NULL DEFAULT clock_timestamp(),
@@ -43,5 +44,6 @@ CREATE INDEX IF NOT EXISTS outbox_webhook_attempt_endpoint_idx
     ON _System_OutboxWebhookAttempt (Endpoint, Id);
 CREATE INDEX IF NOT EXISTS outbox_webhook_attempt_source_idx
     ON _System_OutboxWebhookAttempt (SourceEventId);
-CREATE INDEX IF NOT EXISTS outbox_webhook_attempt_at_idx
-    ON _System_OutboxWebhookAttempt (At);
+-- The cascade's probe when a delivery row is pruned.
+CREATE INDEX IF NOT EXISTS outbox_webhook_attempt_event_idx
+    ON _System_OutboxWebhookAttempt (EventId);

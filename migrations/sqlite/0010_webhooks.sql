@@ -17,7 +17,7 @@ CREATE TABLE IF NOT EXISTS _System_OutboxWebhookEndpoint (
 CREATE TABLE IF NOT EXISTS _System_OutboxWebhookAttempt (
     Id INTEGER PRIMARY KEY AUTOINCREMENT,
     Endpoint TEXT NOT NULL,
-    EventId TEXT NOT NULL,
+    EventId TEXT NOT NULL REFERENCES _System_OutboxEvent (Id) ON DELETE CASCADE,
     SourceEventId TEXT NOT NULL,
     Attempt INTEGER NOT NULL,
     At TEXT NOT NULL,
@@ -31,5 +31,5 @@ CREATE INDEX IF NOT EXISTS outbox_webhook_attempt_endpoint_idx
     ON _System_OutboxWebhookAttempt (Endpoint, Id);
 CREATE INDEX IF NOT EXISTS outbox_webhook_attempt_source_idx
     ON _System_OutboxWebhookAttempt (SourceEventId);
-CREATE INDEX IF NOT EXISTS outbox_webhook_attempt_at_idx
-    ON _System_OutboxWebhookAttempt (At);
+CREATE INDEX IF NOT EXISTS outbox_webhook_attempt_event_idx
+    ON _System_OutboxWebhookAttempt (EventId);

@@ -453,9 +453,16 @@ async fn the_webhooks_page_shows_endpoints_and_attempts_never_a_secret(db: TestD
     set_endpoint_enabled(&mut tx, "odd", false, Some("receiver gone"), "test")
         .await
         .unwrap();
+    let delivery = repo
+        .enqueue(
+            &mut tx,
+            &[outbox_persistence::NewEvent::new("webhook:crm", "{}")],
+        )
+        .await
+        .unwrap()[0];
     let attempt = DeliveryAttempt {
         endpoint: "crm".into(),
-        event_id: uuid::Uuid::now_v7(),
+        event_id: delivery,
         source_event_id: uuid::Uuid::now_v7(),
         attempt: 2,
         at: None,

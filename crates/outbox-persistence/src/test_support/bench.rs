@@ -52,10 +52,13 @@ RETURNING t.Id, t.EventType, t.Payload, t.Status, t.RetryCount, t.RecordKey, t.C
 
 /// Empties the outbox table and refreshes its statistics.
 pub async fn reset(pool: &PgPool) -> Result<()> {
-    // (Its truncate trigger empties the heads table too; the effect ledger references it.)
-    sqlx::raw_sql("TRUNCATE _System_OutboxEvent, _System_OutboxEffect")
-        .execute(pool)
-        .await?;
+    // (Its truncate trigger empties the heads table too; the effect ledger and the webhook
+    // attempts reference it.)
+    sqlx::raw_sql(
+        "TRUNCATE _System_OutboxEvent, _System_OutboxEffect, _System_OutboxWebhookAttempt",
+    )
+    .execute(pool)
+    .await?;
     vacuum_analyze(pool).await
 }
 
@@ -101,7 +104,7 @@ pub async fn seed_backlog(pool: &PgPool, shape: Backlog) -> Result<()> {
         in_flight,
     } = shape;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "TRUNCATE _System_OutboxEvent, _System_OutboxEffect;
+        "TRUNCATE _System_OutboxEvent, _System_OutboxEffect, _System_OutboxWebhookAttempt;
          INSERT INTO _System_OutboxEvent
            (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
          SELECT gen_random_uuid(), 'bench', '{{}}', 'pending', 0, 'lead:hot', t, t

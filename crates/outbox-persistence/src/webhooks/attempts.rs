@@ -15,7 +15,8 @@ pub fn clip_body(body: &str) -> String {
     body[..end].replace('\0', "\u{fffd}")
 }
 
-/// Keeps one attempt of a delivery.
+/// Keeps one attempt of a delivery; nothing when its outbox row is gone (pruned meanwhile: its
+/// attempts go with it).
 pub async fn record_delivery_attempt(tx: &mut Tx, attempt: &DeliveryAttempt) -> Result<()> {
     let body = attempt.response_body.as_deref().map(clip_body);
     let error = attempt.error.as_deref().map(clip_body);
@@ -24,7 +25,8 @@ pub async fn record_delivery_attempt(tx: &mut Tx, attempt: &DeliveryAttempt) -> 
             crate::statement::query(
                 "INSERT INTO _System_OutboxWebhookAttempt
                    (Endpoint, EventId, SourceEventId, Attempt, StatusCode, LatencyMs, ResponseBody, Error)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                 SELECT $1, $2, $3, $4, $5, $6, $7, $8
+                 WHERE EXISTS (SELECT 1 FROM _System_OutboxEvent WHERE Id = $2)",
             )
             .bind(&attempt.endpoint)
             .bind(attempt.event_id)
@@ -41,7 +43,8 @@ pub async fn record_delivery_attempt(tx: &mut Tx, attempt: &DeliveryAttempt) -> 
             crate::statement::query(
                 "INSERT INTO _System_OutboxWebhookAttempt
                    (Endpoint, EventId, SourceEventId, Attempt, StatusCode, LatencyMs, ResponseBody, Error, At)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9
+                 WHERE EXISTS (SELECT 1 FROM _System_OutboxEvent WHERE Id = $2)",
             )
             .bind(&attempt.endpoint)
             .bind(attempt.event_id.to_string())
