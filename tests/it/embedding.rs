@@ -97,8 +97,9 @@ async fn errors_say_their_cause(db: TestDb) {
         .unwrap_err();
     assert!(err.to_string().contains("not valid JSON"), "{err}");
     tx.rollback().await.unwrap();
-    // The effect ledger references the outbox table: it goes first.
+    // The effect ledger and the webhook attempts reference the outbox table: they go first.
     db.execute("DROP TABLE _System_OutboxEffect").await;
+    db.execute("DROP TABLE _System_OutboxWebhookAttempt").await;
     db.execute("DROP TABLE _System_OutboxEvent").await;
     let err = repo.get_event(uuid::Uuid::now_v7()).await.unwrap_err();
     let text = err.to_string();

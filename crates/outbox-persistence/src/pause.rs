@@ -42,6 +42,18 @@ pub(crate) fn retry_detail(filter: &RetryFilter, rows: u64) -> String {
     format!("{what}: {rows} row(s) back to pending")
 }
 
+/// A webhook endpoint's deliveries (`webhook:<name>`) are paused while it is disabled and
+/// resumed by enabling it: resumed alone, every delivery would be claimed, find the endpoint
+/// disabled and burn an attempt, until all ended `failed`.
+pub(crate) fn refuse_webhook_resume(event_type: &str, pause: bool) -> crate::Result<()> {
+    match event_type.strip_prefix(crate::webhooks::DELIVERY_TYPE_PREFIX) {
+        Some(endpoint) if !pause => Err(crate::Error::Invalid(format!(
+            "{event_type:?} holds the deliveries of webhook endpoint {endpoint:?}: enable the endpoint (`outbox webhooks enable {endpoint}`), which resumes them"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// The audit log's `Detail` of a pause or resume.
 pub(crate) fn type_detail(event_type: &str) -> String {
     format!("event type {event_type:?}")

@@ -164,9 +164,15 @@ fn parse_types(text: &str) -> Result<Vec<String>> {
         .map_err(|e| Error::Invalid(format!("an endpoint's EventTypes is not a JSON list: {e}")))
 }
 
-/// The endpoints, by name.
+/// [`COLUMNS`] without the secrets (read as empty): what a listing needs, so that a reader
+/// role may be refused the secret columns.
+const LISTED: &str = "Name, Url, EventTypes, '' AS Secret, NULL AS PreviousSecret, PreviousSecretUntil, \
+                      Enabled, DisabledReason, ConsecutiveFailures, CreatedDate";
+
+/// The endpoints, by name, without their secrets ([`WebhookEndpoint::secret`] is empty: read
+/// one endpoint with [`endpoint`] to sign).
 pub async fn endpoints(tx: &mut Tx) -> Result<Vec<WebhookEndpoint>> {
-    let sql = format!("SELECT {COLUMNS} FROM _System_OutboxWebhookEndpoint ORDER BY Name");
+    let sql = format!("SELECT {LISTED} FROM _System_OutboxWebhookEndpoint ORDER BY Name");
     match tx {
         Tx::Postgres(tx) => crate::statement::query(sqlx::AssertSqlSafe(sql))
             .fetch_all(&mut **tx)

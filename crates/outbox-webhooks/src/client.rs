@@ -241,9 +241,9 @@ impl Client {
         };
         let response = match sender.send_request(request(headers, body.clone())?).await {
             Ok(response) => response,
-            // A kept connection the receiver closed meanwhile: once more on a new one (the
-            // request was not sent, or got no answer).
-            Err(e) if reused && (e.is_canceled() || e.is_closed() || e.is_incomplete_message()) => {
+            // A kept connection the receiver closed meanwhile, before the request went out:
+            // once more on a new one.
+            Err(e) if reused && (e.is_canceled() || e.is_closed()) => {
                 sender = self.connect(tls, &host, port).await?;
                 sender
                     .send_request(request(headers, body)?)

@@ -6,8 +6,9 @@ use crate::client::AddressPolicy;
 
 /// The waits after the first, second, … failed attempt of a delivery (before jitter): about
 /// 8.5 hours from the first attempt to the ninth. How many of them a delivery gets is the
-/// workers' `MaxRetryAttempts` (5 by default: the first four, about 12.5 minutes; raise it for
-/// the deliveries' workers to span hours). Past the end the last one repeats.
+/// workers' `MaxRetryAttempts` (5 by default: the first three, about 2.6 minutes, then the
+/// endpoint is disabled before the last attempt; raise it for the deliveries' workers to span
+/// hours). Past the end the last one repeats.
 pub const DEFAULT_RETRY_SCHEDULE: [Duration; 8] = [
     Duration::from_secs(5),
     Duration::from_secs(30),

@@ -186,9 +186,10 @@ impl WebhookDelivery {
     }
 }
 
-/// The wait of a delivery whose endpoint is (being) disabled: the pause holds it meanwhile, so
-/// that once enabled it goes at once.
-const PAUSED_WAIT: Duration = Duration::from_secs(1);
+/// The wait of a delivery whose endpoint is (being) disabled: long, so that it is not claimed
+/// again (and counted again) before the pause reaches every worker; enabling the endpoint makes
+/// it due at once (`set_endpoint_enabled`).
+const PAUSED_WAIT: Duration = Duration::from_secs(3600);
 
 /// -1.0..=1.0 from the delivery and its failure count: spread, and the same on every replay.
 fn jitter(id: EventId, failures: i32) -> f64 {

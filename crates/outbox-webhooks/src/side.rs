@@ -4,8 +4,9 @@
 //! attempt a connection while it holds one (on PostgreSQL a pool sized for the workers would
 //! starve their heartbeats; on SQLite the attempt holds the one write lock). One task per
 //! sender writes them, in order, in batches, on one connection after the attempts that queued
-//! them: it holds no row lock across an attempt, and the hot endpoint row is written once per
-//! batch at most.
+//! them: it holds no row lock across an attempt, a success with no failures to clear does not
+//! write the endpoint row, and endpoint rows are written in name order (no deadlock between
+//! processes).
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -21,6 +22,15 @@ pub(crate) enum SideWrite {
     Attempt(DeliveryAttempt, bool),
     /// Disable an endpoint, for a reason.
     Disable { endpoint: String, reason: String },
+}
+
+impl SideWrite {
+    fn endpoint(&self) -> &str {
+        match self {
+            SideWrite::Attempt(attempt, _) => &attempt.endpoint,
+            SideWrite::Disable { endpoint, .. } => endpoint,
+        }
+    }
 }
 
 /// Writes queued beyond this are dropped (logged): the attempt log is a record, the queue
@@ -95,6 +105,10 @@ async fn write(
     batch: &[SideWrite],
     disable_after: i32,
 ) -> outbox_events::persistence::Result<()> {
+    // Endpoint rows are written in name order: two processes' batches never wait for each
+    // other in a cycle (the order of one endpoint's attempts is kept).
+    let mut batch: Vec<&SideWrite> = batch.iter().collect();
+    batch.sort_by(|a, b| a.endpoint().cmp(b.endpoint()));
     let mut tx = repo.begin().await?;
     for write in batch {
         match write {

@@ -79,6 +79,14 @@ async fn endpoints_are_managed_audited_and_their_secrets_shown_once(db: TestDb) 
     let status: Value = serde_json::from_str(&ok(&outbox(url, &["status", "--json"]))).unwrap();
     assert_eq!(status["webhook_endpoints"][0]["enabled"], false);
     assert_eq!(status["paused_event_types"][0]["event_type"], "webhook:crm");
+    // Its deliveries' type is resumed by enabling the endpoint, never alone.
+    let resumed = outbox(url, &["resume", "webhook:crm"]);
+    assert!(!resumed.status.success());
+    assert!(
+        stderr(&resumed).contains("outbox webhooks enable crm"),
+        "{}",
+        stderr(&resumed)
+    );
     ok(&outbox(url, &["webhooks", "enable", "crm"]));
     let rotated = ok(&outbox(
         url,

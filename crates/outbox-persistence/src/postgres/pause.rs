@@ -54,6 +54,7 @@ impl PgOutbox {
         actor: &str,
         pause: bool,
     ) -> Result<bool> {
+        crate::pause::refuse_webhook_resume(event_type, pause)?;
         let mut tx = self.begin_write().await?;
         let changed = if pause {
             sqlx::query(PAUSE_TYPE)

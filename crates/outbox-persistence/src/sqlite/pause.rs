@@ -35,6 +35,7 @@ impl SqliteOutbox {
         actor: &str,
         pause: bool,
     ) -> Result<bool> {
+        crate::pause::refuse_webhook_resume(event_type, pause)?;
         let (mut tx, _) = self.begin_write().await?;
         let now = self.now();
         let changed = if pause {

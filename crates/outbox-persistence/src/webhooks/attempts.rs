@@ -8,11 +8,12 @@ use crate::{EventId, Result, Tx};
 /// The first [`RESPONSE_BODY_KEPT`] bytes of `body`, cut at a character boundary, without NUL
 /// (PostgreSQL's `text` refuses it; a receiver may send anything).
 pub fn clip_body(body: &str) -> String {
+    let body = body.replace('\0', "\u{fffd}");
     let mut end = body.len().min(RESPONSE_BODY_KEPT);
     while !body.is_char_boundary(end) {
         end -= 1;
     }
-    body[..end].replace('\0', "\u{fffd}")
+    body[..end].to_string()
 }
 
 /// Keeps one attempt of a delivery; nothing when its outbox row is gone (pruned meanwhile: its
