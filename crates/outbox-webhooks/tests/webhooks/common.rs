@@ -218,8 +218,3 @@ pub async fn rows(repo: &Arc<dyn OutboxRepository>, prefix: &str, status: EventS
         .filter(|r| r.event_type.starts_with(prefix))
         .count()
 }
-
-/// Rows not terminal.
-pub async fn open_rows(repo: &Arc<dyn OutboxRepository>) -> usize {
-    rows(repo, "", EventStatus::Pending).await + rows(repo, "", EventStatus::Processing).await
-}

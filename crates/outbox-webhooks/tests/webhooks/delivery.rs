@@ -10,9 +10,7 @@ use outbox_tests::{TestDb, backend_tests};
 use outbox_webhooks::{WebhookConfig, Webhooks, webhook_id};
 use serde_json::Value;
 
-use crate::common::{
-    Receiver, config, dispatcher, dispatcher_with, enqueue, fast, open_rows, rows, wait_for,
-};
+use crate::common::{Receiver, config, dispatcher, dispatcher_with, enqueue, fast, rows, wait_for};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -67,10 +65,7 @@ async fn every_delivery_verifies_in_order_per_endpoint_and_record(db: TestDb) {
     receiver.secrets("leads", &[&leads_secret]);
     let events = enqueue(&repo, 120, 10).await;
     let handle = dispatcher(&repo, &hooks, 4).await;
-    wait_for(LIMIT, "every delivery acknowledged", async || {
-        open_rows(&repo).await == 0
-    })
-    .await;
+    outbox_tests::drain(&repo, LIMIT).await;
     handle.shutdown().await;
 
     let log = receiver.log();
@@ -168,10 +163,7 @@ async fn a_failing_endpoint_or_record_holds_back_no_one(db: TestDb) {
     // Healed, everything drains in order.
     receiver.behave("dead", "ok");
     receiver.fail_records("healthy", &[]);
-    wait_for(LIMIT, "everything delivered once healed", async || {
-        open_rows(&repo).await == 0
-    })
-    .await;
+    outbox_tests::drain(&repo, LIMIT).await;
     handle.shutdown().await;
     let log = receiver.log();
     for name in ["dead", "healthy"] {
@@ -200,14 +192,14 @@ async fn a_rotated_secret_verifies_under_both_keys(db: TestDb) {
     receiver.secrets("crm", &[&old, &new]);
     enqueue(&repo, 10, 5).await;
     let handle = dispatcher(&repo, &hooks, 2).await;
-    wait_for(LIMIT, "delivered", async || open_rows(&repo).await == 0).await;
+    outbox_tests::drain(&repo, LIMIT).await;
     // After the overlap only the new one signs.
     hooks
         .rotate_with("crm", &new, Duration::ZERO, "test")
         .await
         .unwrap();
     enqueue(&repo, 2, 2).await;
-    wait_for(LIMIT, "delivered", async || open_rows(&repo).await == 0).await;
+    outbox_tests::drain(&repo, LIMIT).await;
     handle.shutdown().await;
     let log = receiver.log();
     assert_eq!(log.len(), 12);
@@ -270,10 +262,7 @@ async fn gone_disables_the_endpoint_and_enable_resumes_in_order(db: TestDb) {
     );
     receiver.behave("old", "ok");
     assert!(hooks.enable("old", "test").await.unwrap());
-    wait_for(LIMIT, "resumed and delivered", async || {
-        open_rows(&repo).await == 0
-    })
-    .await;
+    outbox_tests::drain(&repo, LIMIT).await;
     handle.shutdown().await;
     let log = receiver.log();
     assert_eq!(acknowledged(&log, "old").len(), 20);
@@ -338,10 +327,7 @@ async fn a_dead_endpoint_is_disabled_before_its_deliveries_fail(db: TestDb) {
     assert_eq!(rows(&repo, "webhook:", EventStatus::Failed).await, 0);
     receiver.behave("down", "ok");
     assert!(hooks.enable("down", "test").await.unwrap());
-    wait_for(LIMIT, "delivered once enabled", async || {
-        open_rows(&repo).await == 0
-    })
-    .await;
+    outbox_tests::drain(&repo, LIMIT).await;
     handle.shutdown().await;
     assert_eq!(rows(&repo, "", EventStatus::Failed).await, 0);
     let log = receiver.log();
@@ -363,7 +349,7 @@ async fn retry_after_is_honoured(db: TestDb) {
     let handle = dispatcher(&repo, &hooks, 1).await;
     wait_for(LIMIT, "two attempts", async || receiver.log().len() >= 2).await;
     receiver.behave("busy", "ok");
-    wait_for(LIMIT, "delivered", async || open_rows(&repo).await == 0).await;
+    outbox_tests::drain(&repo, LIMIT).await;
     handle.shutdown().await;
     let log = receiver.log();
     assert_eq!(log[0]["status"], 429);
