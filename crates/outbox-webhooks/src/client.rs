@@ -148,6 +148,20 @@ pub(crate) enum SendError {
     /// The connection failed during the request.
     #[error("request: {0}")]
     Request(String),
+    /// Not sent: the endpoint gave no answer to this process's last send, and another
+    /// delivery is probing it (see `probe.rs`).
+    #[error("not sent: {0}")]
+    Held(String),
+}
+
+impl SendError {
+    /// Whether the endpoint gave no answer (as opposed to a send refused before it began).
+    pub(crate) fn silent(&self) -> bool {
+        matches!(
+            self,
+            SendError::Connect(_) | SendError::Timeout(_) | SendError::Request(_)
+        )
+    }
 }
 
 /// A receiver's answer.

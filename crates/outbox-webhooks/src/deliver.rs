@@ -14,6 +14,7 @@ use outbox_events::{
 
 use crate::client::{Answer, Client, SendError};
 pub use crate::fanout::Delivery;
+use crate::probe::{Admission, Probes};
 use crate::side::{SideWrite, SideWriter};
 use crate::{WebhookConfig, headers, signature, webhook_id};
 
@@ -57,6 +58,7 @@ pub struct WebhookDelivery {
     client: Client,
     config: WebhookConfig,
     side: SideWriter,
+    probes: Probes,
 }
 
 impl WebhookDelivery {
@@ -66,14 +68,17 @@ impl WebhookDelivery {
     /// delivery runs.
     pub fn new(repo: Arc<dyn OutboxRepository>, config: WebhookConfig) -> Self {
         let mut config = config;
+        let mut probe_spacing = Duration::from_secs(1);
         if repo.serializes_writers() {
             config.total_timeout = config.total_timeout.min(SQLITE_SEND_LIMIT);
             config.connect_timeout = config.connect_timeout.min(SQLITE_SEND_LIMIT);
+            probe_spacing = Duration::from_secs(10);
         }
         Self {
             client: Client::new(config.clone()),
             side: SideWriter::new(repo, config.disable_after_failures),
             config,
+            probes: Probes::new(probe_spacing),
         }
     }
 
@@ -229,7 +234,7 @@ impl Handler for WebhookDelivery {
                     ));
                 }
                 let started = Instant::now();
-                let answer = self.send(&endpoint, &delivery, attempt).await;
+                let answer = self.probed_send(&endpoint, &delivery, attempt).await;
                 self.keep(event, &delivery, &endpoint.name, attempt, started, &answer);
                 self.judge(&endpoint.name, event.id, attempt, &answer)
                     .map(|()| answer.map(|a| a.status).unwrap_or_default())
@@ -241,6 +246,34 @@ impl Handler for WebhookDelivery {
 }
 
 impl WebhookDelivery {
+    /// Sends, unless the endpoint gave no answer and another delivery of this process is
+    /// probing it (`probe.rs`): then the delivery is not sent and fails like the send would
+    /// have.
+    async fn probed_send(
+        &self,
+        endpoint: &webhooks::WebhookEndpoint,
+        delivery: &Delivery,
+        attempt: i32,
+    ) -> Result<Answer, SendError> {
+        let failing = endpoint.consecutive_failures > 0;
+        let _probe = match self.probes.admit(&endpoint.name, failing) {
+            Admission::Send(probe) => probe,
+            Admission::Hold(since) => {
+                return Err(SendError::Held(format!(
+                    "the endpoint has given this process no answer for {}s; one delivery at a time probes it",
+                    since.elapsed().as_secs()
+                )));
+            }
+        };
+        let answer = self.send(endpoint, delivery, attempt).await;
+        match &answer {
+            Ok(_) => self.probes.answered(&endpoint.name),
+            Err(e) if e.silent() => self.probes.silent(&endpoint.name),
+            Err(_) => {}
+        }
+        answer
+    }
+
     /// Queues the attempt's record.
     fn keep(
         &self,
@@ -289,10 +322,16 @@ mod tests {
     }
 
     #[test]
-    fn jitter_stays_in_its_bounds() {
-        for n in 0..1000u128 {
-            let j = jitter(EventId::from_u128(n * 7919), (n % 9) as i32);
-            assert!((-1.0..=1.0).contains(&j), "{j}");
-        }
+    fn jitter_spreads_deliveries_and_replays_the_same() {
+        let all: Vec<f64> = (0..1000u128)
+            .map(|n| jitter(EventId::from_u128(n * 7919), (n % 9) as i32))
+            .collect();
+        assert!(all.iter().all(|j| (-1.0..=1.0).contains(j)));
+        let below = all.iter().filter(|j| **j < 0.0).count();
+        assert!((300..700).contains(&below), "{below} of 1000 below 0: not spread");
+        assert_eq!(
+            jitter(EventId::from_u128(42), 3),
+            jitter(EventId::from_u128(42), 3)
+        );
     }
 }

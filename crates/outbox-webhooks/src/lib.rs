@@ -25,6 +25,7 @@ mod config;
 mod deliver;
 mod error;
 mod fanout;
+mod probe;
 mod side;
 pub mod signature;
 

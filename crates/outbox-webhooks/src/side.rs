@@ -70,12 +70,27 @@ impl SideWriter {
     }
 }
 
+/// How often the endpoint gauges are read again (and after every disable).
+const GAUGES_EVERY: Duration = Duration::from_secs(15);
+
 async fn run(
     repo: Arc<dyn OutboxRepository>,
     mut rx: mpsc::Receiver<SideWrite>,
     disable_after: i32,
 ) {
-    while let Some(first) = rx.recv().await {
+    let mut gauges = tokio::time::interval(GAUGES_EVERY);
+    gauges.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let first = tokio::select! {
+            write = rx.recv() => match write {
+                Some(write) => write,
+                None => return,
+            },
+            _ = gauges.tick() => {
+                publish_gauges(&repo).await;
+                continue;
+            }
+        };
         let mut batch = vec![first];
         while batch.len() < BATCH {
             match rx.try_recv() {
@@ -86,7 +101,12 @@ async fn run(
         let mut backoff = Duration::from_millis(50);
         for try_number in 1..=TRIES {
             match write(&repo, &batch, disable_after).await {
-                Ok(()) => break,
+                Ok(disabled) => {
+                    if disabled {
+                        publish_gauges(&repo).await;
+                    }
+                    break;
+                }
                 Err(e) if try_number == TRIES => {
                     tracing::warn!(error = %e, writes = batch.len(), "the webhooks' side writes failed; giving them up");
                 }
@@ -100,16 +120,50 @@ async fn run(
     }
 }
 
+/// Publishes the endpoints' state, read from the database (every process that delivers
+/// publishes the same values): `outbox_webhook_endpoint_enabled{endpoint}` (1 or 0) and
+/// `outbox_webhook_endpoints{state}` (how many are enabled and disabled).
+async fn publish_gauges(repo: &Arc<dyn OutboxRepository>) {
+    let read = async {
+        let mut tx = repo.begin().await?;
+        let endpoints = webhooks::endpoints(&mut tx).await?;
+        tx.rollback().await?;
+        Ok::<_, outbox_events::persistence::Error>(endpoints)
+    };
+    match read.await {
+        Ok(endpoints) => {
+            let disabled = endpoints.iter().filter(|e| !e.enabled).count();
+            for e in &endpoints {
+                metrics::gauge!(ENDPOINT_ENABLED, "endpoint" => e.name.clone())
+                    .set(if e.enabled { 1.0 } else { 0.0 });
+            }
+            metrics::gauge!(ENDPOINTS, "state" => "disabled").set(disabled as f64);
+            metrics::gauge!(ENDPOINTS, "state" => "enabled")
+                .set((endpoints.len() - disabled) as f64);
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "could not read the webhook endpoints for their gauges")
+        }
+    }
+}
+
+/// Gauge: 1 while an endpoint is enabled, 0 while it is disabled (label `endpoint`).
+pub(crate) const ENDPOINT_ENABLED: &str = "outbox_webhook_endpoint_enabled";
+/// Gauge: how many endpoints are in each state (label `state`: `enabled`, `disabled`).
+pub(crate) const ENDPOINTS: &str = "outbox_webhook_endpoints";
+
+/// Writes one batch; `true` when it disabled an endpoint.
 async fn write(
     repo: &Arc<dyn OutboxRepository>,
     batch: &[SideWrite],
     disable_after: i32,
-) -> outbox_events::persistence::Result<()> {
+) -> outbox_events::persistence::Result<bool> {
     // Endpoint rows are written in name order: two processes' batches never wait for each
     // other in a cycle (the order of one endpoint's attempts is kept).
     let mut batch: Vec<&SideWrite> = batch.iter().collect();
     batch.sort_by(|a, b| a.endpoint().cmp(b.endpoint()));
     let mut tx = repo.begin().await?;
+    let mut disabled = false;
     for write in batch {
         match write {
             SideWrite::Attempt(attempt, delivered) => {
@@ -127,6 +181,7 @@ async fn write(
                     )
                     .await?
                     {
+                        disabled = true;
                         tracing::warn!(endpoint = %attempt.endpoint, failures, "webhook endpoint disabled after sustained failure");
                     }
                 }
@@ -141,10 +196,12 @@ async fn write(
                 )
                 .await?
                 {
+                    disabled = true;
                     tracing::warn!(%endpoint, reason, "webhook endpoint disabled");
                 }
             }
         }
     }
-    tx.commit().await
+    tx.commit().await?;
+    Ok(disabled)
 }

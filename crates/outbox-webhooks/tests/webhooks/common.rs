@@ -21,7 +21,7 @@ pub const TYPES: [&str; 2] = ["account.updated", "lead.updated"];
 
 /// The receiver: a `receiver.py` child process on a free port of its own.
 pub struct Receiver {
-    child: Child,
+    child: Option<Child>,
     dir: PathBuf,
     pub port: u16,
     control: Value,
@@ -38,11 +38,38 @@ impl Receiver {
         std::fs::create_dir_all(&dir).expect("a temporary directory");
         let control = serde_json::json!({"secrets": {}, "behaviour": {}, "fail_records": {}});
         std::fs::write(dir.join("control.json"), control.to_string()).expect("write the control");
+        let (child, port) = Self::spawn(&dir, 0);
+        Self {
+            child: Some(child),
+            dir,
+            port,
+            control,
+        }
+    }
+
+    /// Stops it: connections to its port are refused until [`Receiver::restart`].
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on its port, appending to the same log.
+    pub fn restart(&mut self) {
+        self.stop();
+        let (child, port) = Self::spawn(&self.dir, self.port);
+        assert_eq!(port, self.port);
+        self.child = Some(child);
+    }
+
+    fn spawn(dir: &std::path::Path, port: u16) -> (Child, u16) {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/webhooks/receiver.py");
         let mut child = Command::new("python3")
             .arg(script)
             .arg(dir.join("control.json"))
             .arg(dir.join("log.jsonl"))
+            .arg(port.to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -54,12 +81,7 @@ impl Receiver {
         let port = line.trim().parse().unwrap_or_else(|_| {
             panic!("the receiver did not start (is `standardwebhooks` installed?): {line:?}")
         });
-        Self {
-            child,
-            dir,
-            port,
-            control,
-        }
+        (child, port)
     }
 
     /// The URL of endpoint `name` on it.
@@ -103,8 +125,7 @@ impl Receiver {
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -2,5 +2,6 @@
 //! Webhooks verifier (`receiver.py`, PyPI's `standardwebhooks`), on SQLite and on PostgreSQL
 //! (fresh database per test).
 
+mod chaos;
 mod common;
 mod delivery;

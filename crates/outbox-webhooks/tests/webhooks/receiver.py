@@ -2,15 +2,20 @@
 verifier (PyPI's `standardwebhooks`, `Webhook(secret).verify(body, headers)`), code no one in
 this repository wrote.
 
-Usage: receiver.py CONTROL LOG. It listens on a free port of 127.0.0.1 and prints it. For each
-POST to /<endpoint> it re-reads CONTROL (JSON: "secrets": {endpoint: [secret, ...]},
-"behaviour": {endpoint: "ok" | "fail" | "gone" | "slow:<ms>" | "retry-after:<s>"},
+Usage: receiver.py CONTROL LOG [PORT]. It listens on PORT of 127.0.0.1 (a free one when absent)
+and prints it. For each POST to /<endpoint> it re-reads CONTROL (JSON: "secrets": {endpoint:
+[secret, ...]}, "behaviour": {endpoint: "ok" | "fail" | "gone" | "slow:<ms>" |
+"retry-after:<s>" | "chaos:<seed>"},
 "fail_records": {endpoint: [record key, ...]}), answers as told, and appends one JSON line to
 LOG: the endpoint, the headers it relies on, the status it answered, and per secret whether the
 signature verified, plus whether a body changed by one byte was refused.
+
+"chaos:<seed>" answers at random: 70% 200, 15% 500, 10% 429 with `Retry-After: 1`, and 5% a
+503 held 4 s (past the sender's timeout in the chaos test, so the sender sees no answer).
 """
 
 import json
+import random
 import sys
 import threading
 import time
@@ -19,7 +24,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 CONTROL, LOG = sys.argv[1], sys.argv[2]
+PORT = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 LOCK = threading.Lock()
+CHAOS = {}
+
+
+def chaos(seed):
+    """The next chaos answer: (status, headers, seconds to hold it)."""
+    with LOCK:
+        rng = CHAOS.setdefault(seed, random.Random(seed))
+        roll = rng.random()
+    if roll < 0.70:
+        return 200, {}, 0
+    if roll < 0.85:
+        return 500, {}, 0
+    if roll < 0.95:
+        return 429, {"Retry-After": "1"}, 0
+    return 503, {}, 4
 
 
 def verified(secret, body, headers):
@@ -47,7 +68,7 @@ class Receiver(BaseHTTPRequestHandler):
         tampered = body[:-1] + (b" " if body[-1:] != b" " else b"x")
         tamper_refused = not any(verified(s, tampered, headers) for s in secrets)
         behaviour = control.get("behaviour", {}).get(endpoint, "ok")
-        status, extra = 200, {}
+        status, extra, hold = 200, {}, 0
         if headers.get("outbox-record") in control.get("fail_records", {}).get(endpoint, []):
             status = 500
         elif behaviour == "fail":
@@ -58,6 +79,8 @@ class Receiver(BaseHTTPRequestHandler):
             time.sleep(int(behaviour[5:]) / 1000)
         elif behaviour.startswith("retry-after:"):
             status, extra = 429, {"Retry-After": behaviour[12:]}
+        elif behaviour.startswith("chaos:"):
+            status, extra, hold = chaos(behaviour[6:])
         entry = {
             "endpoint": endpoint,
             "id": headers.get("webhook-id"),
@@ -74,6 +97,7 @@ class Receiver(BaseHTTPRequestHandler):
         }
         with LOCK, open(LOG, "a") as f:
             f.write(json.dumps(entry) + "\n")
+        time.sleep(hold)
         reply = b'{"received": true}'
         self.send_response(status)
         for k, v in extra.items():
@@ -84,7 +108,13 @@ class Receiver(BaseHTTPRequestHandler):
         self.wfile.write(reply)
 
 
-server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-server.daemon_threads = True
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # a sender that gave up (a held answer) closed its end: not the receiver's fault
+
+
+server = Server(("127.0.0.1", PORT), Receiver)
 print(server.server_address[1], flush=True)
 server.serve_forever()
