@@ -12,6 +12,7 @@ mod gate;
 mod heads;
 mod hostile;
 mod ledger;
+mod lock_free;
 mod migrations;
 mod pause;
 mod plans;

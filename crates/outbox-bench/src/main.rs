@@ -22,6 +22,7 @@ mod retention;
 mod scenarios;
 mod slow;
 mod sqlite;
+mod webhooks;
 mod writing;
 
 use std::process::ExitCode;
@@ -269,6 +270,9 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
     }
     if wanted("relay") {
         relay::relay(db, &sizes, &mut report).await?;
+    }
+    if wanted("webhooks") {
+        webhooks::webhooks(db, &sizes, &mut report).await?;
     }
     if wanted("head-of-line") {
         scenarios::head_of_line(db, &sizes, &mut report).await?;

@@ -76,6 +76,12 @@ pub struct DemoArgs {
     /// The stream of `--relay` (created when missing; this run's messages are verified).
     #[arg(long, default_value = "OUTBOX_DEMO")]
     pub relay_stream: String,
+    /// Deliver webhooks as a second consumer: each write also enqueues its record's change
+    /// (`account.changed`, `lead.changed`), which the webhooks fan out to one endpoint, a
+    /// receiver in this process that verifies every signature; its log is checked after the
+    /// run (every change delivered, verified, in each record's order).
+    #[arg(long, conflicts_with = "relay")]
+    pub webhooks: bool,
 }
 
 /// `outbox-demo seed`.

@@ -19,6 +19,7 @@ use crate::commands::{connect_config, decide, demo_worker_config, mode_name, sta
 use crate::handlers::{Actions, Faults, handlers};
 use crate::relay::{DemoRelay, RelayReport};
 use crate::sink::MailSink;
+use crate::webhooks::{DemoWebhooks, WebhooksReport};
 use crate::{faults, verify, workload};
 
 /// The demo's default share of failing attempts.
@@ -39,6 +40,8 @@ struct Report {
     workers_observed: Observed,
     #[serde(skip_serializing_if = "Option::is_none")]
     relay: Option<RelayReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    webhooks: Option<WebhooksReport>,
     verification: verify::Verification,
 }
 
@@ -90,10 +93,10 @@ fn fresh_sqlite_url() -> String {
 fn failures_counted_once(
     v: &verify::Verification,
     m: &MetricsSnapshot,
-    relay: Option<&MetricsSnapshot>,
+    others: &[MetricsSnapshot],
 ) -> verify::Check {
     let mut m = *m;
-    if let Some(r) = relay {
+    for r in others {
         m.retried += r.retried;
         m.failed += r.failed;
         m.stale_reclaims += r.stale_reclaims;
@@ -119,6 +122,9 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
     if args.relay.is_some() {
         config = DemoRelay::scope_out(config);
     }
+    if args.webhooks {
+        config = DemoWebhooks::scope_out(config);
+    }
     config.validate().map_err(anyhow::Error::msg)?;
     let db = open_fresh(&url, &config, args.json).await?;
     let repo = db.repository();
@@ -130,7 +136,7 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
             events: args.workload.events,
             records: args.workload.records,
             seed: Utc::now().timestamp_millis() as u64,
-            feed: args.relay.is_some(),
+            feed: args.relay.is_some() || args.webhooks,
             ..workload::Workload::default()
         },
     )
@@ -141,6 +147,10 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
     let relay = match &args.relay {
         Some(nats) => Some(DemoRelay::start(nats, &args.relay_stream, repo.clone()).await?),
         None => None,
+    };
+    let webhooks = match args.webhooks {
+        true => Some(DemoWebhooks::start(repo.clone()).await?),
+        false => None,
     };
     let outcome = run_workers(
         &db,
@@ -153,7 +163,8 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
     )
     .await?;
     sink.run_completed(run, &outcome.metrics).await?;
-    let (verification, relay) = verify_run(&db, &repo, &sink, &outcome, relay).await?;
+    let (verification, relay, webhooks) =
+        verify_run(&db, &repo, &sink, &outcome, (relay, webhooks)).await?;
     let report = Report {
         backend: db.backend_name(),
         database: outbox_persistence::redact_url(&url),
@@ -166,6 +177,7 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
         faults: outcome.faults,
         workers_observed: outcome.metrics.into(),
         relay,
+        webhooks,
         verification,
     };
     sink.close().await;
@@ -205,29 +217,45 @@ async fn open_fresh(url: &str, config: &WorkerConfig, json: bool) -> Result<Data
     Ok(db)
 }
 
-/// Verifies the run from the database, and the relay's stream from NATS when it ran.
+/// Verifies the run from the database, the relay's stream from NATS when it ran, and the
+/// webhook receiver's log when they ran.
 async fn verify_run(
     db: &Database,
     repo: &Arc<dyn OutboxRepository>,
     sink: &MailSink,
     outcome: &RunOutcome,
-    relay: Option<DemoRelay>,
-) -> Result<(verify::Verification, Option<RelayReport>)> {
+    (relay, webhooks): (Option<DemoRelay>, Option<DemoWebhooks>),
+) -> Result<(
+    verify::Verification,
+    Option<RelayReport>,
+    Option<WebhooksReport>,
+)> {
     let mut verification = verify::verify(db, sink).await?;
-    let (relay, relay_metrics) = match relay {
+    let mut others = Vec::new();
+    let relay = match relay {
         Some(relay) => {
             let (report, checks, metrics) = relay.finish(repo).await?;
             verification.checks.extend(checks);
-            (Some(report), Some(metrics))
+            others.push(metrics);
+            Some(report)
         }
-        None => (None, None),
+        None => None,
+    };
+    let webhooks = match webhooks {
+        Some(webhooks) => {
+            let (report, checks, metrics) = webhooks.finish(repo).await?;
+            verification.checks.extend(checks);
+            others.push(metrics);
+            Some(report)
+        }
+        None => None,
     };
     verification.checks.push(failures_counted_once(
         &verification,
         &outcome.metrics,
-        relay_metrics.as_ref(),
+        &others,
     ));
-    Ok((verification, relay))
+    Ok((verification, relay, webhooks))
 }
 
 fn print_report(r: &Report) {
@@ -264,6 +292,12 @@ fn print_report(r: &Report) {
     );
     if let Some(relay) = &r.relay {
         print_relay(relay);
+    }
+    if let Some(w) = &r.webhooks {
+        println!(
+            "webhooks    {} of {} changes delivered to {} ({} requests, {} redeliveries, {} signatures refused, {} out of per-record order)",
+            w.delivered, w.events, w.url, w.requests, w.redelivered, w.unverified, w.out_of_order
+        );
     }
     let v = &r.verification;
     println!(

@@ -15,6 +15,7 @@ mod relay;
 mod schema;
 mod sink;
 mod verify;
+mod webhooks;
 mod work;
 mod workload;
 

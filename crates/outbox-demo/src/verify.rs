@@ -113,11 +113,14 @@ pub fn check(checks: &mut Vec<Check>, name: &'static str, ok: bool, detail: Stri
 
 /// Reads every invariant of the demo from `db` and the provider inbox `sink`.
 pub async fn verify(db: &Database, sink: &MailSink) -> Result<Verification> {
-    // The relay's change feed (seeded with `--relay`) and the foreign writers' rows
-    // (`outbox-demo foreign`) have no effect of the demo's: every check of effects reads the
-    // demo's own events, the terminal count reads all.
+    // The change feed (seeded with `--relay` or `--webhooks`), its webhook deliveries and the
+    // foreign writers' rows (`outbox-demo foreign`) have no effect of the demo's: every check of
+    // effects reads the demo's own events, the terminal count reads all.
     let (feed, events): (Vec<Row>, Vec<Row>) = load_events(db).await?.into_iter().partition(|e| {
-        FEED_TYPES.contains(&e.event_type.as_str()) || e.event_type == RECORD_TOUCHED
+        FEED_TYPES.contains(&e.event_type.as_str())
+            || e.event_type
+                .starts_with(outbox_webhooks::DELIVERY_TYPE_PREFIX)
+            || e.event_type == RECORD_TOUCHED
     });
     let by_id: HashMap<String, &Row> = events.iter().map(|e| (e.id.to_string(), e)).collect();
     let count = |status: &str| {

@@ -18,6 +18,7 @@ use crate::attempt::{self, rollback_quietly};
 use crate::detached::Landed;
 use crate::env::{AttemptEnv, AttemptOutcome, Failure, STOPPING, failure_outcome};
 use begin::Begun;
+use event::Segment;
 
 mod begin;
 mod died;
@@ -284,16 +285,9 @@ struct Batch<'a> {
     /// transaction that died): recorded in the ledger on the side once the segment's
     /// transaction has ended (before that, its uncommitted rows would hold the side write).
     on_side: Vec<EffectRecord>,
-}
-
-/// How a segment of the batch (one transaction) ended its events.
-#[derive(Debug, PartialEq, Eq)]
-enum Segment {
-    /// Every event ran or was given back.
-    Done,
-    /// A handler kept effects in the transaction: the segment settles and commits before
-    /// another handler runs (rule 2), so the transaction never holds two handlers' locks.
-    Effects,
+    /// A handler of the running segment kept effects in its transaction (lock-free ones: the
+    /// segment goes on): the next handler runs under a savepoint of its own.
+    segment_effects: bool,
 }
 
 impl<'a> Batch<'a> {
@@ -316,6 +310,7 @@ impl<'a> Batch<'a> {
             handler_time: Duration::ZERO,
             ran: 0,
             on_side: Vec::new(),
+            segment_effects: false,
         }
     }
 
@@ -343,6 +338,7 @@ impl<'a> Batch<'a> {
                     break;
                 }
             };
+            self.segment_effects = false;
             let (settled, more) = match self.events(tx.as_mut()).await {
                 Ok(segment) => (self.settle(tx.as_mut()).await, segment == Segment::Effects),
                 Err(stop) => (Err(stop), false),
@@ -480,7 +476,7 @@ impl<'a> Batch<'a> {
                 continue;
             }
             let span = attempt::attempt_span(member.claim);
-            let kept_effects = self.event(tx, i).instrument(span).await?;
+            let kept = self.event(tx, i).instrument(span).await?;
             if !matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
                 // A record's later events wait for this one: none of them runs in this batch.
                 let key = member.claim.event.record_key.clone();
@@ -491,7 +487,8 @@ impl<'a> Batch<'a> {
                 }
                 self.block(i);
             }
-            if kept_effects {
+            self.segment_effects |= kept.effects;
+            if kept.locking {
                 return Ok(Segment::Effects);
             }
         }

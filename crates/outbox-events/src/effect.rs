@@ -56,8 +56,13 @@ impl Effect<'_, '_> {
         Fut: Future<Output = Result<T, HandlerError>>,
     {
         let scope = self.ctx.effect_scope()?.clone();
-        let recorded =
-            find_effect(self.ctx.tx(), scope.event_id, &scope.handler_id, &self.name).await?;
+        let recorded = find_effect(
+            self.ctx.lock_free_tx(),
+            scope.event_id,
+            &scope.handler_id,
+            &self.name,
+        )
+        .await?;
         if let Some(result) = recorded {
             tracing::info!(event_id = %scope.event_id, effect = %self.name, "effect recorded by an earlier attempt; not run again");
             counted(&scope, &self.name, "skipped");
@@ -82,7 +87,7 @@ impl Effect<'_, '_> {
                 e,
             ));
         }
-        record_effect(self.ctx.tx(), &record).await?;
+        record_effect(self.ctx.lock_free_tx(), &record).await?;
         Ok(value)
     }
 }

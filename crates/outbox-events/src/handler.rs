@@ -208,6 +208,11 @@ pub struct AttemptContext<'a> {
     /// Whether the handler asked for the transaction: one that never did has no effects in
     /// it to keep or undo (a batch then needs no savepoint after it, nor a rollback).
     touched: bool,
+    /// Whether it asked for it through [`AttemptContext::tx`], whose statements may take locks
+    /// an application transaction holds or waits for: a batch's segment then ends after it
+    /// (docs/state-machine.md, "Batched attempts", rule 2). [`AttemptContext::lock_free_tx`]
+    /// does not set it.
+    locking: bool,
     /// The event and handler, for the effect ledger's keys (`None`: a unit test's context
     /// built with [`AttemptContext::new`]).
     scope: Option<EffectScope>,
@@ -228,6 +233,7 @@ impl<'a> AttemptContext<'a> {
         Self {
             inner: Inner::Tx(tx),
             touched: false,
+            locking: false,
             scope: None,
             sent: Vec::new(),
         }
@@ -255,6 +261,7 @@ impl<'a> AttemptContext<'a> {
         Self {
             inner: Inner::Attempt(attempt),
             touched: false,
+            locking: false,
             scope: Some(EffectScope {
                 event_id,
                 handler_id: handler_id.to_owned(),
@@ -293,10 +300,36 @@ impl<'a> AttemptContext<'a> {
         self.touched
     }
 
+    /// Whether the handler asked for the transaction through [`AttemptContext::tx`].
+    pub(crate) fn locking(&self) -> bool {
+        self.locking
+    }
+
     /// The attempt transaction: the handler's database effects go here, so they commit
-    /// atomically with `processed` and roll back with a failure.
+    /// atomically with `processed` and roll back with a failure. In a batched attempt, the
+    /// transaction commits after a handler that used it and succeeded, before the next handler
+    /// runs: it never holds two handlers' locks (docs/embedding.md, "Lock footprint").
     pub fn tx(&mut self) -> &mut Tx {
         self.touched = true;
+        self.locking = true;
+        self.open()
+    }
+
+    /// The attempt transaction, for statements that **take no lock an application
+    /// transaction may hold or wait for**: reads under READ COMMITTED, rows keyed by this event
+    /// that nothing else writes (the effect ledger's), and enqueues of outbox rows whose record
+    /// keys only this handler writes (a fan-out's). They commit and roll back with the attempt
+    /// like [`AttemptContext::tx`]'s, but in a batched attempt the next handlers may run in the
+    /// same transaction (each under a savepoint of its own), so up to a batch of such handlers
+    /// share one commit. A statement that updates or deletes an application row, or inserts a
+    /// key the application also writes, must go through [`AttemptContext::tx`]: a lock held
+    /// across several handlers could close a cycle with the application's transactions.
+    pub fn lock_free_tx(&mut self) -> &mut Tx {
+        self.touched = true;
+        self.open()
+    }
+
+    fn open(&mut self) -> &mut Tx {
         match &mut self.inner {
             Inner::Attempt(attempt) => attempt.tx(),
             Inner::Tx(tx) => tx,

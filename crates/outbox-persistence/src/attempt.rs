@@ -18,6 +18,10 @@ use crate::{
 pub(crate) const SET_SAVEPOINT: &str = "SAVEPOINT outbox_claimed";
 /// Undoes a handler's effects, keeping the attempt's transaction open for its bookkeeping.
 const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT outbox_claimed";
+/// A batch's savepoint before one event's handler, when earlier handlers of its segment kept
+/// effects in the transaction (`Attempt::savepoint`).
+const SET_EVENT_SAVEPOINT: &str = "SAVEPOINT outbox_event";
+const ROLLBACK_TO_EVENT_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT outbox_event";
 
 /// One fenced write of a claimed row: it applies only while the row is `processing` and still
 /// carries the fence's `LastModifiedDate`, and moves that value strictly forward.
@@ -172,7 +176,16 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
 
     async fn savepoint(&mut self) -> Result<()> {
         let (tx, _) = self.open()?;
-        with_tx!(tx, |conn| sqlx::raw_sql(SET_SAVEPOINT)
+        with_tx!(tx, |conn| sqlx::raw_sql(SET_EVENT_SAVEPOINT)
+            .execute(conn)
+            .await
+            .map(|_| ()))?;
+        Ok(())
+    }
+
+    async fn rollback_to_event_savepoint(&mut self) -> Result<()> {
+        let (tx, _) = self.open()?;
+        with_tx!(tx, |conn| sqlx::raw_sql(ROLLBACK_TO_EVENT_SAVEPOINT)
             .execute(conn)
             .await
             .map(|_| ()))?;

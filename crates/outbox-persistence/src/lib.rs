@@ -129,6 +129,18 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// the write lock), so one record's events are ordered as their transactions commit.
     async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>>;
 
+    /// [`OutboxRepository::enqueue`] for records **only the calling attempt writes, one at a
+    /// time**: a handler that enqueues follow-up rows under keys derived from its own claimed
+    /// record (a webhook fan-out's `webhook:<endpoint>|<key>`), whose claim already orders
+    /// them. On PostgreSQL it takes no enqueue lock, so it holds none across the handlers of a
+    /// batched attempt that share its transaction (`AttemptContext::lock_free_tx`), where an
+    /// application's bulk enqueue could wait for it in a cycle. SQLite: as `enqueue` (the
+    /// attempt holds the write lock already). Rows of keys anybody else enqueues must go
+    /// through `enqueue`.
+    async fn enqueue_owned(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>> {
+        self.enqueue(tx, events).await
+    }
+
     /// The design's eligible-event query: `pending` rows (a retried one once its
     /// `LastModifiedDate` is older than `retry_cutoff`) and stale `processing` rows, skipping a
     /// row while an older row with the same `RecordKey` is not terminal, oldest first; and never
@@ -443,13 +455,18 @@ pub trait Attempt: Send {
     /// The open transaction, for the handler's effects.
     fn tx(&mut self) -> &mut Tx;
 
-    /// Rolls back to the post-claim savepoint (in a batch, the latest one: the running
-    /// event's): the handler's effects are undone, the transaction stays open for bookkeeping.
+    /// Rolls back to the post-claim savepoint (in a batch, the segment's: every handler's
+    /// effects in it are undone), the transaction stays open for bookkeeping.
     async fn rollback_to_savepoint(&mut self) -> Result<()>;
 
-    /// Takes a new post-claim savepoint, for the next event of a batch: what the events before
-    /// it wrote stays when that event rolls back.
+    /// Takes an event's savepoint in a batch's segment (`outbox_event`; the post-claim one
+    /// stays): what the events before it kept stays when that event rolls back to it
+    /// ([`Attempt::rollback_to_event_savepoint`]).
     async fn savepoint(&mut self) -> Result<()>;
+
+    /// Rolls back to the latest event's savepoint ([`Attempt::savepoint`]): that handler's
+    /// effects are undone, the earlier ones' stay.
+    async fn rollback_to_event_savepoint(&mut self) -> Result<()>;
 
     /// Back to `pending` in this transaction, `RetryCount` unchanged, fenced: a batch's event
     /// not counted (it did not run, or its handler succeeded and its `processed` write failed).

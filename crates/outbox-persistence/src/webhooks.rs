@@ -172,7 +172,16 @@ const LISTED: &str = "Name, Url, EventTypes, '' AS Secret, NULL AS PreviousSecre
 /// The endpoints, by name, without their secrets ([`WebhookEndpoint::secret`] is empty: read
 /// one endpoint with [`endpoint`] to sign).
 pub async fn endpoints(tx: &mut Tx) -> Result<Vec<WebhookEndpoint>> {
-    let sql = format!("SELECT {LISTED} FROM _System_OutboxWebhookEndpoint ORDER BY Name");
+    read_endpoints(tx, LISTED).await
+}
+
+/// The endpoints, by name, with their secrets: what a sender signs with.
+pub async fn endpoints_to_send(tx: &mut Tx) -> Result<Vec<WebhookEndpoint>> {
+    read_endpoints(tx, COLUMNS).await
+}
+
+async fn read_endpoints(tx: &mut Tx, columns: &str) -> Result<Vec<WebhookEndpoint>> {
+    let sql = format!("SELECT {columns} FROM _System_OutboxWebhookEndpoint ORDER BY Name");
     match tx {
         Tx::Postgres(tx) => crate::statement::query(sqlx::AssertSqlSafe(sql))
             .fetch_all(&mut **tx)

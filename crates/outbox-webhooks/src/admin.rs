@@ -122,6 +122,7 @@ impl Webhooks {
         )
         .await?;
         tx.commit().await?;
+        crate::cache::changed();
         Ok(added)
     }
 
@@ -165,6 +166,7 @@ impl Webhooks {
         }
         let changed = webhooks::set_endpoint_enabled(&mut tx, name, enabled, reason, actor).await?;
         tx.commit().await?;
+        crate::cache::changed();
         Ok(changed)
     }
 
@@ -199,6 +201,7 @@ impl Webhooks {
             return Err(Error::NoSuchEndpoint(name.to_string()));
         }
         tx.commit().await?;
+        crate::cache::changed();
         Ok(())
     }
 

@@ -59,6 +59,7 @@ pub struct WebhookDelivery {
     config: WebhookConfig,
     side: SideWriter,
     probes: Probes,
+    endpoints: crate::cache::Endpoints,
 }
 
 impl WebhookDelivery {
@@ -79,6 +80,7 @@ impl WebhookDelivery {
             side: SideWriter::new(repo, config.disable_after_failures),
             config,
             probes: Probes::new(probe_spacing),
+            endpoints: crate::cache::Endpoints::default(),
         }
     }
 
@@ -213,7 +215,11 @@ impl Handler for WebhookDelivery {
         let delivery: Delivery = serde_json::from_str(&event.payload).map_err(|e| {
             HandlerError::permanent_from("not a webhook delivery row the fan-out wrote", e)
         })?;
-        let endpoint = webhooks::endpoint(ctx.tx(), &delivery.endpoint).await?;
+        // A read: lock-free, as are the ledger's rows (keyed by this event alone).
+        let endpoint = self
+            .endpoints
+            .get(ctx.lock_free_tx(), &delivery.endpoint)
+            .await?;
         let attempt = event.retry_count + 1;
         // A delivery the ledger records as sent is not sent again, whatever became of its
         // endpoint since: the checks run only when it is to be sent.
@@ -328,7 +334,10 @@ mod tests {
             .collect();
         assert!(all.iter().all(|j| (-1.0..=1.0).contains(j)));
         let below = all.iter().filter(|j| **j < 0.0).count();
-        assert!((300..700).contains(&below), "{below} of 1000 below 0: not spread");
+        assert!(
+            (300..700).contains(&below),
+            "{below} of 1000 below 0: not spread"
+        );
         assert_eq!(
             jitter(EventId::from_u128(42), 3),
             jitter(EventId::from_u128(42), 3)

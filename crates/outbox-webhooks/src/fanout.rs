@@ -80,12 +80,17 @@ struct Envelope<'a> {
 pub struct WebhookFanOut {
     repo: Arc<dyn OutboxRepository>,
     config: WebhookConfig,
+    endpoints: crate::cache::Endpoints,
 }
 
 impl WebhookFanOut {
     /// A fan-out that enqueues through `repo` (the dispatcher's repository).
     pub fn new(repo: Arc<dyn OutboxRepository>, config: WebhookConfig) -> Self {
-        Self { repo, config }
+        Self {
+            repo,
+            config,
+            endpoints: crate::cache::Endpoints::default(),
+        }
     }
 
     /// Its consumer declaration for `event_type`: rows enqueued in the attempt's transaction,
@@ -153,16 +158,19 @@ impl Handler for WebhookFanOut {
         event: &OutboxEvent,
         ctx: &mut AttemptContext<'_>,
     ) -> Result<(), HandlerError> {
-        let endpoints: Vec<_> = webhooks::endpoints(ctx.tx())
-            .await?
-            .into_iter()
+        // Lock-free (a batch's next handlers may share the transaction): a read, and rows
+        // under keys only this record's fan-out writes, one attempt at a time (its claim).
+        let all = self.endpoints.all(ctx.lock_free_tx()).await?;
+        let endpoints: Vec<_> = all
+            .iter()
             .filter(|e| e.subscribes_to(&event.event_type))
+            .cloned()
             .collect();
         if endpoints.is_empty() {
             return Ok(());
         }
         let rows = self.deliveries(event, &endpoints)?;
-        self.repo.enqueue(ctx.tx(), &rows).await?;
+        self.repo.enqueue_owned(ctx.lock_free_tx(), &rows).await?;
         tracing::debug!(event_id = %event.id, deliveries = rows.len(), "fanned out to webhook endpoints");
         Ok(())
     }

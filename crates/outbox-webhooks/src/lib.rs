@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 mod admin;
+mod cache;
 mod client;
 mod config;
 mod deliver;

@@ -49,9 +49,9 @@ struct State {
 impl State {
     /// Whether a send has been in flight past [`PATIENCE`] with no answer since it began.
     fn stalled(&self) -> bool {
-        self.in_flight.values().any(|began| {
-            began.elapsed() > PATIENCE && self.last_answer.is_none_or(|a| a < *began)
-        })
+        self.in_flight
+            .values()
+            .any(|began| began.elapsed() > PATIENCE && self.last_answer.is_none_or(|a| a < *began))
     }
 }
 
@@ -202,7 +202,10 @@ mod tests {
         let p = Probes::new(Duration::from_secs(60));
         p.silent("a");
         drop(p.admit("a", false));
-        assert!(holds(&p.admit("a", false)), "the next probe waits out the spacing");
+        assert!(
+            holds(&p.admit("a", false)),
+            "the next probe waits out the spacing"
+        );
         p.answered("a");
         assert!(sends(&p.admit("a", false)));
     }
@@ -212,9 +215,15 @@ mod tests {
         let p = Probes::new(Duration::ZERO);
         let hanging = p.admit("a", false);
         let quick = p.admit("a", false);
-        assert!(sends(&quick), "sends in flight within the patience do not hold");
+        assert!(
+            sends(&quick),
+            "sends in flight within the patience do not hold"
+        );
         std::thread::sleep(PATIENCE + Duration::from_millis(20));
-        assert!(holds(&p.admit("a", false)), "no answer since the first began");
+        assert!(
+            holds(&p.admit("a", false)),
+            "no answer since the first began"
+        );
         p.answered("a");
         drop(quick);
         assert!(

@@ -134,8 +134,11 @@ async fn publish_gauges(repo: &Arc<dyn OutboxRepository>) {
         Ok(endpoints) => {
             let disabled = endpoints.iter().filter(|e| !e.enabled).count();
             for e in &endpoints {
-                metrics::gauge!(ENDPOINT_ENABLED, "endpoint" => e.name.clone())
-                    .set(if e.enabled { 1.0 } else { 0.0 });
+                metrics::gauge!(ENDPOINT_ENABLED, "endpoint" => e.name.clone()).set(if e.enabled {
+                    1.0
+                } else {
+                    0.0
+                });
             }
             metrics::gauge!(ENDPOINTS, "state" => "disabled").set(disabled as f64);
             metrics::gauge!(ENDPOINTS, "state" => "enabled")
@@ -182,6 +185,7 @@ async fn write(
                     .await?
                     {
                         disabled = true;
+                        crate::cache::changed();
                         tracing::warn!(endpoint = %attempt.endpoint, failures, "webhook endpoint disabled after sustained failure");
                     }
                 }
@@ -197,6 +201,7 @@ async fn write(
                 .await?
                 {
                     disabled = true;
+                    crate::cache::changed();
                     tracing::warn!(%endpoint, reason, "webhook endpoint disabled");
                 }
             }

@@ -6,6 +6,7 @@
 mod metrics;
 mod operator;
 mod relay;
+mod webhooks;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

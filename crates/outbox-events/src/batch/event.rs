@@ -4,56 +4,56 @@
 
 use std::time::Instant;
 
-use outbox_persistence::Attempt;
+use outbox_persistence::{Attempt, EffectRecord};
 
 use super::{Batch, Decision, Member, Step, Stop};
 use crate::attempt::CatchPanic;
 use crate::env::AttemptOutcome;
 use crate::handler::{AttemptContext, HandlerError};
 
+/// What an event left in the segment's transaction.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Kept {
+    /// Its handler succeeded and used the transaction: its effects stay.
+    pub(super) effects: bool,
+    /// Through `ctx.tx()`, whose statements may hold locks: the segment ends after it.
+    pub(super) locking: bool,
+}
+
+/// How a segment of the batch (one transaction) ended its events.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Segment {
+    /// Every event ran or was given back.
+    Done,
+    /// A handler kept effects in the transaction that may hold locks (`ctx.tx()`): the
+    /// segment settles and commits before another handler runs (rule 2), so the transaction
+    /// never holds two handlers' locks.
+    Effects,
+}
+
+/// A handler's result, or why it did not end (its claim lost, a hard stop).
+type HandlerRun = Result<Result<(), HandlerError>, AttemptOutcome>;
+
 impl Batch<'_> {
     /// One event: its handler (the worker's claims not started yet given back if it runs
-    /// long), then its outcome decided. Returns whether its effects stay in the transaction
-    /// (its handler succeeded and used it): the segment then ends.
-    pub(super) async fn event(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<bool, Stop> {
+    /// long), then its outcome decided. Returns what its effects left in the transaction.
+    /// When earlier handlers of the segment kept effects, it runs under a savepoint of its
+    /// own, so that its failure undoes only its own.
+    pub(super) async fn event(&mut self, tx: &mut dyn Attempt, i: usize) -> Result<Kept, Stop> {
         let env = self.env;
         let Member { claim, beat, .. } = self.members[i];
+        let own = self.segment_effects;
+        if own {
+            tx.savepoint().await.map_err(|e| {
+                Stop::Died(format!(
+                    "setting an event's savepoint failed: {}",
+                    e.chain()
+                ))
+            })?;
+        }
         self.ran += 1;
         self.steps[i] = Step::Ran(None);
-        let handler = env
-            .handlers
-            .get_named(&claim.event.event_type)
-            .map(|(name, h)| (name.to_owned(), h.clone()));
-        let (result, touched, sent) = match handler {
-            None => (
-                Ok(Err(HandlerError::Permanent(format!(
-                    "no handler registered for event type {:?}",
-                    claim.event.event_type
-                )))),
-                false,
-                Vec::new(),
-            ),
-            Some((name, handler)) => {
-                let mut ctx = AttemptContext::for_attempt(tx, &name, claim.event.id);
-                let started = Instant::now();
-                let result = self
-                    .unstarted
-                    .while_running(async {
-                        tokio::select! {
-                            biased;
-                            _ = beat.lost.cancelled() => Err(AttemptOutcome::LostClaim),
-                            _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
-                            result = CatchPanic(handler.handle(&claim.event, &mut ctx)) => Ok(result),
-                        }
-                    })
-                    .await;
-                let took = started.elapsed();
-                self.handler_time += took;
-                env.metrics.handler_ran(&claim.event.event_type, took);
-                let sent = ctx.take_sent();
-                (result, ctx.touched(), sent)
-            }
-        };
+        let (result, (touched, locking), sent) = self.run_handler(tx, i).await;
         match result {
             Err(AttemptOutcome::Cancelled) => {
                 self.on_side.extend(sent);
@@ -64,19 +64,22 @@ impl Batch<'_> {
             // the ledger on the side.
             Err(_) => {
                 self.on_side.extend(sent);
-                undo(tx, touched).await?;
+                undo(tx, touched, own).await?;
                 self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-                Ok(false)
+                Ok(Kept::default())
             }
             Ok(Ok(())) if beat.lost.is_cancelled() => {
                 self.on_side.extend(sent);
-                undo(tx, touched).await?;
+                undo(tx, touched, own).await?;
                 self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
-                Ok(false)
+                Ok(Kept::default())
             }
             Ok(Ok(())) => {
                 self.decide(i, Decision::processed(touched, sent));
-                Ok(touched)
+                Ok(Kept {
+                    effects: touched,
+                    locking: touched && locking,
+                })
             }
             Ok(Err(error)) => {
                 if error.is_lock_timeout() {
@@ -85,30 +88,68 @@ impl Batch<'_> {
                 let mut failure = env.handler_failure(claim, &error);
                 failure.effects = sent;
                 tracing::info!(error = %failure.message, "handler failed");
-                if let Err(stop) = undo(tx, touched).await {
+                if let Err(stop) = undo(tx, touched, own).await {
                     self.steps[i] = Step::Ran(Some(failure));
                     return Err(stop);
                 }
                 self.decide(i, Decision::failed(failure));
-                Ok(false)
+                Ok(Kept::default())
             }
         }
     }
-}
 
-/// Undoes the running event's effects: rolls back to its savepoint, unless its handler never
-/// asked for the transaction (nothing to undo).
-async fn undo(tx: &mut dyn Attempt, touched: bool) -> Result<(), Stop> {
-    if touched {
-        rolled_back(tx).await
-    } else {
-        Ok(())
+    /// Runs event `i`'s handler: its result (or why it did not end), whether it used the
+    /// transaction (and through `ctx.tx()`), and the effects it ran through the ledger.
+    async fn run_handler(
+        &mut self,
+        tx: &mut dyn Attempt,
+        i: usize,
+    ) -> (HandlerRun, (bool, bool), Vec<EffectRecord>) {
+        let env = self.env;
+        let Member { claim, beat, .. } = self.members[i];
+        let handler = env
+            .handlers
+            .get_named(&claim.event.event_type)
+            .map(|(name, h)| (name.to_owned(), h.clone()));
+        let Some((name, handler)) = handler else {
+            let missing = HandlerError::Permanent(format!(
+                "no handler registered for event type {:?}",
+                claim.event.event_type
+            ));
+            return (Ok(Err(missing)), (false, false), Vec::new());
+        };
+        let mut ctx = AttemptContext::for_attempt(tx, &name, claim.event.id);
+        let started = Instant::now();
+        let result = self
+            .unstarted
+            .while_running(async {
+                tokio::select! {
+                    biased;
+                    _ = beat.lost.cancelled() => Err(AttemptOutcome::LostClaim),
+                    _ = env.hard_stop.cancelled() => Err(AttemptOutcome::Cancelled),
+                    result = CatchPanic(handler.handle(&claim.event, &mut ctx)) => Ok(result),
+                }
+            })
+            .await;
+        let took = started.elapsed();
+        self.handler_time += took;
+        env.metrics.handler_ran(&claim.event.event_type, took);
+        let sent = ctx.take_sent();
+        (result, (ctx.touched(), ctx.locking()), sent)
     }
 }
 
-/// Rolls back to the segment's savepoint; a failure there is the transaction dying.
-async fn rolled_back(tx: &mut dyn Attempt) -> Result<(), Stop> {
-    tx.rollback_to_savepoint()
-        .await
-        .map_err(|e| Stop::Died(format!("rollback to the savepoint failed: {}", e.chain())))
+/// Undoes the running event's effects: rolls back to its own savepoint (`own`: earlier
+/// handlers of the segment kept theirs) or the segment's, unless its handler never asked for
+/// the transaction (nothing to undo). A failure is the transaction dying.
+async fn undo(tx: &mut dyn Attempt, touched: bool, own: bool) -> Result<(), Stop> {
+    if !touched {
+        return Ok(());
+    }
+    let rolled_back = if own {
+        tx.rollback_to_event_savepoint().await
+    } else {
+        tx.rollback_to_savepoint().await
+    };
+    rolled_back.map_err(|e| Stop::Died(format!("rollback to the savepoint failed: {}", e.chain())))
 }

@@ -50,7 +50,7 @@ pub async fn enqueue(conn: &mut sqlx::PgConnection, events: &[NewEvent]) -> Resu
         conn,
         events,
         &ClockShift::default(),
-        super::caches_statements(),
+        (super::caches_statements(), true),
     )
     .await
 }
@@ -95,12 +95,13 @@ fn key_hash(key: &str) -> i32 {
     hash as i32
 }
 
-/// [`enqueue`] with the repository's clock shift.
+/// [`enqueue`] with the repository's clock shift; without the records' enqueue locks when
+/// `locked` is false (`OutboxRepository::enqueue_owned`: keys only the calling attempt writes).
 pub(super) async fn enqueue_shifted(
     conn: &mut sqlx::PgConnection,
     events: &[NewEvent],
     shift: &ClockShift,
-    cached: bool,
+    (cached, locked): (bool, bool),
 ) -> Result<Vec<EventId>> {
     let mut ids = Vec::with_capacity(events.len());
     let mut types = Vec::with_capacity(events.len());
@@ -117,7 +118,11 @@ pub(super) async fn enqueue_shifted(
     if ids.is_empty() {
         return Ok(ids);
     }
-    let locks = enqueue_locks(keys.iter().flatten().map(String::as_str));
+    let locks = if locked {
+        enqueue_locks(keys.iter().flatten().map(String::as_str))
+    } else {
+        Vec::new()
+    };
     let mut lock_spaces = Vec::with_capacity(locks.len());
     let mut lock_ids = Vec::with_capacity(locks.len());
     let mut lock_shared = Vec::with_capacity(locks.len());

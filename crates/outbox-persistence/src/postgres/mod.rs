@@ -233,7 +233,11 @@ impl OutboxRepository for PgOutbox {
     }
 
     async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>> {
-        enqueue::enqueue_shifted(tx.postgres()?, events, &self.shift, self.cached()).await
+        enqueue::enqueue_shifted(tx.postgres()?, events, &self.shift, (self.cached(), true)).await
+    }
+
+    async fn enqueue_owned(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>> {
+        enqueue::enqueue_shifted(tx.postgres()?, events, &self.shift, (self.cached(), false)).await
     }
 
     async fn get_pending_events(

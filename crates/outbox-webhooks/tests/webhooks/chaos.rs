@@ -1,5 +1,6 @@
 //! Chaos, measured from the receiver's own log: several worker processes (this test binary
-//! again, running [`worker_process`] alone) SIGKILLed and restarted at random, their database
+//! again, running the chaos test alone with `OUTBOX_WEBHOOK_CHAOS_DB` set, which makes it a
+//! worker) SIGKILLed and restarted at random, their database
 //! connections cut, a receiver that answers at random (500, 429 with `Retry-After`, an answer
 //! held past the sender's timeout) and is down for 10 s, and an endpoint that hangs for the
 //! whole run. And, on both backends, a hanging endpoint that holds back no one.
@@ -43,25 +44,25 @@ fn chaos_config() -> WebhookConfig {
 }
 
 /// One worker process of the chaos run: 4 workers with the webhook handlers, until killed.
-/// Run only as the chaos test's child (it returns at once otherwise).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a child process of the chaos test"]
-async fn worker_process() {
-    let Ok(url) = std::env::var(WORKER_ENV) else {
-        return;
-    };
-    let db = Database::connect(&url, ConnectConfig::for_workers(4))
+/// The chaos test runs itself again as its workers, with [`WORKER_ENV`] set.
+async fn worker_process(url: &str) -> ! {
+    let db = Database::connect(url, ConnectConfig::for_workers(4))
         .await
         .expect("the worker process connects");
     let repo = db.repository();
     let hooks = Webhooks::new(repo.clone(), chaos_config());
     let _handle = dispatcher(&repo, &hooks, 4).await;
     std::future::pending::<()>().await;
+    unreachable!("a worker process runs until it is killed")
 }
 
 fn spawn_worker(url: &str) -> tokio::process::Child {
     tokio::process::Command::new(std::env::current_exe().expect("the test binary"))
-        .args(["chaos::worker_process", "--exact", "--ignored", "--nocapture"])
+        .args([
+            "chaos::chaos_every_event_reaches_every_live_endpoint_once_or_more_in_order",
+            "--exact",
+            "--nocapture",
+        ])
         .env(WORKER_ENV, url)
         .env("RUST_LOG", "error")
         .stdout(Stdio::null())
@@ -92,7 +93,9 @@ fn chaos_seed() -> u64 {
     std::env::var("OUTBOX_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| u64::from(std::process::id()) ^ Utc::now().timestamp_subsec_nanos() as u64)
+        .unwrap_or_else(|| {
+            u64::from(std::process::id()) ^ Utc::now().timestamp_subsec_nanos() as u64
+        })
 }
 
 /// Cuts about a third of the workers' connections; returns how many.
@@ -211,7 +214,10 @@ fn check_endpoint(log: &[Value], endpoint: &str, events: &[(String, String)]) ->
             .entry(sequence(entry))
             .or_insert((id, &entry["body"]));
         assert_eq!(first_id, id, "{endpoint}: one event under two webhook-ids");
-        assert_eq!(first_body, &entry["body"], "{endpoint}: a redelivery changed its body");
+        assert_eq!(
+            first_body, &entry["body"],
+            "{endpoint}: a redelivery changed its body"
+        );
     }
     acked.len() - ids.len()
 }
@@ -222,12 +228,17 @@ fn check_endpoint(log: &[Value], endpoint: &str, events: &[(String, String)]) ->
 /// the dead one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_every_event_reaches_every_live_endpoint_once_or_more_in_order() {
+    if let Ok(url) = std::env::var(WORKER_ENV) {
+        worker_process(&url).await;
+    }
     let seed = chaos_seed();
     eprintln!("chaos schedule: OUTBOX_CHAOS_SEED={seed}");
     let Some(without) = chaos_run(seed, false).await else {
         return;
     };
-    let with = chaos_run(seed, true).await.expect("PostgreSQL was there a moment ago");
+    let with = chaos_run(seed, true)
+        .await
+        .expect("PostgreSQL was there a moment ago");
     // Past the first round: the first sends to an endpoint that never answered may take every
     // worker for one timeout (docs/webhooks.md). Kills land at random moments of the drain, so
     // p99s of two runs differ by a stale reclaim or two; a dead endpoint that kept taking the
@@ -250,7 +261,10 @@ async fn chaos_run(seed: u64, with_dead: bool) -> Option<f64> {
     let hooks = Webhooks::new(repo.clone(), chaos_config());
     // Accepts connections (its backlog) and never reads them: every send to it hangs.
     let hang = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = format!("http://127.0.0.1:{}/dead", hang.local_addr().unwrap().port());
+    let dead = format!(
+        "http://127.0.0.1:{}/dead",
+        hang.local_addr().unwrap().port()
+    );
     endpoint(&hooks, &mut healthy_receiver, "healthy", None).await;
     endpoint(&hooks, &mut receiver, "chaos", None).await;
     if with_dead {
@@ -279,7 +293,10 @@ async fn chaos_run(seed: u64, with_dead: bool) -> Option<f64> {
         tokio::time::sleep(rng.millis(1_000, 2_500)).await;
         cuts += cut(&db).await;
         let victim = (rng.next() % PROCESSES as u64) as usize;
-        workers[victim].kill().await.expect("SIGKILL a worker process");
+        workers[victim]
+            .kill()
+            .await
+            .expect("SIGKILL a worker process");
         kills += 1;
         tokio::time::sleep(rng.millis(100, 800)).await;
         workers[victim] = spawn_worker(&url);
@@ -288,9 +305,11 @@ async fn chaos_run(seed: u64, with_dead: bool) -> Option<f64> {
         tokio::time::sleep(Duration::from_secs(10).saturating_sub(since.elapsed())).await;
         receiver.restart();
     }
-    wait_for(Duration::from_secs(150), "the live endpoints drained", async || {
-        live_left(&db).await == 0
-    })
+    wait_for(
+        Duration::from_secs(150),
+        "the live endpoints drained",
+        async || live_left(&db).await == 0,
+    )
     .await;
     for worker in &mut workers {
         worker.kill().await.ok();
@@ -319,7 +338,11 @@ async fn chaos_run(seed: u64, with_dead: bool) -> Option<f64> {
     eprintln!(
         "chaos ({}): {} events x 2 live endpoints, {kills} kills, {cuts} connections cut, receiver down 10 s; \
          {} requests logged; duplicates healthy {} chaos {}; healthy enqueue-to-acknowledged p99 {:.0} ms, max {:.0} ms (after the first round: p99 {:.0} ms)",
-        if with_dead { "with a dead endpoint" } else { "no dead endpoint" },
+        if with_dead {
+            "with a dead endpoint"
+        } else {
+            "no dead endpoint"
+        },
         events.len(),
         log.len(),
         duplicates[0],
@@ -362,14 +385,19 @@ async fn a_hanging_endpoint_holds_back_no_one(db: TestDb) {
             .with_disable_after_failures(i32::MAX),
     );
     let hang = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = format!("http://127.0.0.1:{}/dead", hang.local_addr().unwrap().port());
+    let dead = format!(
+        "http://127.0.0.1:{}/dead",
+        hang.local_addr().unwrap().port()
+    );
     endpoint(&hooks, &mut receiver, "healthy", None).await;
     endpoint(&hooks, &mut receiver, "dead", Some(&dead)).await;
     let handle = dispatcher(&repo, &hooks, 4).await;
     let events = enqueue(&repo, 120, 40).await;
-    wait_for(Duration::from_secs(60), "the healthy endpoint's deliveries", async || {
-        acks(&receiver.log(), "healthy").len() >= events.len()
-    })
+    wait_for(
+        Duration::from_secs(60),
+        "the healthy endpoint's deliveries",
+        async || acks(&receiver.log(), "healthy").len() >= events.len(),
+    )
     .await;
     handle.shutdown().await;
     let log = receiver.log();

@@ -1,0 +1,61 @@
+//! The endpoints as the fan-out and the delivery read them: once a second per process, not
+//! once per event (two statements of every delivered event saved), and again at once after a
+//! change made through [`crate::Webhooks`] in this process. A change made by another process
+//! (the CLI, the console) reaches this one within [`FRESH_FOR`]: an endpoint added receives the
+//! events fanned out from then on, a rotated secret signs from then on (the receivers accept
+//! both during the overlap), and a disable stops sends (its pause stops the claims first).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_events::persistence::Tx;
+use outbox_events::persistence::webhooks::{self, WebhookEndpoint};
+
+/// How long a read of the endpoints is used.
+pub const FRESH_FOR: Duration = Duration::from_secs(1);
+
+/// Bumped by every change made through this process's [`crate::Webhooks`].
+static CHANGES: AtomicU64 = AtomicU64::new(0);
+
+/// A change was made in this process: the next read goes to the database.
+pub(crate) fn changed() {
+    CHANGES.fetch_add(1, Ordering::SeqCst);
+}
+
+type Read = (Instant, u64, Arc<Vec<WebhookEndpoint>>);
+
+/// One process's read of the endpoints (shared by its fan-out and its delivery).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Endpoints {
+    read: Arc<Mutex<Option<Read>>>,
+}
+
+impl Endpoints {
+    /// Every endpoint (with its secrets), read through `tx` when the last read is stale.
+    pub(crate) async fn all(
+        &self,
+        tx: &mut Tx,
+    ) -> outbox_events::persistence::Result<Arc<Vec<WebhookEndpoint>>> {
+        let changes = CHANGES.load(Ordering::SeqCst);
+        if let Some((at, seen, endpoints)) = &*self.read.lock().unwrap_or_else(|e| e.into_inner())
+            && at.elapsed() < FRESH_FOR
+            && *seen == changes
+        {
+            return Ok(endpoints.clone());
+        }
+        let endpoints = Arc::new(webhooks::endpoints_to_send(tx).await?);
+        *self.read.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Instant::now(), changes, endpoints.clone()));
+        Ok(endpoints)
+    }
+
+    /// The endpoint `name`, if there is one.
+    pub(crate) async fn get(
+        &self,
+        tx: &mut Tx,
+        name: &str,
+    ) -> outbox_events::persistence::Result<Option<WebhookEndpoint>> {
+        Ok(self.all(tx).await?.iter().find(|e| e.name == name).cloned())
+    }
+}
