@@ -4,7 +4,8 @@
 //! enqueue-to-delivered latency at 1,000 events/s offered. The receiver is in this process
 //! (hyper, HTTP/1): it acknowledges every request with 200 and keeps when it got it and the
 //! delivery's `outbox-sequence`, so the figures are the receiver's clock minus `CreatedDate`,
-//! and per-record order is checked from what it received.
+//! and per-record order is checked from what it received. `OUTBOX_BENCH_WEBHOOK_BUDGET_MS`
+//! sets the drains' batch budget (the default's, 10 ms, otherwise).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -183,7 +184,13 @@ async fn drain_until(
     rows: u64,
     done: impl Fn() -> bool,
 ) -> Result<(Figures, chrono::DateTime<Utc>)> {
-    let worker = config(DispatchMode::Pull, WORKERS);
+    let mut worker = config(DispatchMode::Pull, WORKERS);
+    if let Some(ms) = std::env::var("OUTBOX_BENCH_WEBHOOK_BUDGET_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        worker = worker.with_batches(32, Duration::from_millis(ms));
+    }
     let run = start(db, worker, handlers).await?;
     let since = run.started;
     run.wait_for(rows).await?;

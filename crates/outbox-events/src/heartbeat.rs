@@ -31,6 +31,10 @@ pub(crate) struct FenceState {
     unsure: Option<(Fence, i64)>,
     /// The claim's `RetryCount` (the detached bookkeeping's read-backs compare it).
     retry_count: i32,
+    /// Its outcome was written in a batch whose `COMMIT` reported an error and may have
+    /// landed: a beat that finds the row finished is not news until the read-back says whose
+    /// it was (the died path reads it back), so it is not logged as a lost claim.
+    pub(crate) outcome_unsure: bool,
 }
 
 impl FenceState {
@@ -53,6 +57,7 @@ impl FenceCell {
                 lost: false,
                 unsure: None,
                 retry_count,
+                outcome_unsure: false,
             })),
             Arc::new(std::sync::Mutex::new(fence)),
         )
@@ -114,7 +119,11 @@ impl FenceCell {
     fn lost(state: &mut FenceState, lost: &CancellationToken) {
         state.lost = true;
         lost.cancel();
-        tracing::warn!(event_id = %state.fence.id, last_written = %state.fence.last_written, "claim lost: the row was reclaimed or finished elsewhere");
+        if state.outcome_unsure {
+            tracing::debug!(event_id = %state.fence.id, "the row is no longer this claim's: its batch's COMMIT reported an error and may have landed; the read-back decides");
+        } else {
+            tracing::warn!(event_id = %state.fence.id, last_written = %state.fence.last_written, "claim lost: the row was reclaimed or finished elsewhere");
+        }
     }
 }
 

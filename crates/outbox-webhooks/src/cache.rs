@@ -44,18 +44,40 @@ impl Endpoints {
         {
             return Ok(endpoints.clone());
         }
+        self.fresh(tx, changes).await
+    }
+
+    async fn fresh(
+        &self,
+        tx: &mut Tx,
+        changes: u64,
+    ) -> outbox_events::persistence::Result<Arc<Vec<WebhookEndpoint>>> {
         let endpoints = Arc::new(webhooks::endpoints_to_send(tx).await?);
         *self.read.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((Instant::now(), changes, endpoints.clone()));
         Ok(endpoints)
     }
 
-    /// The endpoint `name`, if there is one.
+    /// The endpoint `name`, if there is one, enabled or not. One the last read does not hold,
+    /// or holds disabled, is read again: another process may have added it (and fanned out to
+    /// it) or enabled it (and made its deliveries due) a moment ago, so a delivery never takes
+    /// an endpoint for removed, or waits an hour for one already enabled, on a stale read.
     pub(crate) async fn get(
         &self,
         tx: &mut Tx,
         name: &str,
     ) -> outbox_events::persistence::Result<Option<WebhookEndpoint>> {
-        Ok(self.all(tx).await?.iter().find(|e| e.name == name).cloned())
+        if let Some(found) = self.all(tx).await?.iter().find(|e| e.name == name)
+            && found.enabled
+        {
+            return Ok(Some(found.clone()));
+        }
+        let changes = CHANGES.load(Ordering::SeqCst);
+        Ok(self
+            .fresh(tx, changes)
+            .await?
+            .iter()
+            .find(|e| e.name == name)
+            .cloned())
     }
 }

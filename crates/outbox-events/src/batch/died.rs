@@ -82,6 +82,11 @@ impl Batch<'_> {
                 effects.append(&mut d.effects);
             }
             if !matches!(step, Step::Done(_)) {
+                if may_have_landed && matches!(step, Step::Decided(_) | Step::Written(..)) {
+                    // Its outcome may have landed: a beat finding the row finished is the
+                    // read-back's to judge, not a lost claim to report.
+                    self.members[i].beat.fence.lock().await.outcome_unsure = true;
+                }
                 self.members[i].beat.ensure_running(true);
             }
         }
