@@ -154,7 +154,135 @@ async fn handlers_that_may_lock_commit_once_each(db: TestDb) {
     }
 }
 
+/// Record `a`'s event writes lock-free; record `b`'s first event writes lock-free and then
+/// waits for the test (the first time), its second writes nothing.
+#[derive(Default)]
+struct Chain {
+    waited: AtomicBool,
+    go_on: Arc<tokio::sync::Notify>,
+    waiting: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait]
+impl Handler for Chain {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        let key = event.record_key.as_ref().map(|k| k.as_str().to_string());
+        let envelope = record_key::EventEnvelope::parse(&event.payload).expect("a test payload");
+        let row = envelope.snapshot["row"].as_u64().unwrap_or(0);
+        if key.as_deref() == Some("account:b") && row == 2 {
+            return Ok(());
+        }
+        insert(ctx.lock_free_tx(), &event.id.to_string(), true).await?;
+        if key.as_deref() == Some("account:b") && !self.waited.swap(true, Ordering::SeqCst) {
+            self.waiting.notify_one();
+            self.go_on.notified().await;
+        }
+        Ok(())
+    }
+}
+
+async fn status_of(db: &TestDb, record: &str, row: u64) -> String {
+    let sql = format!(
+        "SELECT Status FROM _System_OutboxEvent WHERE RecordKey = 'account:{record}' \
+         AND Payload LIKE '%\"row\":{row}}}%'"
+    );
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .fetch_one(db.pg().expect("PostgreSQL"))
+        .await
+        .expect("a row's status")
+}
+
+fn row_event(record: &str, row: u64) -> NewEvent {
+    NewEvent::new(
+        EVENT_TYPE,
+        format!(r#"{{"object":"Account","record_id":"{record}","snapshot":{{"row":{row}}}}}"#),
+    )
+}
+
+/// A claim lost at the settle with lock-free effects in the segment rolls every handler's
+/// effects back: record `b`'s first event is given back, and its second (run in the same
+/// segment, without the transaction) must be given back with it, never end before it.
+async fn a_record_never_ends_ahead_of_its_event_given_back_at_the_settle(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return; // SQLite's batch holds the write lock: nobody can take a claim over meanwhile.
+    }
+    db.execute("CREATE TABLE lf_row (name TEXT PRIMARY KEY, writer BIGINT NOT NULL)")
+        .await;
+    let repo: Arc<dyn OutboxRepository> = db.repository();
+    let handler = Chain::default();
+    let (go_on, waiting) = (handler.go_on.clone(), handler.waiting.clone());
+    let config = WorkerConfig::default()
+        .with_mode(DispatchMode::Pull)
+        .dangerously_skip_rollout_gate("lock-free segments under test")
+        .with_workers(1)
+        .with_poll_interval(Duration::from_millis(20))
+        .with_retry_delay(Duration::from_millis(20))
+        .with_batches(32, Duration::from_secs(30));
+    let handle = Dispatcher::new(
+        repo.clone(),
+        Handlers::new().register(EVENT_TYPE, handler),
+        config,
+    )
+    .start()
+    .await
+    .unwrap();
+    // A warm-up: the worker's first claim runs alone.
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &[row_event("w", 0)]).await.unwrap();
+    tx.commit().await.unwrap();
+    drain(&repo, Duration::from_secs(20)).await;
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(
+        &mut tx,
+        &[row_event("a", 1), row_event("b", 1), row_event("b", 2)],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), waiting.notified())
+        .await
+        .expect("b's first event runs after a's, in one batch");
+    // a's handler has ended: another worker takes its claim over (counted, a new fence).
+    db.execute(
+        "UPDATE _System_OutboxEvent SET RetryCount = RetryCount + 1, \
+         LastModifiedDate = clock_timestamp() WHERE RecordKey = 'account:a'",
+    )
+    .await;
+    go_on.notify_one();
+    // The batch settles (a's claim found lost, every effect of the segment rolled back), and
+    // b's events run again: b's second must not have ended before its first.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while status_of(&db, "b", 2).await != "processed" {
+        assert!(std::time::Instant::now() < deadline, "b did not drain");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The "other worker" dies: a goes stale and runs again; everything ends in order.
+    db.execute(
+        "UPDATE _System_OutboxEvent SET LastModifiedDate = LastModifiedDate - interval '1 hour' \
+         WHERE RecordKey = 'account:a'",
+    )
+    .await;
+    drain(&repo, Duration::from_secs(60)).await;
+    handle.shutdown().await;
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM _System_OutboxEvent b1, _System_OutboxEvent b2 \
+             WHERE b1.RecordKey = 'account:b' AND b2.RecordKey = 'account:b' \
+             AND b1.CreatedDate < b2.CreatedDate AND b1.LastModifiedDate <= b2.LastModifiedDate \
+             AND b1.Status = 'processed' AND b2.Status = 'processed'"
+        )
+        .await,
+        1,
+        "b's events processed, in order"
+    );
+}
+
 backend_tests!(
     lock_free_handlers_share_a_commit_and_a_failure_undoes_only_its_own,
     handlers_that_may_lock_commit_once_each,
+    a_record_never_ends_ahead_of_its_event_given_back_at_the_settle,
 );

@@ -25,7 +25,7 @@ pub(crate) fn changed() {
 
 type Read = (Instant, u64, Arc<Vec<WebhookEndpoint>>);
 
-/// One process's read of the endpoints (shared by its fan-out and its delivery).
+/// A handler's read of the endpoints (the fan-out and the delivery each keep one).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Endpoints {
     read: Arc<Mutex<Option<Read>>>,

@@ -20,16 +20,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// How long a send may go unanswered, with no answer from its endpoint to any send since it
-/// began, before further sends to that endpoint are held: the first wave of sends to an
-/// endpoint that has just stopped answering is the sends that began within it, not every
-/// worker's.
-pub(crate) const PATIENCE: Duration = Duration::from_millis(250);
-
 /// What a delivery may do now.
 pub(crate) enum Admission {
-    /// Send, keeping the guard while the send runs (its drop ends it, and the probe when it
-    /// is one).
+    /// Send, keeping the guard while the send runs (its drop ends the probe when it is one).
     Send(SendGuard),
     /// Do not send: the endpoint has given this process no answer since this instant.
     Hold(Instant),
@@ -40,19 +33,6 @@ struct State {
     silent_since: Option<Instant>,
     probing: bool,
     last_probe: Option<Instant>,
-    last_answer: Option<Instant>,
-    /// Sends in flight, by number: when each began.
-    in_flight: HashMap<u64, Instant>,
-    next: u64,
-}
-
-impl State {
-    /// Whether a send has been in flight past [`PATIENCE`] with no answer since it began.
-    fn stalled(&self) -> bool {
-        self.in_flight
-            .values()
-            .any(|began| began.elapsed() > PATIENCE && self.last_answer.is_none_or(|a| a < *began))
-    }
 }
 
 /// The endpoints of one sender.
@@ -62,23 +42,22 @@ pub(crate) struct Probes {
     spacing: Duration,
 }
 
-/// One send in flight.
+/// One send in flight: the probe, when `probe`, which ends when it is dropped.
 pub(crate) struct SendGuard {
     probes: Probes,
     endpoint: String,
-    number: u64,
     probe: bool,
 }
 
 impl Drop for SendGuard {
     fn drop(&mut self) {
+        if !self.probe {
+            return;
+        }
         let mut states = self.probes.lock();
         if let Some(state) = states.get_mut(&self.endpoint) {
-            state.in_flight.remove(&self.number);
-            if self.probe {
-                state.probing = false;
-                state.last_probe = Some(Instant::now());
-            }
+            state.probing = false;
+            state.last_probe = Some(Instant::now());
         }
     }
 }
@@ -110,20 +89,12 @@ impl Probes {
         let probe = match state.silent_since {
             Some(since) if state.probing || !spaced => return Admission::Hold(since),
             Some(_) => true,
-            None if state.stalled() => {
-                let since = state.in_flight.values().min().copied();
-                return Admission::Hold(since.unwrap_or_else(Instant::now));
-            }
             None => false,
         };
         state.probing |= probe;
-        let number = state.next;
-        state.next += 1;
-        state.in_flight.insert(number, Instant::now());
         Admission::Send(SendGuard {
             probes: self.clone(),
             endpoint: endpoint.to_string(),
-            number,
             probe,
         })
     }
@@ -133,7 +104,6 @@ impl Probes {
         let mut states = self.lock();
         if let Some(state) = states.get_mut(endpoint) {
             state.silent_since = None;
-            state.last_answer = Some(Instant::now());
         }
     }
 
@@ -207,30 +177,6 @@ mod tests {
             "the next probe waits out the spacing"
         );
         p.answered("a");
-        assert!(sends(&p.admit("a", false)));
-    }
-
-    #[test]
-    fn a_send_unanswered_past_the_patience_holds_the_next_ones() {
-        let p = Probes::new(Duration::ZERO);
-        let hanging = p.admit("a", false);
-        let quick = p.admit("a", false);
-        assert!(
-            sends(&quick),
-            "sends in flight within the patience do not hold"
-        );
-        std::thread::sleep(PATIENCE + Duration::from_millis(20));
-        assert!(
-            holds(&p.admit("a", false)),
-            "no answer since the first began"
-        );
-        p.answered("a");
-        drop(quick);
-        assert!(
-            sends(&p.admit("a", false)),
-            "an answer since it began: the endpoint is slow, not silent"
-        );
-        drop(hanging);
         assert!(sends(&p.admit("a", false)));
     }
 }

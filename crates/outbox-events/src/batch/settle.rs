@@ -24,6 +24,11 @@ const OLDER_REOPENED: &str =
 const EFFECTS_ROLLED_BACK: &str =
     "given back: its effects were rolled back at the batch's settle (another claim was lost)";
 
+/// Why a record's later event is given back when an older one's effects were rolled back at
+/// the settle.
+const OLDER_GIVEN_BACK: &str =
+    "given back: an older event of its record was given back at the batch's settle";
+
 /// A decided event at the settle: its index, its decision and its fence, held.
 type Held = (usize, Decision, OwnedMutexGuard<FenceState>);
 
@@ -32,8 +37,9 @@ impl Batch<'_> {
     /// nothing and ends lost alone, except that the later events of its record in the segment
     /// are given back (uncounted) instead of ending before it: when one of them was written, or
     /// a lost or given-back event's effects are in the transaction, the segment rolls back to
-    /// its savepoint first (undoing its writes and its one handler's effects; that handler's
-    /// event, if it is not the lost one, is given back too) and writes again. A lock timeout or
+    /// its savepoint first (undoing its writes and its handlers' effects: one handler's that
+    /// used `ctx.tx()`, or several lock-free ones'; each such event that is not the lost one is
+    /// given back too, with its record's later events) and writes again. A lock timeout or
     /// conflict on a write gives the segment back; any other error is the transaction dying.
     pub(super) async fn settle(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
         let (mut held, mut lost, mut effects_lost) = self.hold_decided().await;
@@ -105,9 +111,10 @@ impl Batch<'_> {
         }
     }
 
-    /// Rolls the segment back to its savepoint, undoing this settle's writes and its one
-    /// handler's effects: that handler's event is given back. When the rollback fails (the
-    /// transaction dying), the held events go back to decided, for the detached path.
+    /// Rolls the segment back to its savepoint, undoing this settle's writes and its handlers'
+    /// effects: their events are given back, with their records' later events. When the
+    /// rollback fails (the transaction dying), the held events go back to decided, for the
+    /// detached path.
     async fn undo_writes(
         &mut self,
         tx: &mut dyn Attempt,
@@ -117,10 +124,29 @@ impl Batch<'_> {
             self.undecided(held);
             return Err(stop);
         }
-        for (_, decision, _) in &mut held {
+        // Lock-free handlers keep effects without ending the segment, so a record's later
+        // events may have run after one whose effects go here: they are given back too, and
+        // its record waits in the worker's next batches (it must not end before its older
+        // event).
+        let mut given: Vec<(usize, RecordKey)> = Vec::new();
+        for (i, decision, _) in &mut held {
             if decision.kept_effects {
                 decision.give_back(EFFECTS_ROLLED_BACK);
+                if let Some(key) = &self.members[*i].claim.event.record_key {
+                    given.push((*i, key.clone()));
+                }
             }
+        }
+        for (j, decision, _) in &mut held {
+            let key = self.members[*j].claim.event.record_key.as_ref();
+            if decision.release.is_none()
+                && key.is_some_and(|k| given.iter().any(|(i, g)| g == k && *i < *j))
+            {
+                decision.give_back(OLDER_GIVEN_BACK);
+            }
+        }
+        for (i, _) in given {
+            self.block(i);
         }
         Ok(held)
     }
@@ -276,8 +302,8 @@ impl Batch<'_> {
     }
 }
 
-/// Rolls the segment back to its savepoint (taken before its one handler with effects);
-/// a failure is the transaction dying.
+/// Rolls the segment back to its savepoint (`outbox_claimed`, taken at its begin, before any
+/// handler's effects); a failure is the transaction dying.
 async fn rolled_back_to_savepoint(tx: &mut dyn Attempt) -> Result<(), Stop> {
     tx.rollback_to_savepoint().await.map_err(|e| {
         Stop::Died(format!(
