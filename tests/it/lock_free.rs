@@ -260,7 +260,9 @@ async fn a_record_never_ends_ahead_of_its_event_given_back_at_the_settle(db: Tes
         assert!(std::time::Instant::now() < deadline, "b did not drain");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // The "other worker" dies: a goes stale and runs again; everything ends in order.
+    // The "other worker" dies: a goes stale and runs again; everything ends in order: b's
+    // second written by b's first's transaction or a later one (one worker: transactions in
+    // turn; `LastModifiedDate` would not do, a chain's rows are written in one statement).
     db.execute(
         "UPDATE _System_OutboxEvent SET LastModifiedDate = LastModifiedDate - interval '1 hour' \
          WHERE RecordKey = 'account:a'",
@@ -268,16 +270,24 @@ async fn a_record_never_ends_ahead_of_its_event_given_back_at_the_settle(db: Tes
     .await;
     drain(&repo, Duration::from_secs(60)).await;
     handle.shutdown().await;
+    let rows: Vec<(String, String, i32, String)> = sqlx::query_as(
+        "SELECT RecordKey, Status, RetryCount, xmin::text FROM _System_OutboxEvent \
+         ORDER BY CreatedDate, Id",
+    )
+    .fetch_all(db.pg().expect("PostgreSQL"))
+    .await
+    .unwrap();
     assert_eq!(
         db.count(
             "SELECT count(*) FROM _System_OutboxEvent b1, _System_OutboxEvent b2 \
              WHERE b1.RecordKey = 'account:b' AND b2.RecordKey = 'account:b' \
-             AND b1.CreatedDate < b2.CreatedDate AND b1.LastModifiedDate <= b2.LastModifiedDate \
+             AND (b1.CreatedDate, b1.Id) < (b2.CreatedDate, b2.Id) \
+             AND b1.xmin::text::bigint <= b2.xmin::text::bigint \
              AND b1.Status = 'processed' AND b2.Status = 'processed'"
         )
         .await,
         1,
-        "b's events processed, in order"
+        "b's events processed, in order: {rows:?}"
     );
 }
 

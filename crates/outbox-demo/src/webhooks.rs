@@ -262,7 +262,11 @@ fn checks(r: &WebhooksReport) -> Vec<Check> {
     vec![
         Check {
             name: "webhooks: every processed change delivered, every signature verified",
-            ok: r.processed == r.events && r.delivered == r.processed && r.unverified == 0,
+            ok: r.events > 0
+                && r.requests > 0
+                && r.processed == r.events
+                && r.delivered == r.processed
+                && r.unverified == 0,
             detail: format!(
                 "{} of {} changes processed, {} delivered to {}; {} requests, {} not verified, {} redeliveries",
                 r.processed, r.events, r.delivered, r.url, r.requests, r.unverified, r.redelivered

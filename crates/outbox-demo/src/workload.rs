@@ -28,12 +28,14 @@ pub const SLOW_REPORT: &str = "report.slow";
 /// demo's records. No check of effects reads it.
 pub const RECORD_TOUCHED: &str = "record.touched";
 
-/// The change feed's event types (seeded with `--relay` only): every application write also
-/// enqueues, in its transaction, its record's change for the NATS relay to publish.
+/// The change feed's event types (seeded with `--relay` or `--webhooks` only): every
+/// application write also enqueues, in its transaction, its record's change for the NATS relay
+/// to publish or the webhooks to deliver.
 pub const ACCOUNT_CHANGED: &str = "account.changed";
-/// A lead's change, for the relay.
+/// A lead's change, for the relay or the webhooks.
 pub const LEAD_CHANGED: &str = "lead.changed";
-/// The event types the demo's relay owns; the demo's own handlers never claim them.
+/// The event types the demo's relay (or webhooks) owns; the demo's own handlers never claim
+/// them.
 pub const FEED_TYPES: [&str; 2] = [ACCOUNT_CHANGED, LEAD_CHANGED];
 
 /// Slow events to seed among the workload.
@@ -344,7 +346,8 @@ pub async fn seed(
     })
 }
 
-/// A write's events: its own, then (with `feed`) its record's change for the relay, with the
+/// A write's events: its own, then (with `feed`) its record's change for the relay or the
+/// webhooks, with the
 /// same record and so the same `RecordKey`.
 fn events_of(write: &Write, feed: bool) -> Vec<NewEvent> {
     let mut events = vec![write.event.clone()];

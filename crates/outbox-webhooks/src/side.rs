@@ -185,7 +185,6 @@ async fn write(
                     .await?
                     {
                         disabled = true;
-                        crate::cache::changed();
                         tracing::warn!(endpoint = %attempt.endpoint, failures, "webhook endpoint disabled after sustained failure");
                     }
                 }
@@ -201,12 +200,15 @@ async fn write(
                 .await?
                 {
                     disabled = true;
-                    crate::cache::changed();
                     tracing::warn!(%endpoint, reason, "webhook endpoint disabled");
                 }
             }
         }
     }
     tx.commit().await?;
+    if disabled {
+        // After the commit: a read before it would cache the endpoint as still enabled.
+        crate::cache::changed();
+    }
     Ok(disabled)
 }

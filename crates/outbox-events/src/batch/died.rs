@@ -59,17 +59,22 @@ impl Batch<'_> {
     async fn account(&mut self, ending: Ending<'_>) {
         // Claims given back meanwhile (rule 8) are not released twice.
         self.take_given_back();
-        // Every fence held for the settle is let go first: the bookkeeping below takes each in
-        // turn, and the heartbeats of those waiting their turn must beat meanwhile.
-        for step in &mut self.steps {
-            if let Step::Written(_, fence) = step {
-                fence.take();
-            }
-        }
         // A `COMMIT` that reported an error may have landed whatever this worker tracked as
         // written: every give-back and outcome then reads the row back when the claim turns
         // out gone (a reclaim is told apart by its count and error).
         let may_have_landed = matches!(ending, Ending::Died { commit: true, .. });
+        // Every fence held for the settle is let go first: the bookkeeping below takes each in
+        // turn, and the heartbeats of those waiting their turn must beat meanwhile. A written
+        // outcome that may have landed is marked so first: a beat finding its row finished is
+        // the read-back's to judge, not a lost claim to report.
+        for step in &mut self.steps {
+            if let Step::Written(_, fence) = step {
+                if let Some(held) = fence.as_mut() {
+                    held.outcome_unsure = may_have_landed;
+                }
+                fence.take();
+            }
+        }
         // The effects the handlers ran were rolled back with the transaction: kept in the
         // ledger on the side, in one write (a failure's with its bookkeeping, on the detached
         // path).
@@ -82,11 +87,6 @@ impl Batch<'_> {
                 effects.append(&mut d.effects);
             }
             if !matches!(step, Step::Done(_)) {
-                if may_have_landed && matches!(step, Step::Decided(_) | Step::Written(..)) {
-                    // Its outcome may have landed: a beat finding the row finished is the
-                    // read-back's to judge, not a lost claim to report.
-                    self.members[i].beat.fence.lock().await.outcome_unsure = true;
-                }
                 self.members[i].beat.ensure_running(true);
             }
         }

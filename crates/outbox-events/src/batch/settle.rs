@@ -2,8 +2,9 @@
 //! and 3): once its events ran, every decided outcome is written in the transaction, each under
 //! its fence, held until the segment ends: the `processed` writes in one statement, then each
 //! retry, `failed` or release. A claim found lost never lets a later event of its record end
-//! before it: that event is given back instead, its writes (and the segment's one handler's
-//! effects, if they are its) rolled back to the segment's savepoint.
+//! before it: that event is given back instead, its writes (and the segment's handlers'
+//! effects, if a lost claim's are among them) rolled back to the segment's savepoint, and an
+//! event given back takes its record's later events with it.
 
 use outbox_persistence::{Attempt, Error, EventStatus, Fence, FenceOutcome, RecordKey};
 use tokio::sync::OwnedMutexGuard;
@@ -43,18 +44,28 @@ impl Batch<'_> {
     /// conflict on a write gives the segment back; any other error is the transaction dying.
     pub(super) async fn settle(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
         let (mut held, mut lost, mut effects_lost) = self.hold_decided().await;
+        // Events given back at this settle (their records' later events must follow them).
+        let mut given: Vec<(usize, RecordKey)> = Vec::new();
         loop {
-            // The later events of a record whose claim was lost here are given back.
+            // The later events of a record whose claim was lost here, or whose event was given
+            // back here, are given back.
             let mut undo = effects_lost;
             for (i, decision, _) in &mut held {
-                if self.after_lost(*i, &lost) && decision.release.is_none() {
+                if decision.release.is_some() {
+                    continue;
+                }
+                if self.after_lost(*i, &lost) {
                     undo |= decision.kept_effects;
                     decision.give_back(OLDER_LOST);
+                } else if self.after_lost(*i, &given) {
+                    undo |= decision.kept_effects;
+                    decision.give_back(OLDER_GIVEN_BACK);
                 }
             }
             if undo {
                 // No effects are left in the segment after this: a later round has none to undo.
-                held = self.undo_writes(tx, held).await?;
+                held = self.undo_writes(tx, held, &mut given).await?;
+                effects_lost = false;
             }
             if held.is_empty() {
                 return Ok(());
@@ -78,20 +89,27 @@ impl Batch<'_> {
                 }
             };
             let (kept, unwritten, found_lost, waits_with_effects) = self
-                .classify(held, outcomes, &mut lost, &mut effects_lost)
+                .classify(held, outcomes, (&mut lost, &mut given), &mut effects_lost)
                 .await;
             held = kept;
-            // A release of a later event of a lost claim's record may stand (its row is
-            // `pending` again); a `processed` or a failure written for one may not.
+            // A release of a later event of a lost claim's record, or of one given back, may
+            // stand (its row is `pending` again); a `processed` or a failure written for one
+            // may not.
             let written_after_lost = held
                 .iter()
                 .any(|(i, d, _)| d.release.is_none() && self.after_lost(*i, &lost));
-            if (found_lost && (effects_lost || written_after_lost)) || waits_with_effects {
-                // Something written must not stand (a later event of a lost claim's record,
-                // effects of a lost claim, or of an event that must wait for an older row):
-                // undo every write of this settle and write again. Each round ends one more
-                // claim lost or given back, so this ends.
-                held = self.undo_writes(tx, held).await?;
+            let written_after_given = held
+                .iter()
+                .any(|(i, d, _)| d.release.is_none() && self.after_lost(*i, &given));
+            if (found_lost && (effects_lost || written_after_lost))
+                || waits_with_effects
+                || written_after_given
+            {
+                // Something written must not stand (a later event of a lost claim's record or
+                // of one given back, effects of a lost claim, or of an event that must wait for
+                // an older row): undo every write of this settle and write again. Each round
+                // ends one more claim lost or given back, so this ends.
+                held = self.undo_writes(tx, held, &mut given).await?;
                 effects_lost = false;
                 continue;
             }
@@ -119,34 +137,26 @@ impl Batch<'_> {
         &mut self,
         tx: &mut dyn Attempt,
         mut held: Vec<Held>,
+        given: &mut Vec<(usize, RecordKey)>,
     ) -> Result<Vec<Held>, Stop> {
         if let Err(stop) = rolled_back_to_savepoint(tx).await {
             self.undecided(held);
             return Err(stop);
         }
         // Lock-free handlers keep effects without ending the segment, so a record's later
-        // events may have run after one whose effects go here: they are given back too, and
-        // its record waits in the worker's next batches (it must not end before its older
-        // event).
-        let mut given: Vec<(usize, RecordKey)> = Vec::new();
+        // events may have run after one whose effects go here: they are given back too (here
+        // and at the next round's start), and its record waits in the worker's next batches
+        // (it must not end before its older event).
         for (i, decision, _) in &mut held {
             if decision.kept_effects {
                 decision.give_back(EFFECTS_ROLLED_BACK);
-                if let Some(key) = &self.members[*i].claim.event.record_key {
-                    given.push((*i, key.clone()));
-                }
+                self.given_here(*i, given);
             }
         }
         for (j, decision, _) in &mut held {
-            let key = self.members[*j].claim.event.record_key.as_ref();
-            if decision.release.is_none()
-                && key.is_some_and(|k| given.iter().any(|(i, g)| g == k && *i < *j))
-            {
+            if decision.release.is_none() && self.after_lost(*j, given) {
                 decision.give_back(OLDER_GIVEN_BACK);
             }
-        }
-        for (i, _) in given {
-            self.block(i);
         }
         Ok(held)
     }
@@ -183,7 +193,7 @@ impl Batch<'_> {
         &mut self,
         held: Vec<Held>,
         outcomes: Vec<FenceOutcome>,
-        lost: &mut Vec<(usize, RecordKey)>,
+        (lost, given): (&mut Vec<(usize, RecordKey)>, &mut Vec<(usize, RecordKey)>),
         effects_lost: &mut bool,
     ) -> (Vec<Held>, Vec<usize>, bool, bool) {
         let mut kept = Vec::with_capacity(held.len());
@@ -196,7 +206,7 @@ impl Batch<'_> {
             if is_processed(&decision) && self.still_ours(&fence).await {
                 waits_with_effects |= decision.kept_effects;
                 decision.give_back(OLDER_REOPENED);
-                self.block(i);
+                self.given_here(i, given);
                 unwritten.push(kept.len());
                 kept.push((i, decision, fence));
                 continue;
@@ -276,15 +286,25 @@ impl Batch<'_> {
         );
         self.steps[i] = Step::Done(AttemptOutcome::LostClaim);
         self.members[i].beat.stop();
+        self.given_here(i, lost);
+    }
+
+    /// Event `i` is given back (or lost) at this settle: its record's later events, here and
+    /// in the worker's next batches, must not end before it (`records` keeps each record's
+    /// earliest such event in claim order).
+    fn given_here(&mut self, i: usize, records: &mut Vec<(usize, RecordKey)>) {
         self.block(i);
-        if let Some(key) = &self.members[i].claim.event.record_key
-            && !lost.iter().any(|(_, k)| k == key)
-        {
-            lost.push((i, key.clone()));
+        let Some(key) = &self.members[i].claim.event.record_key else {
+            return;
+        };
+        match records.iter_mut().find(|(_, k)| k == key) {
+            Some(entry) => entry.0 = entry.0.min(i),
+            None => records.push((i, key.clone())),
         }
     }
 
-    /// Whether event `i` follows, in claim order, a claim of its record lost at this settle.
+    /// Whether event `i` follows, in claim order, an event of its record in `records` (lost or
+    /// given back at this settle).
     fn after_lost(&self, i: usize, lost: &[(usize, RecordKey)]) -> bool {
         self.members[i]
             .claim
