@@ -30,6 +30,10 @@ const EFFECTS_ROLLED_BACK: &str =
 const OLDER_GIVEN_BACK: &str =
     "given back: an older event of its record was given back at the batch's settle";
 
+/// Records with an event lost or given back at the settle, each with the claim order of its
+/// earliest such event.
+type Records = Vec<(usize, RecordKey)>;
+
 /// A decided event at the settle: its index, its decision and its fence, held.
 type Held = (usize, Decision, OwnedMutexGuard<FenceState>);
 
@@ -47,21 +51,7 @@ impl Batch<'_> {
         // Events given back at this settle (their records' later events must follow them).
         let mut given: Vec<(usize, RecordKey)> = Vec::new();
         loop {
-            // The later events of a record whose claim was lost here, or whose event was given
-            // back here, are given back.
-            let mut undo = effects_lost;
-            for (i, decision, _) in &mut held {
-                if decision.release.is_some() {
-                    continue;
-                }
-                if self.after_lost(*i, &lost) {
-                    undo |= decision.kept_effects;
-                    decision.give_back(OLDER_LOST);
-                } else if self.after_lost(*i, &given) {
-                    undo |= decision.kept_effects;
-                    decision.give_back(OLDER_GIVEN_BACK);
-                }
-            }
+            let undo = self.give_back_followers(&mut held, &lost, &given) || effects_lost;
             if undo {
                 // No effects are left in the segment after this: a later round has none to undo.
                 held = self.undo_writes(tx, held, &mut given).await?;
@@ -129,6 +119,25 @@ impl Batch<'_> {
         }
     }
 
+    /// Gives back the later events of a record whose claim was lost here, or whose event was
+    /// given back here; `true` when one of them kept effects in the transaction.
+    fn give_back_followers(&self, held: &mut [Held], lost: &Records, given: &Records) -> bool {
+        let mut kept_effects = false;
+        for (i, decision, _) in held {
+            if decision.release.is_some() {
+                continue;
+            }
+            if self.after_lost(*i, lost) {
+                kept_effects |= decision.kept_effects;
+                decision.give_back(OLDER_LOST);
+            } else if self.after_lost(*i, given) {
+                kept_effects |= decision.kept_effects;
+                decision.give_back(OLDER_GIVEN_BACK);
+            }
+        }
+        kept_effects
+    }
+
     /// Rolls the segment back to its savepoint, undoing this settle's writes and its handlers'
     /// effects: their events are given back, with their records' later events. When the
     /// rollback fails (the transaction dying), the held events go back to decided, for the
@@ -193,7 +202,7 @@ impl Batch<'_> {
         &mut self,
         held: Vec<Held>,
         outcomes: Vec<FenceOutcome>,
-        (lost, given): (&mut Vec<(usize, RecordKey)>, &mut Vec<(usize, RecordKey)>),
+        (lost, given): (&mut Records, &mut Records),
         effects_lost: &mut bool,
     ) -> (Vec<Held>, Vec<usize>, bool, bool) {
         let mut kept = Vec::with_capacity(held.len());
