@@ -242,9 +242,9 @@ async fn chaos_every_event_reaches_every_live_endpoint_once_or_more_in_order() {
     // Past the first round: the first sends to an endpoint that never answered may take every
     // worker for one timeout (docs/webhooks.md). Kills land at random moments of the drain, so
     // p99s of two runs differ by a stale reclaim or two; a dead endpoint that kept taking the
-    // workers would add its timeout (2 s) per wave.
+    // workers would hold every worker for its timeout (2 s) at each of its retries.
     assert!(
-        with <= 2.0 * without + 1_000.0,
+        with <= 2.0 * without + 1_500.0,
         "past the first round, the healthy endpoint's p99 was {with:.0} ms beside the dead endpoint, {without:.0} ms without it"
     );
 }
