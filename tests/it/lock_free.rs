@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_events::{
-    AttemptContext, DispatchMode, Dispatcher, Handler, HandlerError, Handlers, OutboxEvent,
-    WorkerConfig,
+    AttemptContext, DispatchMode, Dispatcher, DispatcherHandle, Handler, HandlerError, Handlers,
+    OutboxEvent, WorkerConfig,
 };
 use outbox_persistence::{NewEvent, OutboxRepository, Tx, statement, with_tx};
 use outbox_tests::{Backend, TestDb, backend_tests, drain};
@@ -65,6 +65,27 @@ impl Handler for Writing {
     }
 }
 
+/// One pull worker with `handler`, quick polls and retries, and room for a whole batch on a
+/// loaded machine (the budget is not what these tests are about).
+async fn start(repo: &Arc<dyn OutboxRepository>, handler: impl Handler) -> DispatcherHandle {
+    let config = WorkerConfig::default()
+        .with_mode(DispatchMode::Pull)
+        .dangerously_skip_rollout_gate("lock-free segments under test")
+        .with_workers(1)
+        .with_poll_interval(Duration::from_millis(20))
+        .with_retry_delay(Duration::from_millis(20))
+        .with_max_retry_delay(Duration::from_millis(50))
+        .with_batches(32, Duration::from_secs(30));
+    Dispatcher::new(
+        repo.clone(),
+        Handlers::new().register(EVENT_TYPE, handler),
+        config,
+    )
+    .start()
+    .await
+    .unwrap()
+}
+
 fn event(record: &str) -> NewEvent {
     NewEvent::new(
         EVENT_TYPE,
@@ -79,27 +100,11 @@ async fn run(db: &TestDb, lock_free: bool) -> i64 {
     db.execute("CREATE TABLE lf_row (name TEXT PRIMARY KEY, writer BIGINT NOT NULL)")
         .await;
     let repo: Arc<dyn OutboxRepository> = db.repository();
-    let config = WorkerConfig::default()
-        .with_mode(DispatchMode::Pull)
-        .dangerously_skip_rollout_gate("lock-free segments under test")
-        .with_workers(1)
-        .with_poll_interval(Duration::from_millis(20))
-        .with_retry_delay(Duration::from_millis(20))
-        .with_max_retry_delay(Duration::from_millis(50))
-        // Room for the whole batch on a loaded machine: the budget is not what is tested.
-        .with_batches(32, Duration::from_secs(5));
     let handler = Writing {
         lock_free,
         failed: Arc::default(),
     };
-    let handle = Dispatcher::new(
-        repo.clone(),
-        Handlers::new().register(EVENT_TYPE, handler),
-        config,
-    )
-    .start()
-    .await
-    .unwrap();
+    let handle = start(&repo, handler).await;
     let mut events: Vec<NewEvent> = (0..6).map(|i| event(&format!("a{i}"))).collect();
     events.push(event("fail"));
     events.extend((6..11).map(|i| event(&format!("a{i}"))));
@@ -215,21 +220,7 @@ async fn a_record_never_ends_ahead_of_its_event_given_back_at_the_settle(db: Tes
     let repo: Arc<dyn OutboxRepository> = db.repository();
     let handler = Chain::default();
     let (go_on, waiting) = (handler.go_on.clone(), handler.waiting.clone());
-    let config = WorkerConfig::default()
-        .with_mode(DispatchMode::Pull)
-        .dangerously_skip_rollout_gate("lock-free segments under test")
-        .with_workers(1)
-        .with_poll_interval(Duration::from_millis(20))
-        .with_retry_delay(Duration::from_millis(20))
-        .with_batches(32, Duration::from_secs(30));
-    let handle = Dispatcher::new(
-        repo.clone(),
-        Handlers::new().register(EVENT_TYPE, handler),
-        config,
-    )
-    .start()
-    .await
-    .unwrap();
+    let handle = start(&repo, handler).await;
     // A warm-up: the worker's first claim runs alone.
     let mut tx = repo.begin().await.unwrap();
     repo.enqueue(&mut tx, &[row_event("w", 0)]).await.unwrap();

@@ -131,6 +131,17 @@ pub(crate) struct OpenAttempt<W> {
 }
 
 impl<W: AttemptWrites> OpenAttempt<W> {
+    /// Runs `sql` as a simple query in the open transaction: nothing prepared (behind a
+    /// transaction pooler a named statement would be left on the server connection).
+    async fn simple(&mut self, sql: &'static str) -> Result<()> {
+        let (tx, _) = self.open()?;
+        with_tx!(tx, |conn| sqlx::raw_sql(sql)
+            .execute(conn)
+            .await
+            .map(|_| ()))?;
+        Ok(())
+    }
+
     /// An attempt over `tx`, which has begun and set the savepoint ([`SET_SAVEPOINT`]).
     pub(crate) fn new(tx: Tx, writes: W) -> Self {
         Self {
@@ -164,32 +175,15 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<()> {
-        let (tx, _) = self.open()?;
-        // A simple query: nothing prepared (behind a transaction pooler a named statement
-        // would be left on the server connection).
-        with_tx!(tx, |conn| sqlx::raw_sql(ROLLBACK_TO_SAVEPOINT)
-            .execute(conn)
-            .await
-            .map(|_| ()))?;
-        Ok(())
+        self.simple(ROLLBACK_TO_SAVEPOINT).await
     }
 
     async fn savepoint(&mut self) -> Result<()> {
-        let (tx, _) = self.open()?;
-        with_tx!(tx, |conn| sqlx::raw_sql(SET_EVENT_SAVEPOINT)
-            .execute(conn)
-            .await
-            .map(|_| ()))?;
-        Ok(())
+        self.simple(SET_EVENT_SAVEPOINT).await
     }
 
     async fn rollback_to_event_savepoint(&mut self) -> Result<()> {
-        let (tx, _) = self.open()?;
-        with_tx!(tx, |conn| sqlx::raw_sql(ROLLBACK_TO_EVENT_SAVEPOINT)
-            .execute(conn)
-            .await
-            .map(|_| ()))?;
-        Ok(())
+        self.simple(ROLLBACK_TO_EVENT_SAVEPOINT).await
     }
 
     async fn release(&mut self, fence: Fence, error: &str) -> Result<FenceOutcome> {

@@ -37,21 +37,28 @@ impl Endpoints {
         &self,
         tx: &mut Tx,
     ) -> outbox_events::persistence::Result<Arc<Vec<WebhookEndpoint>>> {
-        let changes = CHANGES.load(Ordering::SeqCst);
-        if let Some((at, seen, endpoints)) = &*self.read.lock().unwrap_or_else(|e| e.into_inner())
-            && at.elapsed() < FRESH_FOR
-            && *seen == changes
-        {
-            return Ok(endpoints.clone());
+        match self.cached() {
+            Some(endpoints) => Ok(endpoints),
+            None => self.fresh(tx).await,
         }
-        self.fresh(tx, changes).await
+    }
+
+    /// The last read, while it is fresh and no change was made through this process since.
+    fn cached(&self) -> Option<Arc<Vec<WebhookEndpoint>>> {
+        let changes = CHANGES.load(Ordering::SeqCst);
+        match &*self.read.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((at, seen, endpoints)) if at.elapsed() < FRESH_FOR && *seen == changes => {
+                Some(endpoints.clone())
+            }
+            _ => None,
+        }
     }
 
     async fn fresh(
         &self,
         tx: &mut Tx,
-        changes: u64,
     ) -> outbox_events::persistence::Result<Arc<Vec<WebhookEndpoint>>> {
+        let changes = CHANGES.load(Ordering::SeqCst);
         let endpoints = Arc::new(webhooks::endpoints_to_send(tx).await?);
         *self.read.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((Instant::now(), changes, endpoints.clone()));
@@ -67,17 +74,12 @@ impl Endpoints {
         tx: &mut Tx,
         name: &str,
     ) -> outbox_events::persistence::Result<Option<WebhookEndpoint>> {
-        if let Some(found) = self.all(tx).await?.iter().find(|e| e.name == name)
-            && found.enabled
+        if let Some(cached) = self.cached()
+            && let Some(found) = cached.iter().find(|e| e.name == name && e.enabled)
         {
             return Ok(Some(found.clone()));
         }
-        let changes = CHANGES.load(Ordering::SeqCst);
-        Ok(self
-            .fresh(tx, changes)
-            .await?
-            .iter()
-            .find(|e| e.name == name)
-            .cloned())
+        let endpoints = self.fresh(tx).await?;
+        Ok(endpoints.iter().find(|e| e.name == name).cloned())
     }
 }
