@@ -151,12 +151,14 @@ fn latencies(acks: &[Ack]) -> (f64, f64) {
     (at(0.5), at(0.99))
 }
 
-/// The webhook handlers for the bench's event type, delivering to `receiver`.
+/// The webhook handlers for the bench's event type, delivering to `receiver`, and their
+/// `Webhooks` (flushed after each run: its attempt log is written beside the attempts, and a
+/// `reset` that truncates the tables while those writes go on deadlocks with them).
 async fn webhook_handlers(
     db: &BenchDb,
     receiver: &Receiver,
     worker: &outbox_events::WorkerConfig,
-) -> Result<Handlers> {
+) -> Result<(Handlers, Webhooks)> {
     let pool = db.connect(2).await?;
     let repo = pool.repository();
     let hooks = Webhooks::new(
@@ -173,7 +175,8 @@ async fn webhook_handlers(
             "bench",
         )
         .await?;
-    Ok(hooks.register(Handlers::new(), &[EVENT_TYPE], worker)?)
+    let handlers = hooks.register(Handlers::new(), &[EVENT_TYPE], worker)?;
+    Ok((handlers, hooks))
 }
 
 /// Drains `n` backlog events with `handlers` until `done`; the rate from the dispatcher's
@@ -230,7 +233,7 @@ pub(crate) async fn webhooks(db: &BenchDb, sizes: &Sizes, report: &mut Report) -
     reset(db).await?;
     let receiver = Receiver::start().await?;
     let worker = config(DispatchMode::Pull, WORKERS);
-    let handlers = webhook_handlers(db, &receiver, &worker).await?;
+    let (handlers, hooks) = webhook_handlers(db, &receiver, &worker).await?;
     enqueue(
         &pool.repository(),
         &keyed_events(n, sizes.records, true),
@@ -240,6 +243,7 @@ pub(crate) async fn webhooks(db: &BenchDb, sizes: &Sizes, report: &mut Report) -
     let (_, since) = drain_until(db, handlers, 2 * n as u64, || receiver.delivered() >= n)
         .await
         .context("the webhook drain")?;
+    hooks.flush().await;
     let acks = receiver.take();
     let last = acks.iter().map(|a| a.at_us).max().unwrap_or_default();
     let span_s = (last - since.timestamp_micros()) as f64 / 1e6;
@@ -325,7 +329,7 @@ async fn offered_latency(
 ) -> Result<(f64, f64, usize, usize)> {
     reset(db).await?;
     let worker = config(DispatchMode::Pull, WORKERS);
-    let handlers = webhook_handlers(db, receiver, &worker).await?;
+    let (handlers, hooks) = webhook_handlers(db, receiver, &worker).await?;
     let run = start(db, worker, handlers).await?;
     let pool = db.connect(2).await?;
     let repo: Arc<dyn OutboxRepository> = pool.repository();
@@ -357,6 +361,7 @@ async fn offered_latency(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     run.stop().await?;
+    hooks.flush().await;
     pool.close().await;
     let acks = receiver.take();
     let (p50, p99) = latencies(&acks);

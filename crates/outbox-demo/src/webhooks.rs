@@ -160,6 +160,8 @@ impl Drop for Receiver {
 pub struct DemoWebhooks {
     receiver: Receiver,
     handle: DispatcherHandle,
+    /// Flushed after the dispatcher stops: the attempt log is complete before it is read.
+    hooks: Webhooks,
 }
 
 /// The event types the webhooks' dispatcher claims: the change feed and its deliveries.
@@ -187,7 +189,11 @@ impl DemoWebhooks {
             .with_scope(Scope::Only(owned_types()));
         let handlers = hooks.register(Handlers::new(), &FEED_TYPES, &worker)?;
         let handle = Dispatcher::new(repo, handlers, worker).start().await?;
-        Ok(Self { receiver, handle })
+        Ok(Self {
+            receiver,
+            handle,
+            hooks,
+        })
     }
 
     /// The demo's own workers: every event type but the webhooks'.
@@ -202,6 +208,7 @@ impl DemoWebhooks {
         repo: &Arc<dyn OutboxRepository>,
     ) -> Result<(WebhooksReport, Vec<Check>, MetricsSnapshot)> {
         let metrics = self.handle.shutdown().await.metrics;
+        self.hooks.flush().await;
         let mut rows = Vec::new();
         for t in FEED_TYPES {
             rows.extend(repo.list_events(EventFilter::new().event_type(t)).await?);

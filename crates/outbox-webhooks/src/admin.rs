@@ -2,7 +2,7 @@
 //! change in a transaction of its own, audited with who made it. Secrets are shown once, when
 //! made, and never logged, listed or audited.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_events::persistence::webhooks::{
@@ -41,12 +41,33 @@ pub fn validate_url(url: &str) -> Result<(), Error> {
 pub struct Webhooks {
     repo: Arc<dyn OutboxRepository>,
     config: WebhookConfig,
+    /// The side writers of the deliveries registered through it (see [`Webhooks::flush`]).
+    registered: Arc<Mutex<Vec<crate::side::SideWriter>>>,
 }
 
 impl Webhooks {
     /// Endpoints in `repo`'s database, sent to with `config`.
     pub fn new(repo: Arc<dyn OutboxRepository>, config: WebhookConfig) -> Self {
-        Self { repo, config }
+        Self {
+            repo,
+            config,
+            registered: Arc::default(),
+        }
+    }
+
+    /// Waits until the records of every attempt that the deliveries registered through it
+    /// made so far are written (the attempt log, failures in a row, disables: written beside
+    /// the attempts by a task of their own). Call it after the dispatcher has stopped, before
+    /// the process exits or the tables are read.
+    pub async fn flush(&self) {
+        let sides = self
+            .registered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for side in sides {
+            side.flush().await;
+        }
     }
 
     /// Registers the fan-out for each of `source_types` and the delivery for every
@@ -72,10 +93,12 @@ impl Webhooks {
             }
             handlers = handlers.register_arc(WebhookFanOut::consumer(event_type), fan_out.clone());
         }
-        Ok(handlers.register_with_ledger(
-            WebhookDelivery::consumer(),
-            WebhookDelivery::new(self.repo.clone(), config),
-        ))
+        let delivery = WebhookDelivery::new(self.repo.clone(), config);
+        self.registered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(delivery.side());
+        Ok(handlers.register_with_ledger(WebhookDelivery::consumer(), delivery))
     }
 
     /// Adds an endpoint with a new secret, which is returned (shown once: it is never listed).

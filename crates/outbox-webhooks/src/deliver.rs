@@ -84,6 +84,18 @@ impl WebhookDelivery {
         }
     }
 
+    /// Waits until the records of every attempt made so far (the attempt log, the endpoints'
+    /// failures in a row, disables) are written: they are written beside the attempts, by a
+    /// task of their own. Call it after the dispatcher has stopped, before the process exits.
+    pub async fn flush(&self) {
+        self.side.flush().await;
+    }
+
+    /// The writer of its side records (shared with [`crate::Webhooks`], which flushes it).
+    pub(crate) fn side(&self) -> SideWriter {
+        self.side.clone()
+    }
+
     /// Its consumer declaration: a webhook call through the effect ledger, to be registered
     /// with `Handlers::register_with_ledger` for `webhook:*`.
     pub fn consumer() -> Consumer {

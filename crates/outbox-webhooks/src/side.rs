@@ -6,14 +6,15 @@
 //! sender writes them, in order, in batches, on one connection after the attempts that queued
 //! them: it holds no row lock across an attempt, a success with no failures to clear does not
 //! write the endpoint row, and endpoint rows are written in name order (no deadlock between
-//! processes).
+//! processes). [`SideWriter::flush`] waits until what was queued before it is written (a
+//! process that stops calls it after its dispatcher stopped, so no attempt's record is lost).
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use outbox_events::OutboxRepository;
 use outbox_events::persistence::webhooks::{self, DeliveryAttempt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// One write.
 #[derive(Debug, Clone)]
@@ -41,31 +42,58 @@ const BATCH: usize = 256;
 /// How often a batch is tried.
 const TRIES: u32 = 10;
 
-/// The writer: a queue and the task that drains it, started on first use.
+/// What the queue carries: a write, or a caller waiting until every write queued before it
+/// has been written (or given up).
+enum Queued {
+    Write(SideWrite),
+    Flush(oneshot::Sender<()>),
+}
+
+/// The writer: a queue and the task that drains it, started on first use. Clones share both.
+#[derive(Clone)]
 pub(crate) struct SideWriter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     repo: Arc<dyn OutboxRepository>,
     disable_after: i32,
-    queue: OnceLock<mpsc::Sender<SideWrite>>,
+    queue: OnceLock<mpsc::Sender<Queued>>,
 }
 
 impl SideWriter {
     pub(crate) fn new(repo: Arc<dyn OutboxRepository>, disable_after: i32) -> Self {
         Self {
-            repo,
-            disable_after,
-            queue: OnceLock::new(),
+            inner: Arc::new(Inner {
+                repo,
+                disable_after,
+                queue: OnceLock::new(),
+            }),
         }
     }
 
     /// Queues `write` (never waits).
     pub(crate) fn send(&self, write: SideWrite) {
-        let queue = self.queue.get_or_init(|| {
+        let inner = &self.inner;
+        let queue = inner.queue.get_or_init(|| {
             let (tx, rx) = mpsc::channel(QUEUE);
-            tokio::spawn(run(self.repo.clone(), rx, self.disable_after));
+            tokio::spawn(run(inner.repo.clone(), rx, inner.disable_after));
             tx
         });
-        if let Err(e) = queue.try_send(write) {
+        if let Err(e) = queue.try_send(Queued::Write(write)) {
             tracing::warn!(error = %e, "the webhook attempt log's queue is full; an attempt's record is dropped");
+        }
+    }
+
+    /// Waits until every write queued before this call is written, or given up after its
+    /// tries (logged). Returns at once when nothing was ever queued.
+    pub(crate) async fn flush(&self) {
+        let Some(queue) = self.inner.queue.get() else {
+            return;
+        };
+        let (done, written) = oneshot::channel();
+        if queue.send(Queued::Flush(done)).await.is_ok() {
+            let _ = written.await;
         }
     }
 }
@@ -73,11 +101,7 @@ impl SideWriter {
 /// How often the endpoint gauges are read again (and after every disable).
 const GAUGES_EVERY: Duration = Duration::from_secs(15);
 
-async fn run(
-    repo: Arc<dyn OutboxRepository>,
-    mut rx: mpsc::Receiver<SideWrite>,
-    disable_after: i32,
-) {
+async fn run(repo: Arc<dyn OutboxRepository>, mut rx: mpsc::Receiver<Queued>, disable_after: i32) {
     let mut gauges = tokio::time::interval(GAUGES_EVERY);
     gauges.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -91,30 +115,51 @@ async fn run(
                 continue;
             }
         };
-        let mut batch = vec![first];
-        while batch.len() < BATCH {
-            match rx.try_recv() {
-                Ok(write) => batch.push(write),
-                Err(_) => break,
+        let mut batch = Vec::new();
+        let mut waiting = Vec::new();
+        let mut next = Some(first);
+        while let Some(queued) = next {
+            match queued {
+                Queued::Write(write) => batch.push(write),
+                Queued::Flush(done) => waiting.push(done),
             }
+            next = if batch.len() < BATCH {
+                rx.try_recv().ok()
+            } else {
+                None
+            };
         }
-        let mut backoff = Duration::from_millis(50);
-        for try_number in 1..=TRIES {
-            match write(&repo, &batch, disable_after).await {
-                Ok(disabled) => {
-                    if disabled {
-                        publish_gauges(&repo).await;
-                    }
-                    break;
+        if !batch.is_empty() {
+            write_with_tries(&repo, &batch, disable_after).await;
+        }
+        for done in waiting {
+            let _ = done.send(());
+        }
+    }
+}
+
+/// Writes `batch`, tried [`TRIES`] times with a backoff, then given up (logged).
+async fn write_with_tries(
+    repo: &Arc<dyn OutboxRepository>,
+    batch: &[SideWrite],
+    disable_after: i32,
+) {
+    let mut backoff = Duration::from_millis(50);
+    for try_number in 1..=TRIES {
+        match write(repo, batch, disable_after).await {
+            Ok(disabled) => {
+                if disabled {
+                    publish_gauges(repo).await;
                 }
-                Err(e) if try_number == TRIES => {
-                    tracing::warn!(error = %e, writes = batch.len(), "the webhooks' side writes failed; giving them up");
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, try_number, "the webhooks' side writes failed; trying again");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                }
+                break;
+            }
+            Err(e) if try_number == TRIES => {
+                tracing::warn!(error = %e, writes = batch.len(), "the webhooks' side writes failed; giving them up");
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, try_number, "the webhooks' side writes failed; trying again");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
             }
         }
     }
