@@ -434,3 +434,74 @@ async fn postgres_the_fenced_statements_reach_a_claim_by_its_id_however_many_are
     );
     one.close().await;
 }
+
+/// Live outbox rows fetched through an index by this backend (not yet flushed to the shared
+/// statistics).
+async fn outbox_rows_fetched(conn: &mut PgConnection) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(idx_tup_fetch), 0)::bigint FROM pg_stat_xact_user_tables
+         WHERE relname = '_system_outboxevent'",
+    )
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
+/// Issue 37, "a hot record that slows no one": the claim reads each key's oldest row by its
+/// id, never by the key. Before migration 0018 the head pick's row (`e`) could be reached
+/// through `outbox_record_key_idx` (the clause `e.RecordKey = h.RecordKey` was indexable, and
+/// the statistics put a handful of rows behind a key), and every claim that passed a hot
+/// record's head read all of its pending rows and dropped them one by one: with 10,000 pending
+/// on one record, each claim took 40-60 ms and the other records drained at 0.18-0.21x of their
+/// rate alone (one event per attempt: 0.01x). Here 5,000 events on one record and 5,000 over
+/// 1,000 others, analyzed, the hot record's head in flight: a claim of 8 rows must fetch
+/// fewer than 1,000 outbox rows (today about 30; before, over 5,000).
+#[tokio::test]
+async fn postgres_a_claim_passing_a_hot_record_reads_its_oldest_row_alone() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    db.execute(
+        "INSERT INTO _System_OutboxEvent
+           (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
+         SELECT gen_random_uuid(), 'bench', '{}', 'pending', 0, 'lead:hot',
+                clock_timestamp() - interval '2 hours' + i * interval '1 microsecond',
+                clock_timestamp() - interval '2 hours'
+         FROM generate_series(1, 5000) i",
+    )
+    .await;
+    db.execute(
+        "INSERT INTO _System_OutboxEvent
+           (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
+         SELECT gen_random_uuid(), 'bench', '{}', 'pending', 0, 'lead:r' || (i % 1000),
+                clock_timestamp() - interval '1 hour' + i * interval '1 microsecond',
+                clock_timestamp() - interval '1 hour'
+         FROM generate_series(1, 5000) i",
+    )
+    .await;
+    // The hot record's oldest row in flight, as a worker holds it.
+    db.execute(
+        "UPDATE _System_OutboxEvent SET Status = 'processing', LastModifiedDate = clock_timestamp()
+         WHERE Id = (SELECT Id FROM _System_OutboxEvent WHERE RecordKey = 'lead:hot'
+                     ORDER BY CreatedDate, Id LIMIT 1)",
+    )
+    .await;
+    db.execute("ANALYZE _System_OutboxEvent").await;
+    db.execute("ANALYZE _System_OutboxHead").await;
+
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    let before = outbox_rows_fetched(&mut tx).await;
+    let claimed: Vec<uuid::Uuid> = sqlx::query_scalar(CLAIM)
+        .bind(8)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    let fetched = outbox_rows_fetched(&mut tx).await - before;
+    tx.rollback().await.unwrap();
+    assert_eq!(claimed.len(), 8, "the other records' heads are claimed");
+    assert!(
+        fetched < 1_000,
+        "a claim of 8 rows fetched {fetched} outbox rows: it read the hot record's pending rows"
+    );
+}

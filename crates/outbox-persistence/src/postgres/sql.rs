@@ -95,6 +95,11 @@ macro_rules! scope_filter {
 /// the joined form took 8x longer per claim (a drain of unkeyed rows collapsed to 0.08x of the
 /// ceiling), see `docs/queries.md`.
 ///
+/// The head's row `e` is reached from `first` by its primary key only: its re-check against the
+/// head's key is written `IS NOT DISTINCT FROM`, which no index or join method can use. As an
+/// equality it let the planner reach `e` through `outbox_record_key_idx` by the key, reading
+/// every pending row of a hot record at every claim that passed its head (migration 0018).
+///
 /// Time is the database's (`clock` below, read once per statement). Parameters: `$1` the clock
 /// shift, `$2` stale-after, `$3` retry delay (intervals), `$4` `MaxRetryAttempts`; `$limit` is
 /// how many rows each stream picks and the statement claims (`"1"`, or `"$7"` for a batch);
@@ -116,7 +121,7 @@ head_pick AS (
     LIMIT 1
   ) first
   JOIN _System_OutboxEvent e ON e.Id = first.Id
-  WHERE e.RecordKey = h.RecordKey AND
+  WHERE e.RecordKey IS NOT DISTINCT FROM h.RecordKey AND
 ",
             claimable_state!(),
             in_flight_guard!(),
@@ -320,11 +325,11 @@ mod tests {
     }
 
     /// Migrations 0006 and 0008 created `_System_OutboxClaimNext` and
-    /// `_System_OutboxClaimBatch`; migration 0009 replaced both: their bodies must be these
-    /// constants, verbatim, and their settings [`CLAIM_PLAN_SETTINGS`].
+    /// `_System_OutboxClaimBatch`; migrations 0009 and 0018 replaced both: their bodies must be
+    /// these constants, verbatim, and their settings [`CLAIM_PLAN_SETTINGS`].
     #[test]
     fn the_claim_functions_run_these_statements_under_these_settings() {
-        let latest = include_str!("../../../../migrations/postgres/0009_heads_never_wedge.sql");
+        let latest = include_str!("../../../../migrations/postgres/0018_hot_record_claim.sql");
         for (name, sql) in [
             ("CLAIM_NEXT_ALL", CLAIM_NEXT_ALL),
             ("CLAIM_NEXT", CLAIM_NEXT),
@@ -370,6 +375,7 @@ mod tests {
         for batch in [
             include_str!("../../../../migrations/postgres/0008_claim_batch.sql"),
             include_str!("../../../../migrations/postgres/0009_heads_never_wedge.sql"),
+            include_str!("../../../../migrations/postgres/0018_hot_record_claim.sql"),
         ] {
             assert!(batch.contains(&format!("max_claims > {}", crate::MAX_CLAIM_BATCH)));
         }
