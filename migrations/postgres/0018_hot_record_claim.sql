@@ -13,10 +13,23 @@
 -- The re-check is now `e.RecordKey IS NOT DISTINCT FROM h.RecordKey`: the same test for the
 -- non-null keys of heads (it still runs on the locked row's newest version when SKIP LOCKED's
 -- recheck reads it), but no index or join method can use it, so the row is reached by its
--- primary key from `first` alone. Both functions are replaced whole (CREATE OR REPLACE takes no
--- lock on the outbox table); only that line differs from migration 0009, and the claim texts
--- are still CLAIM_NEXT_ALL, CLAIM_NEXT, CLAIM_BATCH_ALL and CLAIM_BATCH of
--- crates/outbox-persistence/src/postgres/sql.rs, verbatim (a unit test holds them to this file).
+-- primary key from `first` alone.
+--
+-- Second, a key with a live claim is passed before its rows are read. The heads in flight sit
+-- at the front of the walk (about one per claimed row, 300 at 8 workers with batches), and each
+-- cost the lateral read of its oldest row and that row's fetch before the guard dropped it. The
+-- lateral read now starts with the in-flight probe for the head's key (`outbox_in_flight_idx`;
+-- it depends on the head alone, so it is a one-time filter of the read and cannot become an
+-- anti-join): on 20,000 rows over 1,000 keys with 300 heads in flight, a claim of 32 read 1,521
+-- buffers instead of 2,697. The rule is unchanged: a key with a fresh `processing` row has no
+-- claimable row (its head is that row, or waits behind it), a stale one does not count; the
+-- guard on the picked row stays, as the one re-checked on a row locked after a concurrent
+-- update.
+--
+-- Both functions are replaced whole (CREATE OR REPLACE takes no lock on the outbox table); only
+-- these lines differ from migration 0009, and the claim texts are still CLAIM_NEXT_ALL,
+-- CLAIM_NEXT, CLAIM_BATCH_ALL and CLAIM_BATCH of crates/outbox-persistence/src/postgres/sql.rs,
+-- verbatim (a unit test holds them to this file).
 
 CREATE OR REPLACE FUNCTION _System_OutboxClaimNext(
     clock_shift interval,
@@ -53,6 +66,13 @@ head_pick AS (
     SELECT o.Id
     FROM _System_OutboxEvent o
     WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
+      AND NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent f
+        WHERE f.RecordKey = h.RecordKey
+          AND f.Status = 'processing'
+          AND f.LastModifiedDate >= (SELECT now FROM clock) - $2::interval
+      )
     ORDER BY o.CreatedDate, o.Id
     LIMIT 1
   ) first
@@ -136,6 +156,13 @@ head_pick AS (
     SELECT o.Id
     FROM _System_OutboxEvent o
     WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
+      AND NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent f
+        WHERE f.RecordKey = h.RecordKey
+          AND f.Status = 'processing'
+          AND f.LastModifiedDate >= (SELECT now FROM clock) - $2::interval
+      )
     ORDER BY o.CreatedDate, o.Id
     LIMIT 1
   ) first
@@ -263,6 +290,13 @@ head_pick AS (
     SELECT o.Id
     FROM _System_OutboxEvent o
     WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
+      AND NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent f
+        WHERE f.RecordKey = h.RecordKey
+          AND f.Status = 'processing'
+          AND f.LastModifiedDate >= (SELECT now FROM clock) - $2::interval
+      )
     ORDER BY o.CreatedDate, o.Id
     LIMIT 1
   ) first
@@ -346,6 +380,13 @@ head_pick AS (
     SELECT o.Id
     FROM _System_OutboxEvent o
     WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
+      AND NOT EXISTS (
+        SELECT 1
+        FROM _System_OutboxEvent f
+        WHERE f.RecordKey = h.RecordKey
+          AND f.Status = 'processing'
+          AND f.LastModifiedDate >= (SELECT now FROM clock) - $2::interval
+      )
     ORDER BY o.CreatedDate, o.Id
     LIMIT 1
   ) first

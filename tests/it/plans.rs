@@ -140,17 +140,31 @@ async fn postgres_a_claim_planned_on_an_empty_queue_uses_the_indexes_after_it_gr
 /// whole table.
 #[tokio::test]
 async fn postgres_the_attempt_path_planned_on_a_small_table_uses_the_indexes_after_it_grows() {
-    let Some(db) = TestDb::postgres().await else {
-        return;
-    };
-    // `pg_stat_force_next_flush` is PostgreSQL 15's; a pooler would move the connection.
-    let version = db
-        .count("SELECT current_setting('server_version_num')::bigint")
-        .await;
-    if db.behind_pooler() || version < 150_000 {
-        return;
+    // The control holds only while the connection keeps its cached plans: a reset of the
+    // server's shared invalidation queue (other tests' databases migrating under load) replans
+    // every statement, and the control with it. Its read then shows that the round proved
+    // nothing either, so the round is run again on a fresh database (at most three times).
+    for _ in 0..3 {
+        let Some(db) = TestDb::postgres().await else {
+            return;
+        };
+        // `pg_stat_force_next_flush` is PostgreSQL 15's; a pooler would move the connection.
+        let version = db
+            .count("SELECT current_setting('server_version_num')::bigint")
+            .await;
+        if db.behind_pooler() || version < 150_000 {
+            return;
+        }
+        if attempt_path_after_growth(&db).await >= 20_000 {
+            return;
+        }
     }
-    statistics_of_a_small_table(&db).await;
+    panic!("control: a statement prepared on the small table should keep its sequential scan");
+}
+
+/// One run of the test above: asserts the round's reads and returns the control's.
+async fn attempt_path_after_growth(db: &TestDb) -> i64 {
+    statistics_of_a_small_table(db).await;
     let one = PgPoolOptions::new()
         .max_connections(1)
         .connect_with(db.pg().unwrap().connect_options().as_ref().clone())
@@ -171,21 +185,18 @@ async fn postgres_the_attempt_path_planned_on_a_small_table_uses_the_indexes_aft
         assert_eq!(control().await, 0);
     }
     sqlx::query(GROW).execute(&one).await.unwrap();
-    let before = outbox_rows_scanned(&db, &one).await;
+    let before = outbox_rows_scanned(db, &one).await;
     attempt_path_round(&repo, 6).await;
-    let after = outbox_rows_scanned(&db, &one).await;
+    let after = outbox_rows_scanned(db, &one).await;
     assert!(
         after - before < 1_000,
         "one round of the attempt path read {} outbox rows by sequential scan: a plan made on the small table was kept",
         after - before
     );
     assert_eq!(control().await, 0);
-    let control_read = outbox_rows_scanned(&db, &one).await - after;
-    assert!(
-        control_read >= 20_000,
-        "control: a statement prepared on the small table should keep its sequential scan (read {control_read})"
-    );
+    let control_read = outbox_rows_scanned(db, &one).await - after;
     one.close().await;
+    control_read
 }
 
 /// The growth: 20,000 processed rows over 500 records and 5,000 pending rows, each on a record
