@@ -56,18 +56,27 @@ impl Webhooks {
     }
 
     /// Waits until the records of every attempt that the deliveries registered through it
-    /// made so far are written (the attempt log, failures in a row, disables: written beside
-    /// the attempts by a task of their own). Call it after the dispatcher has stopped, before
-    /// the process exits or the tables are read.
+    /// made so far are written, or given up after their tries (logged): the attempt log,
+    /// failures in a row, disables, written beside the attempts by a task of their own. Records
+    /// dropped because that task's queue was full (logged) are not waited for. Call it after
+    /// the dispatcher has stopped, before the process exits or the tables are read; with the
+    /// database away it takes as long as the tries (about ten seconds per 256 records), so
+    /// bound it with `tokio::time::timeout` where a stop must be quick. Deliveries whose
+    /// handlers are gone are forgotten once flushed, and their task ends.
     pub async fn flush(&self) {
         let sides = self
             .registered
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        for side in sides {
+        for side in &sides {
             side.flush().await;
         }
+        drop(sides);
+        self.registered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|side| !side.only_here());
     }
 
     /// Registers the fan-out for each of `source_types` and the delivery for every

@@ -85,8 +85,9 @@ impl WebhookDelivery {
     }
 
     /// Waits until the records of every attempt made so far (the attempt log, the endpoints'
-    /// failures in a row, disables) are written: they are written beside the attempts, by a
-    /// task of their own. Call it after the dispatcher has stopped, before the process exits.
+    /// failures in a row, disables) are written, or given up after their tries (logged): they
+    /// are written beside the attempts, by a task of their own. Call it after the dispatcher has
+    /// stopped, before the process exits (see `Webhooks::flush`).
     pub async fn flush(&self) {
         self.side.flush().await;
     }

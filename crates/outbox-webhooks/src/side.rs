@@ -80,9 +80,24 @@ impl SideWriter {
             tokio::spawn(run(inner.repo.clone(), rx, inner.disable_after));
             tx
         });
-        if let Err(e) = queue.try_send(Queued::Write(write)) {
-            tracing::warn!(error = %e, "the webhook attempt log's queue is full; an attempt's record is dropped");
+        match queue.try_send(Queued::Write(write)) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                tracing::warn!(
+                    "the webhook attempt log's queue is full; an attempt's record is dropped"
+                );
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                tracing::warn!(
+                    "the webhook attempt log's writer has stopped; an attempt's record is dropped"
+                );
+            }
         }
+    }
+
+    /// Whether no delivery holds this writer any more (only the caller's handle is left).
+    pub(crate) fn only_here(&self) -> bool {
+        Arc::strong_count(&self.inner) == 1
     }
 
     /// Waits until every write queued before this call is written, or given up after its
