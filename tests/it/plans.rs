@@ -516,3 +516,73 @@ async fn postgres_a_claim_passing_a_hot_record_reads_its_oldest_row_alone() {
         "a claim of 8 rows fetched {fetched} outbox rows: it read the hot record's pending rows"
     );
 }
+
+/// Issue 37, "plans that hold": the settle of a record chain reaches its rows by their ids,
+/// whatever the table holds. Before migration 0019 the chains settle walked the outbox table's
+/// whole primary key (its `DISTINCT ON` needs a sort, priced 10^10 under the function's
+/// `enable_sort = off`, and a join by id would have paid that price once per id): a round that
+/// enqueues, claims and settles a chain of three rows beside 10,000 processed ones must fetch
+/// fewer than 1,000 outbox rows (before: every row of the table, at each settle).
+#[tokio::test]
+async fn postgres_a_chain_settle_reaches_its_rows_by_id_on_a_grown_table() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    db.execute(
+        "INSERT INTO _System_OutboxEvent
+           (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
+         SELECT gen_random_uuid(), 'old', '{}', 'processed', 0, 'lead:old' || (i % 100),
+                clock_timestamp() - interval '2 hours' + i * interval '1 microsecond',
+                clock_timestamp() - interval '2 hours'
+         FROM generate_series(1, 10000) i",
+    )
+    .await;
+    db.execute("ANALYZE _System_OutboxEvent").await;
+    let one = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.pg().unwrap().connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    let repo: Arc<dyn OutboxRepository> = Arc::new(PgOutbox::new(one.clone()));
+    let policy = ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(10), 5);
+    let mut fetched = Vec::new();
+    // Six rounds first: the function's statements run from generic plans after five.
+    for round in 0..7 {
+        let events: Vec<NewEvent> = (0..3)
+            .map(|_| NewEvent::new("t", lead(&format!("chain{round}"))))
+            .collect();
+        let before = outbox_rows_fetched_pooled(&db, &one).await;
+        enqueue(&repo, &events).await;
+        let claims = repo.claim_chains(policy, &Scope::All, 3, 2).await.unwrap();
+        assert_eq!(claims.len(), 3, "round {round}: the chain is claimed");
+        let fences: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
+        let (mut batch, lost) = repo
+            .begin_batch_attempt(Duration::from_secs(5), fences.clone())
+            .await
+            .unwrap();
+        assert!(lost.is_empty());
+        let written = batch.mark_processed_chains(fences).await.unwrap();
+        assert_eq!(written, vec![FenceOutcome::Written; 3]);
+        batch.commit().await.unwrap();
+        // The whole round (enqueue, claim, begin, settle) on the pool's one connection.
+        fetched.push(outbox_rows_fetched_pooled(&db, &one).await - before);
+    }
+    one.close().await;
+    assert!(
+        fetched.iter().all(|&n| n < 1_000),
+        "outbox rows fetched by each chain settle: {fetched:?}"
+    );
+}
+
+/// Live outbox rows fetched through an index so far, `conn`'s counts flushed first.
+async fn outbox_rows_fetched_pooled(db: &TestDb, conn: &PgPool) -> i64 {
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(conn)
+        .await
+        .unwrap();
+    db.count(
+        "SELECT coalesce(sum(idx_tup_fetch), 0)::bigint FROM pg_stat_user_tables
+         WHERE relname = '_system_outboxevent'",
+    )
+    .await
+}
