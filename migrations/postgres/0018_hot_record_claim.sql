@@ -15,6 +15,17 @@
 -- recheck reads it), but no index or join method can use it, so the row is reached by its
 -- primary key from `first` alone.
 --
+-- And `e` is the row version `first` read, fetched by its `ctid` (`e.ctid = first.at AND
+-- e.Id = first.Id`: a TID scan, one tuple), and the functions now run with
+-- `join_collapse_limit = 1`, so `e` is joined after `first`, in the order written. Free to
+-- join `e` first, the planner walked a whole index for it at each head whenever the statistics
+-- made that index look empty: on statistics taken while the backlog was empty (the bench's
+-- retention scenario, 200,000 terminal rows analyzed and then a backlog: claims of 17 ms at the
+-- median, 61 ms logged with "Rows Removed by Join Filter: 34377") it walked all of
+-- `outbox_record_key_idx`; on a plan cached while the table was tiny, the whole primary key. A
+-- row updated after the statement's snapshot fails the `ctid` on the re-check SKIP LOCKED makes
+-- on its newest version, and is passed over as a locked row is; the next claim takes it.
+--
 -- Second, a key with a live claim is passed before its rows are read. The heads in flight sit
 -- at the front of the walk (about one per claimed row, 300 at 8 workers with batches), and each
 -- cost the lateral read of its oldest row and that row's fetch before the guard dropped it. The
@@ -51,6 +62,7 @@ SET enable_mergejoin = off
 SET enable_sort = off
 SET enable_material = off
 SET jit = off
+SET join_collapse_limit = 1
 AS $claim$
 #variable_conflict use_column
 BEGIN
@@ -63,7 +75,7 @@ head_pick AS (
   SELECT e.Id, e.Status AS old_status, e.CreatedDate
   FROM _System_OutboxHead h
   CROSS JOIN LATERAL (
-    SELECT o.Id
+    SELECT o.Id, o.ctid AS at
     FROM _System_OutboxEvent o
     WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
       AND NOT EXISTS (
@@ -76,7 +88,7 @@ head_pick AS (
     ORDER BY o.CreatedDate, o.Id
     LIMIT 1
   ) first
-  JOIN _System_OutboxEvent e ON e.Id = first.Id
+  JOIN _System_OutboxEvent e ON e.ctid = first.at AND e.Id = first.Id
   WHERE e.RecordKey IS NOT DISTINCT FROM h.RecordKey AND
     (e.Status = 'pending'
      OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
@@ -153,7 +165,7 @@ head_pick AS (
   SELECT e.Id, e.Status AS old_status, e.CreatedDate
   FROM _System_OutboxHead h
   CROSS JOIN LATERAL (
-    SELECT o.Id
+    SELECT o.Id, o.ctid AS at
     FROM _System_OutboxEvent o
     WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
       AND NOT EXISTS (
@@ -166,7 +178,7 @@ head_pick AS (
     ORDER BY o.CreatedDate, o.Id
     LIMIT 1
   ) first
-  JOIN _System_OutboxEvent e ON e.Id = first.Id
+  JOIN _System_OutboxEvent e ON e.ctid = first.at AND e.Id = first.Id
   WHERE e.RecordKey IS NOT DISTINCT FROM h.RecordKey AND
     (e.Status = 'pending'
      OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
@@ -266,6 +278,7 @@ SET enable_mergejoin = off
 SET enable_sort = off
 SET enable_material = off
 SET jit = off
+SET join_collapse_limit = 1
 AS $claim$
 #variable_conflict use_column
 DECLARE
@@ -287,7 +300,7 @@ head_pick AS (
   SELECT e.Id, e.Status AS old_status, e.CreatedDate
   FROM _System_OutboxHead h
   CROSS JOIN LATERAL (
-    SELECT o.Id
+    SELECT o.Id, o.ctid AS at
     FROM _System_OutboxEvent o
     WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
       AND NOT EXISTS (
@@ -300,7 +313,7 @@ head_pick AS (
     ORDER BY o.CreatedDate, o.Id
     LIMIT 1
   ) first
-  JOIN _System_OutboxEvent e ON e.Id = first.Id
+  JOIN _System_OutboxEvent e ON e.ctid = first.at AND e.Id = first.Id
   WHERE e.RecordKey IS NOT DISTINCT FROM h.RecordKey AND
     (e.Status = 'pending'
      OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))
@@ -377,7 +390,7 @@ head_pick AS (
   SELECT e.Id, e.Status AS old_status, e.CreatedDate
   FROM _System_OutboxHead h
   CROSS JOIN LATERAL (
-    SELECT o.Id
+    SELECT o.Id, o.ctid AS at
     FROM _System_OutboxEvent o
     WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
       AND NOT EXISTS (
@@ -390,7 +403,7 @@ head_pick AS (
     ORDER BY o.CreatedDate, o.Id
     LIMIT 1
   ) first
-  JOIN _System_OutboxEvent e ON e.Id = first.Id
+  JOIN _System_OutboxEvent e ON e.ctid = first.at AND e.Id = first.Id
   WHERE e.RecordKey IS NOT DISTINCT FROM h.RecordKey AND
     (e.Status = 'pending'
      OR (e.Status = 'processing' AND e.LastModifiedDate < (SELECT now FROM clock) - $2::interval))

@@ -95,10 +95,18 @@ macro_rules! scope_filter {
 /// the joined form took 8x longer per claim (a drain of unkeyed rows collapsed to 0.08x of the
 /// ceiling), see `docs/queries.md`.
 ///
-/// The head's row `e` is reached from `first` by its primary key only: its re-check against the
-/// head's key is written `IS NOT DISTINCT FROM`, which no index or join method can use. As an
-/// equality it let the planner reach `e` through `outbox_record_key_idx` by the key, reading
-/// every pending row of a hot record at every claim that passed its head (migration 0018).
+/// The head's row `e` is the row version `first` read, fetched by its `ctid` (a TID scan, one
+/// tuple, whatever the statistics say), its id checked too, and joined after `first` in the
+/// order written (`join_collapse_limit = 1` among [`CLAIM_PLAN_SETTINGS`]); its re-check against
+/// the head's key is written `IS NOT DISTINCT FROM`, which no index or join method can use. As an
+/// equality the key let the planner reach `e` through `outbox_record_key_idx` by the key,
+/// reading every pending row of a hot record at every claim that passed its head; free to join
+/// `e` before `first`, on statistics taken while the backlog was empty (every partial index
+/// looked empty) it walked a whole index per head. A row updated after the statement's snapshot
+/// fails the `ctid` on the re-check `SKIP LOCKED` makes on its newest version and is passed
+/// over, as a locked row is: the next claim takes it. `first` orders by the key too,
+/// so only `outbox_record_key_idx` delivers its order: `outbox_eligible_idx` (the whole backlog
+/// by `CreatedDate`, filtered by key) looked as cheap on those statistics. Migration 0018.
 /// And a key with a live claim is passed before its rows are read: the lateral read of the key's
 /// oldest row first probes `outbox_in_flight_idx` for the head's key (a one-time filter of the
 /// read, which depends on the head alone), so the heads in flight, at the front of the walk
@@ -120,7 +128,7 @@ head_pick AS (
   SELECT e.Id, e.Status AS old_status, e.CreatedDate
   FROM _System_OutboxHead h
   CROSS JOIN LATERAL (
-    SELECT o.Id
+    SELECT o.Id, o.ctid AS at
     FROM _System_OutboxEvent o
     WHERE o.RecordKey = h.RecordKey AND o.Status NOT IN ('processed', 'failed')
       AND NOT EXISTS (
@@ -133,7 +141,7 @@ head_pick AS (
     ORDER BY o.CreatedDate, o.Id
     LIMIT 1
   ) first
-  JOIN _System_OutboxEvent e ON e.Id = first.Id
+  JOIN _System_OutboxEvent e ON e.ctid = first.at AND e.Id = first.Id
   WHERE e.RecordKey IS NOT DISTINCT FROM h.RecordKey AND
 ",
             claimable_state!(),
@@ -273,6 +281,7 @@ pub(crate) const CLAIM_PLAN_SETTINGS: &[(&str, &str)] = &[
     ("enable_sort", "off"),
     ("enable_material", "off"),
     ("jit", "off"),
+    ("join_collapse_limit", "1"),
 ];
 
 /// `ClaimEvent` by id, with the same rules as `claim_next` (retry delay, stale reclaim counted,
