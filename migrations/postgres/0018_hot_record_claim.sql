@@ -24,7 +24,9 @@
 -- median, 61 ms logged with "Rows Removed by Join Filter: 34377") it walked all of
 -- `outbox_record_key_idx`; on a plan cached while the table was tiny, the whole primary key. A
 -- row updated after the statement's snapshot fails the `ctid` on the re-check SKIP LOCKED makes
--- on its newest version, and is passed over as a locked row is; the next claim takes it.
+-- on its newest version, and is passed over as a locked row is (the next claim takes it), on
+-- minor releases with the TID scan's re-check (backpatched to PostgreSQL 13 in 2025); on older
+-- ones the pick behaves as with the join by id.
 --
 -- Second, a key with a live claim is passed before its rows are read. The heads in flight sit
 -- at the front of the walk (about one per claimed row, 300 at 8 workers with batches), and each
@@ -34,8 +36,7 @@
 -- anti-join): on 20,000 rows over 1,000 keys with 300 heads in flight, a claim of 32 read 1,521
 -- buffers instead of 2,697. The rule is unchanged: a key with a fresh `processing` row has no
 -- claimable row (its head is that row, or waits behind it), a stale one does not count; the
--- guard on the picked row stays, as the one re-checked on a row locked after a concurrent
--- update.
+-- guard on the picked row is kept as it was (both read the statement's snapshot).
 --
 -- Both functions are replaced whole (CREATE OR REPLACE takes no lock on the outbox table); only
 -- these lines differ from migration 0009, and the claim texts are still CLAIM_NEXT_ALL,

@@ -520,9 +520,10 @@ async fn postgres_a_claim_passing_a_hot_record_reads_its_oldest_row_alone() {
 /// Issue 37, "plans that hold": the settle of a record chain reaches its rows by their ids,
 /// whatever the table holds. Before migration 0019 the chains settle walked the outbox table's
 /// whole primary key (its `DISTINCT ON` needs a sort, priced 10^10 under the function's
-/// `enable_sort = off`, and a join by id would have paid that price once per id): a round that
-/// enqueues, claims and settles a chain of three rows beside 10,000 processed ones must fetch
-/// fewer than 1,000 outbox rows (before: every row of the table, at each settle).
+/// `enable_sort = off`, and a join by id would have paid the `waits` subplan's price once per
+/// id; allowing the sort alone still walked it for 16 ids and more): a round that enqueues,
+/// claims and settles a chain of 32 rows beside 10,000 processed ones must fetch fewer than
+/// 1,000 outbox rows (before: every row of the table, at each settle).
 #[tokio::test]
 async fn postgres_a_chain_settle_reaches_its_rows_by_id_on_a_grown_table() {
     let Some(db) = TestDb::postgres().await else {
@@ -548,13 +549,16 @@ async fn postgres_a_chain_settle_reaches_its_rows_by_id_on_a_grown_table() {
     let mut fetched = Vec::new();
     // Six rounds first: the function's statements run from generic plans after five.
     for round in 0..7 {
-        let events: Vec<NewEvent> = (0..3)
+        let events: Vec<NewEvent> = (0..32)
             .map(|_| NewEvent::new("t", lead(&format!("chain{round}"))))
             .collect();
         let before = outbox_rows_fetched_pooled(&db, &one).await;
         enqueue(&repo, &events).await;
-        let claims = repo.claim_chains(policy, &Scope::All, 3, 2).await.unwrap();
-        assert_eq!(claims.len(), 3, "round {round}: the chain is claimed");
+        let claims = repo
+            .claim_chains(policy, &Scope::All, 32, 31)
+            .await
+            .unwrap();
+        assert_eq!(claims.len(), 32, "round {round}: the chain is claimed");
         let fences: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
         let (mut batch, lost) = repo
             .begin_batch_attempt(Duration::from_secs(5), fences.clone())
@@ -562,7 +566,7 @@ async fn postgres_a_chain_settle_reaches_its_rows_by_id_on_a_grown_table() {
             .unwrap();
         assert!(lost.is_empty());
         let written = batch.mark_processed_chains(fences).await.unwrap();
-        assert_eq!(written, vec![FenceOutcome::Written; 3]);
+        assert_eq!(written, vec![FenceOutcome::Written; 32]);
         batch.commit().await.unwrap();
         // The whole round (enqueue, claim, begin, settle) on the pool's one connection.
         fetched.push(outbox_rows_fetched_pooled(&db, &one).await - before);

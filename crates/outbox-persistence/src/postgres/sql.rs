@@ -104,15 +104,16 @@ macro_rules! scope_filter {
 /// `e` before `first`, on statistics taken while the backlog was empty (every partial index
 /// looked empty) it walked a whole index per head. A row updated after the statement's snapshot
 /// fails the `ctid` on the re-check `SKIP LOCKED` makes on its newest version and is passed
-/// over, as a locked row is: the next claim takes it. `first` orders by the key too,
-/// so only `outbox_record_key_idx` delivers its order: `outbox_eligible_idx` (the whole backlog
-/// by `CreatedDate`, filtered by key) looked as cheap on those statistics. Migration 0018.
-/// And a key with a live claim is passed before its rows are read: the lateral read of the key's
-/// oldest row first probes `outbox_in_flight_idx` for the head's key (a one-time filter of the
-/// read, which depends on the head alone), so the heads in flight, at the front of the walk
-/// and about one per claimed row, cost one probe each instead of two row reads (the claim's
-/// statement read 43% fewer buffers past 300 heads in flight). The guard on the picked row
-/// stays: it is the one re-checked on a row locked after a concurrent update.
+/// over, as a locked row is (the next claim takes it), on minor releases with the TID scan's
+/// re-check (backpatched to PostgreSQL 13 in 2025); on older ones the re-check passes and the
+/// pick behaves as with the join by id (the state rules re-checked on the newest version).
+/// Migration 0018. And a key with a live claim is passed before its rows are read: the lateral
+/// read of the key's oldest row first probes `outbox_in_flight_idx` for the head's key (a
+/// one-time filter of the read, which depends on the head alone), so the heads in flight, at the
+/// front of the walk and about one per claimed row, cost one probe each instead of two row
+/// reads (the claim's statement read 43% fewer buffers past 300 heads in flight). The guard on
+/// the picked row is the same rule, kept as it was; like the pre-filter it reads the statement's
+/// snapshot (an anti-join is not re-evaluated on a locked row's newest version).
 ///
 /// Time is the database's (`clock` below, read once per statement). Parameters: `$1` the clock
 /// shift, `$2` stale-after, `$3` retry delay (intervals), `$4` `MaxRetryAttempts`; `$limit` is
