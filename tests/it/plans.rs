@@ -165,11 +165,7 @@ async fn postgres_the_attempt_path_planned_on_a_small_table_uses_the_indexes_aft
 /// One run of the test above: asserts the round's reads and returns the control's.
 async fn attempt_path_after_growth(db: &TestDb) -> i64 {
     statistics_of_a_small_table(db).await;
-    let one = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(db.pg().unwrap().connect_options().as_ref().clone())
-        .await
-        .unwrap();
+    let one = one_connection(db).await;
     let repo: Arc<dyn OutboxRepository> = Arc::new(PgOutbox::new(one.clone()));
     let control = || async {
         sqlx::query_scalar::<_, i64>(
@@ -210,14 +206,31 @@ SELECT gen_random_uuid(), 'grown', '{}', CASE WHEN i <= 20000 THEN 'processed' E
        clock_timestamp() + interval '1 hour'
 FROM generate_series(1, 25000) i";
 
-/// The outbox rows read by sequential scans so far, with `conn`'s counts flushed to the shared
-/// statistics first (`pg_stat_force_next_flush`: flushed before the call's reply is sent).
-async fn outbox_rows_scanned(db: &TestDb, conn: &PgPool) -> i64 {
+/// A count read from the shared statistics (`sql`), with `conn`'s counts flushed to them first
+/// (`pg_stat_force_next_flush`: flushed before the call's reply is sent).
+async fn flushed_count(db: &TestDb, conn: &PgPool, sql: &str) -> i64 {
     sqlx::query("SELECT pg_stat_force_next_flush()")
         .execute(conn)
         .await
         .unwrap();
-    db.count(
+    db.count(sql).await
+}
+
+/// A pool of one connection to `db`: every statement of a test on one backend, so that its
+/// cached plans and its statistics counts are the ones read.
+async fn one_connection(db: &TestDb) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.pg().unwrap().connect_options().as_ref().clone())
+        .await
+        .unwrap()
+}
+
+/// The outbox rows read by sequential scans so far (`conn`'s counts flushed).
+async fn outbox_rows_scanned(db: &TestDb, conn: &PgPool) -> i64 {
+    flushed_count(
+        db,
+        conn,
         "SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables
          WHERE relname = '_system_outboxevent'",
     )
@@ -359,11 +372,9 @@ FROM generate_series(1, 2000) i";
 
 /// Index entries of the partial index on in-flight rows read so far (`conn`'s counts flushed).
 async fn in_flight_entries_read(db: &TestDb, conn: &PgPool) -> i64 {
-    sqlx::query("SELECT pg_stat_force_next_flush()")
-        .execute(conn)
-        .await
-        .unwrap();
-    db.count(
+    flushed_count(
+        db,
+        conn,
         "SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes
          WHERE indexrelname = 'outbox_in_flight_idx'",
     )
@@ -539,11 +550,7 @@ async fn postgres_a_chain_settle_reaches_its_rows_by_id_on_a_grown_table() {
     )
     .await;
     db.execute("ANALYZE _System_OutboxEvent").await;
-    let one = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(db.pg().unwrap().connect_options().as_ref().clone())
-        .await
-        .unwrap();
+    let one = one_connection(&db).await;
     let repo: Arc<dyn OutboxRepository> = Arc::new(PgOutbox::new(one.clone()));
     let policy = ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(10), 5);
     let mut fetched = Vec::new();
@@ -580,11 +587,9 @@ async fn postgres_a_chain_settle_reaches_its_rows_by_id_on_a_grown_table() {
 
 /// Live outbox rows fetched through an index so far, `conn`'s counts flushed first.
 async fn outbox_rows_fetched_pooled(db: &TestDb, conn: &PgPool) -> i64 {
-    sqlx::query("SELECT pg_stat_force_next_flush()")
-        .execute(conn)
-        .await
-        .unwrap();
-    db.count(
+    flushed_count(
+        db,
+        conn,
         "SELECT coalesce(sum(idx_tup_fetch), 0)::bigint FROM pg_stat_user_tables
          WHERE relname = '_system_outboxevent'",
     )
