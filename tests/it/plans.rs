@@ -585,6 +585,57 @@ async fn postgres_a_chain_settle_reaches_its_rows_by_id_on_a_grown_table() {
     );
 }
 
+/// Issue 37, "plans that hold": a batch's heartbeat reaches its claims by their ids. Before
+/// migration 0020 `_System_OutboxBeatMany` locked its rows `ORDER BY e.Id`, and under the
+/// function's `enable_sort = off` the planner walked the outbox table's whole primary key to
+/// yield them in order: every row of the table at each beat of a batch. Seven beats of 32 claims
+/// beside 10,000 processed rows (the function's statements run from generic plans after five)
+/// must each fetch fewer than 1,000 outbox rows, and beat every claim.
+#[tokio::test]
+async fn postgres_a_batch_beat_reaches_its_claims_by_id_on_a_grown_table() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    db.execute(
+        "INSERT INTO _System_OutboxEvent
+           (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
+         SELECT gen_random_uuid(), 'old', '{}', 'processed', 0, 'lead:old' || (i % 100),
+                clock_timestamp() - interval '2 hours' + i * interval '1 microsecond',
+                clock_timestamp() - interval '2 hours'
+         FROM generate_series(1, 10000) i",
+    )
+    .await;
+    db.execute("ANALYZE _System_OutboxEvent").await;
+    let one = one_connection(&db).await;
+    let repo: Arc<dyn OutboxRepository> = Arc::new(PgOutbox::new(one.clone()));
+    let events: Vec<NewEvent> = (0..32)
+        .map(|i| NewEvent::new("t", lead(&format!("beaten{i}"))))
+        .collect();
+    enqueue(&repo, &events).await;
+    let policy = ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(10), 5);
+    let claims = repo.claim_batch(policy, &Scope::All, 32).await.unwrap();
+    assert_eq!(claims.len(), 32, "every record's row is claimed");
+    let mut fences: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
+    let mut fetched = Vec::new();
+    for beat in 0..7 {
+        let before = outbox_rows_fetched_pooled(&db, &one).await;
+        let outcomes = repo.heartbeat_many(fences.clone()).await.unwrap();
+        fetched.push(outbox_rows_fetched_pooled(&db, &one).await - before);
+        fences = outcomes
+            .into_iter()
+            .map(|o| match o {
+                BeatOutcome::Beaten(f) => f,
+                other => panic!("beat {beat}: a claim was {other:?}"),
+            })
+            .collect();
+    }
+    one.close().await;
+    assert!(
+        fetched.iter().all(|&n| n < 1_000),
+        "outbox rows fetched by each beat of 32 claims: {fetched:?}"
+    );
+}
+
 /// Live outbox rows fetched through an index so far, `conn`'s counts flushed first.
 async fn outbox_rows_fetched_pooled(db: &TestDb, conn: &PgPool) -> i64 {
     flushed_count(
