@@ -1,23 +1,30 @@
-//! A handler that writes (issue 37): each event's handler upserts one application row of its
-//! record through `ctx.tx()`, as a platform team's handler does, in a keyed drain beside the
-//! no-op drain and ceiling (b) of the same run. A handler that keeps effects in the attempt
-//! transaction ends its batch's segment (docs/state-machine.md, "Batched attempts", rule 2:
-//! a transaction holds at most one handler's effects), so this drain measures what that
-//! lock-footprint rule costs. The application rows are read back afterwards: each counts its
-//! record's events exactly once.
+//! Handlers that write (issue 37), in a keyed drain beside the no-op drain and ceiling (b) of
+//! the same run, as platform teams' handlers do: one upserts an application row of its record
+//! through `ctx.tx()`; the other runs a create action's find-or-create (crate `create-action`,
+//! an autonumbered object keyed by the event's record and a snapshot field: every event creates
+//! its own row, drawing the gap-free autonumber). A handler that keeps effects in the attempt
+//! transaction ends its batch's segment (docs/state-machine.md, "Batched attempts", rule 2: a
+//! transaction holds at most one handler's effects), so these drains measure what that
+//! lock-footprint rule costs. The application rows are read back afterwards: the upserts count
+//! each event exactly once; the creates hold one row per event, numbered 1 to N without a gap.
+
+use std::sync::Arc;
 
 use anyhow::{Result, bail};
+use create_action::{ColumnType, EventEnvelope, FindOrCreate, ObjectDef, Source};
 use outbox_events::{AttemptContext, Handler, HandlerError, Handlers, OutboxEvent};
+use outbox_persistence::NewEvent;
+use outbox_persistence::sqlx::PgPool;
 
 use crate::report::{Report, Row};
 use crate::scenarios::{EVENT_TYPE, VARIANTS, drain_with, enqueue, keyed_events, pg, reset};
 use crate::{BenchDb, Sizes};
 
 /// One `INSERT … ON CONFLICT DO UPDATE` of the event's record's application row.
-struct Writing;
+struct Upsert;
 
 #[async_trait::async_trait]
-impl Handler for Writing {
+impl Handler for Upsert {
     async fn handle(
         &self,
         event: &OutboxEvent,
@@ -42,10 +49,177 @@ impl Handler for Writing {
     }
 }
 
-/// The keyed drain with a writing handler, by the shipped pull workers and with one event per
-/// attempt, at 8 workers; a target against ceiling (b).
+/// A create action's find-or-create of the event's `BenchOpportunity`, in the attempt.
+struct Create(FindOrCreate);
+
+#[async_trait::async_trait]
+impl Handler for Create {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        let envelope = EventEnvelope::parse(&event.payload)
+            .map_err(|e| HandlerError::permanent_from("unreadable payload", e))?;
+        let action = &self.0;
+        outbox_persistence::with_tx!(ctx.tx(), |conn| action
+            .run(conn, &envelope)
+            .await
+            .map(|_| ()))
+        .map_err(HandlerError::from)
+    }
+}
+
+/// The object the create drain makes: keyed by the lead and the event's `Relation`, numbered.
+fn create_action() -> Result<FindOrCreate> {
+    let object = Arc::new(
+        ObjectDef::builder("BenchOpportunity")
+            .natural_key("SourceLeadId", ColumnType::Text)
+            .natural_key("Relation", ColumnType::Text)
+            .field("Name", ColumnType::Text)
+            .autonumber("OpportunityNumber")
+            .build()?,
+    );
+    Ok(FindOrCreate::builder(object)
+        .key("SourceLeadId", Source::RecordId)
+        .key("Relation", Source::snapshot("Relation"))
+        .field("Name", Source::snapshot("Company"))
+        .build()?)
+}
+
+/// Which writing handler a drain runs.
+#[derive(Clone, Copy)]
+enum Writer {
+    Upsert,
+    Create,
+}
+
+impl Writer {
+    fn scenario(self, sizes: &Sizes) -> String {
+        match self {
+            Writer::Upsert => format!(
+                "drain {} writing (one upsert through ctx.tx()), {} records",
+                sizes.drain_events, sizes.records
+            ),
+            Writer::Create => format!(
+                "drain {} writing (create-action find-or-create, autonumbered), {} records",
+                sizes.drain_events, sizes.records
+            ),
+        }
+    }
+
+    fn target(self) -> &'static str {
+        match self {
+            Writer::Upsert => {
+                "8 pull workers, keyed drain with a writing handler >= 1.5x ceiling (b)"
+            }
+            Writer::Create => {
+                "8 pull workers, keyed drain with a create-action find-or-create >= 1.5x ceiling (b)"
+            }
+        }
+    }
+
+    /// The application table, empty, and the events (keyed over `sizes.records`).
+    async fn prepare(self, pool: &PgPool, sizes: &Sizes) -> Result<Vec<NewEvent>> {
+        match self {
+            Writer::Upsert => {
+                sqlx::raw_sql(
+                    "CREATE TABLE IF NOT EXISTS bench_app (id text PRIMARY KEY, n bigint NOT NULL);
+                     TRUNCATE bench_app;",
+                )
+                .execute(pool)
+                .await?;
+                Ok(keyed_events(sizes.drain_events, sizes.records, true))
+            }
+            Writer::Create => {
+                sqlx::raw_sql(
+                    "DROP TABLE IF EXISTS BenchOpportunity;
+                     CREATE TABLE BenchOpportunity (
+                       SourceLeadId text NOT NULL, Relation text NOT NULL,
+                       OpportunityNumber bigint NOT NULL, Name text NOT NULL,
+                       CONSTRAINT bench_opportunity_natural_key UNIQUE (SourceLeadId, Relation),
+                       CONSTRAINT bench_opportunity_number UNIQUE (OpportunityNumber));
+                     DELETE FROM _System_Autonumber WHERE ObjectName = 'benchopportunity';",
+                )
+                .execute(pool)
+                .await?;
+                Ok((0..sizes.drain_events)
+                    .map(|i| {
+                        let payload = serde_json::json!({
+                            "object": "Lead",
+                            "record_id": format!("r{}", i % sizes.records),
+                            "snapshot": {"Relation": format!("e{i}"), "Company": format!("c{i}")},
+                        });
+                        NewEvent::new(EVENT_TYPE, payload.to_string())
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    fn handlers(self) -> Result<Handlers> {
+        Ok(match self {
+            Writer::Upsert => Handlers::new().register(EVENT_TYPE, Upsert),
+            Writer::Create => Handlers::new().register(EVENT_TYPE, Create(create_action()?)),
+        })
+    }
+
+    /// Reads the application rows back: what the note says of them, or why the drain is wrong.
+    async fn check(self, pool: &PgPool, sizes: &Sizes) -> Result<String> {
+        let n = sizes.drain_events as i64;
+        match self {
+            Writer::Upsert => {
+                let (rows, counted): (i64, i64) =
+                    sqlx::query_as("SELECT count(*), coalesce(sum(n), 0)::bigint FROM bench_app")
+                        .fetch_one(pool)
+                        .await?;
+                if counted != n || rows != sizes.records as i64 {
+                    bail!(
+                        "the writing drain's application rows count {counted} events over {rows} records, not {n} over {}",
+                        sizes.records
+                    );
+                }
+                Ok(format!(
+                    "application rows count each event once ({counted} over {rows} records)"
+                ))
+            }
+            Writer::Create => {
+                let (rows, low, high): (i64, Option<i64>, Option<i64>) = sqlx::query_as(
+                    "SELECT count(*), min(OpportunityNumber), max(OpportunityNumber)
+                     FROM BenchOpportunity",
+                )
+                .fetch_one(pool)
+                .await?;
+                // The numbers are UNIQUE: n rows numbered 1 to n have no gap.
+                if rows != n || low != Some(1) || high != Some(n) {
+                    bail!(
+                        "the create drain holds {rows} rows numbered {low:?} to {high:?}, not {n} numbered 1 to {n}"
+                    );
+                }
+                Ok(format!(
+                    "one created row per event ({rows}), autonumbers 1 to {n} without a gap"
+                ))
+            }
+        }
+    }
+}
+
+/// The keyed drains with writing handlers, by the shipped pull workers and with one event per
+/// attempt, at 8 workers; a target against ceiling (b) each.
 pub(crate) async fn writing_drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
-    eprintln!("writing drain");
+    for writer in [Writer::Upsert, Writer::Create] {
+        writing_drain(db, sizes, report, writer).await?;
+    }
+    Ok(())
+}
+
+async fn writing_drain(
+    db: &BenchDb,
+    sizes: &Sizes,
+    report: &mut Report,
+    writer: Writer,
+) -> Result<()> {
+    eprintln!("writing drain: {}", writer.scenario(sizes));
     let workers = 8;
     for variant in VARIANTS
         .into_iter()
@@ -53,42 +227,24 @@ pub(crate) async fn writing_drains(db: &BenchDb, sizes: &Sizes, report: &mut Rep
     {
         reset(db).await?;
         let pool = db.connect(2).await?;
-        sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS bench_app (id text PRIMARY KEY, n bigint NOT NULL);
-             TRUNCATE bench_app;",
-        )
-        .execute(pg(&pool)?)
-        .await?;
-        let events = keyed_events(sizes.drain_events, sizes.records, true);
+        let events = writer.prepare(pg(&pool)?, sizes).await?;
         enqueue(&pool.repository(), &events, 1_000).await?;
         pool.close().await;
         let d = drain_with(
             db,
             variant.setup(workers),
             sizes.drain_events,
-            Handlers::new().register(EVENT_TYPE, Writing),
+            writer.handlers()?,
         )
         .await?;
         let pool = db.connect(1).await?;
-        let (rows, counted): (i64, i64) =
-            sqlx::query_as("SELECT count(*), coalesce(sum(n), 0)::bigint FROM bench_app")
-                .fetch_one(pg(&pool)?)
-                .await?;
+        let checked = writer.check(pg(&pool)?, sizes).await;
         pool.close().await;
-        if counted != sizes.drain_events as i64 || rows != sizes.records as i64 {
-            bail!(
-                "the writing drain's application rows count {counted} events over {rows} records, not {} over {}",
-                sizes.drain_events,
-                sizes.records
-            );
-        }
+        let checked = checked?;
         let f = d.figures;
         let rate = f.n as f64 / f.span_s.max(1e-9);
         report.push(Row {
-            scenario: format!(
-                "drain {} writing (one upsert through ctx.tx()), {} records",
-                sizes.drain_events, sizes.records
-            ),
+            scenario: writer.scenario(sizes),
             dispatcher: variant.name.into(),
             workers: Some(workers),
             events: Some(f.n),
@@ -96,7 +252,7 @@ pub(crate) async fn writing_drains(db: &BenchDb, sizes: &Sizes, report: &mut Rep
             p50_ms: Some(f.p50_ms),
             p99_ms: Some(f.p99_ms),
             note: format!(
-                "order violations {}; application rows count each event once ({counted} over {rows} records){}",
+                "order violations {}; {checked}{}",
                 d.violations,
                 variant.claims_note(d.per_statement)
             ),
@@ -106,7 +262,7 @@ pub(crate) async fn writing_drains(db: &BenchDb, sizes: &Sizes, report: &mut Rep
             && let Some(b) = report.ceiling_b.get(&workers).copied()
         {
             report.target(
-                "8 pull workers, keyed drain with a writing handler >= 1.5x ceiling (b)",
+                writer.target(),
                 format!("{rate:.0}/s = {:.2}x of {b:.0}/s", rate / b),
                 rate >= 1.5 * b,
             );
