@@ -418,6 +418,14 @@ async fn drain_variant(
     Ok((rate, cpu_us))
 }
 
+/// The worker count an A/B run (`OUTBOX_BENCH_AB`) drains with: `OUTBOX_BENCH_AB_WORKERS`, or 8.
+fn ab_workers() -> usize {
+    std::env::var("OUTBOX_BENCH_AB_WORKERS")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or(8)
+}
+
 pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
     eprintln!("drains");
     let mut pull_keyed_8 = None;
@@ -426,7 +434,7 @@ pub(crate) async fn drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> 
         for keyed in [true, false] {
             for variant in VARIANTS {
                 if let Ok(ab) = std::env::var("OUTBOX_BENCH_AB")
-                    && (!(variant.shipped_pull() && workers == 8)
+                    && (!(variant.shipped_pull() && workers == ab_workers())
                         || ab == "keyed" && !keyed
                         || ab == "unkeyed" && keyed)
                 {
