@@ -1,0 +1,52 @@
+-- Issue 37: the outbox's functions plan their statements once per connection, not at every call.
+--
+-- Migration 0012 moved the attempt's statements into PL/pgSQL functions so that their cached
+-- plans stay index plans as the table grows. A function caches a plan per statement and
+-- connection, but by default PostgreSQL's plan cache (`plan_cache_mode = auto`) keeps making a
+-- custom plan for the call's parameter values while the generic plan's estimate is higher than
+-- the custom plans' average, and an array parameter (`unnest(ks, cs, ids)`, `= ANY(ids)`) is
+-- estimated at a few elements in a custom plan against ten or more in the generic one: so it
+-- never switched. Measured with `pg_stat_statements` (`track = all`, `track_planning = on`) on
+-- the bench's keyed drain and webhook drain: the heads trigger's head update inside
+-- `_System_OutboxHeadAdd` was planned at 5,045 of its 5,304 calls (706 ms of planning against
+-- 99 ms of execution), its key lock 5,055 times (211 ms against 49 ms), the settle's heads
+-- statements at 1,337-1,549 of 1,540 calls, the claim's head pick at 343 of 805 calls (1.0 ms
+-- per planning: 344 ms against 618 ms of execution), on a server whose two cores the workers
+-- saturate. In a loop on one connection, `_System_OutboxHeadAdd` of one key took 0.145 ms per
+-- call as shipped and 0.038 ms with a generic plan: every enqueue (the application's own, and
+-- a webhook's fan-out row) runs it.
+--
+-- `SET plan_cache_mode = force_generic_plan` on each function: its statements are planned at
+-- their first call on a connection and the plan is reused after. That is the plan stability
+-- 0012 meant to buy: under the functions' settings (only index walks are left) the generic plan
+-- is the index plan whatever the table's size; `tests/it/plans.rs` checks the shapes that
+-- failed before (every row of the primary key, a partial index walked per head) with these
+-- settings. ALTER FUNCTION … SET adds the setting and keeps the others; it locks the function's
+-- catalog row, not the outbox table.
+
+ALTER FUNCTION _System_OutboxHeadAdd(text[], timestamptz[], uuid[])
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxHeadRemove(text, uuid)
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxHeadRemoveMany(text[], uuid[])
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxCheckFence(uuid, timestamptz)
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxBeat(interval, uuid, timestamptz, text)
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxBeatMany(interval, uuid[], timestamptz[])
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxLostFences(uuid[], timestamptz[])
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxSettle(interval, uuid, timestamptz, text, interval, text, text)
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxSettleMany(interval, uuid[], timestamptz[], text, boolean)
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxReleaseMany(interval, uuid[], timestamptz[], text, text)
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxClaimChains(interval, text[], timestamptz[], uuid[], bigint, text[], text[], bigint)
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxClaimBatch(interval, interval, interval, integer, text[], text[], integer, text)
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION _System_OutboxTally(timestamptz[])
+    SET plan_cache_mode = force_generic_plan;
