@@ -702,3 +702,55 @@ async fn postgres_a_claim_on_statistics_of_an_empty_backlog_reads_by_key_and_id(
         "a claim of one row fetched {fetched} outbox rows: it walked a partial index per head"
     );
 }
+
+/// Issue 37, "plans that hold": every function of the claim, the attempt and the heads keeps the
+/// settings that leave only index walks and that plan its statements once per connection
+/// (migrations 0012 and 0021). A later `CREATE OR REPLACE FUNCTION` replaces a function's
+/// settings with the ones it is given, so a migration that forgets one would silently bring
+/// back per-call planning or a sequential scan; this reads what the server holds.
+#[tokio::test]
+async fn postgres_the_outbox_functions_keep_their_planner_settings() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let functions = [
+        "_system_outboxclaimbatch",
+        "_system_outboxclaimchains",
+        "_system_outboxbeat",
+        "_system_outboxbeatmany",
+        "_system_outboxlostfences",
+        "_system_outboxsettle",
+        "_system_outboxsettlemany",
+        "_system_outboxreleasemany",
+        "_system_outboxcheckfence",
+        "_system_outboxheadadd",
+        "_system_outboxheadremove",
+        "_system_outboxheadremovemany",
+        "_system_outboxtally",
+    ];
+    let pool = db.pg().unwrap();
+    for function in functions {
+        let config: Vec<Option<Vec<String>>> =
+            sqlx::query_scalar("SELECT proconfig FROM pg_proc WHERE proname = $1")
+                .bind(function)
+                .fetch_all(pool)
+                .await
+                .unwrap();
+        assert_eq!(config.len(), 1, "{function}: one function of that name");
+        let config = config[0].clone().unwrap_or_default();
+        for setting in [
+            "plan_cache_mode=force_generic_plan",
+            "enable_seqscan=off",
+            "enable_bitmapscan=off",
+            "enable_hashjoin=off",
+            "enable_mergejoin=off",
+            "enable_sort=off",
+            "enable_material=off",
+        ] {
+            assert!(
+                config.iter().any(|c| c == setting),
+                "{function} lacks {setting}: {config:?}"
+            );
+        }
+    }
+}
