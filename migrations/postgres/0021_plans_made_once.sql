@@ -1,4 +1,5 @@
--- Issue 37: the outbox's functions plan their statements once per connection, not at every call.
+-- Issue 37: the attempt's and the heads' functions plan their statements once per connection, not
+-- at every call.
 --
 -- Migration 0012 moved the attempt's statements into PL/pgSQL functions so that their cached
 -- plans stay index plans as the table grows. A function caches a plan per statement and
@@ -16,7 +17,8 @@
 -- call as shipped and 0.038 ms with a generic plan: every enqueue (the application's own, and
 -- a webhook's fan-out row) runs it.
 --
--- `SET plan_cache_mode = force_generic_plan` on each function: its statements are planned at
+-- `SET plan_cache_mode = force_generic_plan` on the attempt's and the heads' functions (not the
+-- claim's, below): their statements are planned at
 -- their first call on a connection and the plan is reused after. That is the plan stability
 -- 0012 meant to buy: under the functions' settings only index walks are left, so the generic
 -- plan is an index plan whatever the table's size; `tests/it/plans.rs` checks the shapes that
@@ -29,11 +31,17 @@
 -- where `auto` would plan again at the next call. On statistics that count no open row (40,000
 -- processed rows analyzed, then a backlog), the batch settle's check for older rows walked
 -- `outbox_eligible_idx` without a bound in both modes, three times slower in the generic plan
--- (150-234 ms against 47-69 ms per call), and a claim planned on an empty table then grown by
--- 25,000 rows read 30,142 buffers against 10,020 under `auto` until the next ANALYZE (which
--- autovacuum runs once a tenth of the table has changed). With statistics taken on any
+-- (150-234 ms against 47-69 ms per call), until the next ANALYZE (which autovacuum runs once
+-- a tenth of the table has changed). With statistics taken on any
 -- backlog the generic and custom plans read the same buffers. docs/queries.md, "Planned once
 -- per connection".
+--
+-- The claim's functions (_System_OutboxClaimBatch, _System_OutboxClaimChains) keep the plan
+-- cache's default. Forced generic, the keyed drain ran 13% faster (14,409 and 13,333 per s
+-- against 12,121 and 12,304, alternated) but the head-of-line scenario's p99 (one record
+-- blocked, the others offered at 500/s) rose from 15-18 ms to 30-44 ms in the same sitting,
+-- against a target of 20 ms: a claim at low load ran slower from its generic plan. Latency
+-- for every record is not traded for drain throughput.
 
 ALTER FUNCTION _System_OutboxHeadAdd(text[], timestamptz[], uuid[])
     SET plan_cache_mode = force_generic_plan;
@@ -54,10 +62,6 @@ ALTER FUNCTION _System_OutboxSettle(interval, uuid, timestamptz, text, interval,
 ALTER FUNCTION _System_OutboxSettleMany(interval, uuid[], timestamptz[], text, boolean)
     SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION _System_OutboxReleaseMany(interval, uuid[], timestamptz[], text, text)
-    SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION _System_OutboxClaimChains(interval, text[], timestamptz[], uuid[], bigint, text[], text[], bigint)
-    SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION _System_OutboxClaimBatch(interval, interval, interval, integer, text[], text[], integer, text)
     SET plan_cache_mode = force_generic_plan;
 -- The chart's tally (migration 0016) had none of the index-only settings: a plan made while
 -- `_System_OutboxThroughput` was empty walked it with a sequential scan per row of its trim

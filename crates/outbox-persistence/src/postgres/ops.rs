@@ -8,7 +8,7 @@ use sqlx::PgPool;
 
 use super::claim::{event_from_row, row_from};
 use super::sql::{CLAIM_NEXT, CLAIM_PLAN_SETTINGS, ELIGIBLE_QUERY, db_now};
-use super::{PgOutbox, span};
+use super::{PgOutbox, interval, span};
 use crate::stats::{ESTIMATE_PROCESSED_ABOVE, count_blocked};
 use crate::{
     BackfillPage, ClaimPolicy, EventFilter, EventId, EventRow, OutboxEvent, OutboxStats, Result,
@@ -395,6 +395,7 @@ async fn plans(
             .bind(1_i64)
             .fetch_all(&mut *tx)
             .await?;
+    let no_types: Option<Vec<String>> = None;
     // The claim runs inside `_System_OutboxClaimBatch` under these settings (migration 0008);
     // `EXPLAIN` cannot see into a function, so the statement is planned under them here.
     for (setting, value) in CLAIM_PLAN_SETTINGS {
@@ -405,46 +406,20 @@ async fn plans(
             .execute(&mut *tx)
             .await?;
     }
-    let claim = generic_claim_plan(&mut tx, policy, explain).await?;
+    let claim: Vec<String> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{explain} {CLAIM_NEXT}")))
+            .persistent(cached)
+            .bind(interval(0))
+            .bind(span(policy.stale_after))
+            .bind(span(policy.retry_delay))
+            .bind(policy.max_retry_attempts)
+            .bind(&no_types)
+            .bind(&no_types)
+            .fetch_all(&mut *tx)
+            .await?;
     tx.rollback().await?;
     Ok(vec![
         ("eligible-event query (the design's, as written)", design),
         ("select-and-claim (claim_next)", claim),
     ])
-}
-
-/// The claim's plan as its function runs it: a generic plan (migration 0021 sets
-/// `plan_cache_mode = force_generic_plan` on the function), made for a statement prepared
-/// with its parameters' types and then explained with the policy's values. A parameter bound
-/// to the `EXPLAIN` itself would be planned as a custom plan for those values. The prepared
-/// statement is session state, not transactional: it is deallocated here (a unique name, so
-/// one left behind by an error never collides).
-async fn generic_claim_plan(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    policy: ClaimPolicy,
-    explain: &str,
-) -> Result<Vec<String>> {
-    let name = format!("outbox_explain_{}", crate::new_event_id().simple());
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "PREPARE {name}(interval, interval, interval, integer, text[], text[]) AS {CLAIM_NEXT}"
-    )))
-    .execute(&mut **tx)
-    .await?;
-    sqlx::raw_sql("SELECT set_config('plan_cache_mode', 'force_generic_plan', true)")
-        .execute(&mut **tx)
-        .await?;
-    let micros = |d: Duration| format!("'{} microseconds'::interval", d.as_micros());
-    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "{explain} EXECUTE {name}('0 microseconds'::interval, {}, {}, {}, NULL, NULL)",
-        micros(policy.stale_after),
-        micros(policy.retry_delay),
-        policy.max_retry_attempts
-    )))
-    .persistent(false)
-    .fetch_all(&mut **tx)
-    .await?;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DEALLOCATE {name}")))
-        .execute(&mut **tx)
-        .await?;
-    Ok(plan)
 }
