@@ -1,4 +1,4 @@
--- Issue 37: the attempt's and the heads' functions plan their statements once per connection, not
+-- Issue 37: the functions that reach rows by key plan their statements once per connection, not
 -- at every call.
 --
 -- Migration 0012 moved the attempt's statements into PL/pgSQL functions so that their cached
@@ -17,37 +17,30 @@
 -- call as shipped and 0.038 ms with a generic plan: every enqueue (the application's own, and
 -- a webhook's fan-out row) runs it.
 --
--- `SET plan_cache_mode = force_generic_plan` on the attempt's and the heads' functions (not the
--- claim's, below): their statements are planned at
--- their first call on a connection and the plan is reused after. That is the plan stability
--- 0012 meant to buy: under the functions' settings only index walks are left, so the generic
--- plan is an index plan whatever the table's size; `tests/it/plans.rs` checks the shapes that
--- failed before (every row of the primary key, a partial index walked per head) with these
--- settings, and that every function keeps them. ALTER FUNCTION … SET adds the setting and keeps
--- the others; it locks the function's catalog row, not the outbox table.
+-- `SET plan_cache_mode = force_generic_plan` on the functions whose statements reach rows only
+-- by a key no statistics can mislead: the heads trigger's `_System_OutboxHeadAdd` (the heads
+-- table by its primary key), the fenced one-row and by-id statements (`_System_OutboxBeat`,
+-- `…BeatMany`, `…CheckFence`, `…Settle`, `…ReleaseMany`: the primary key alone since
+-- migration 0014's `COLLATE "C"`) and the chart's tally. Their statements are planned at their
+-- first call on a connection and the plan is reused after. ALTER FUNCTION … SET adds the
+-- setting and keeps the others; it locks the function's catalog row, not the outbox table.
 --
--- The trade, measured by a review: which index a plan walks still depends on the statistics
--- it was made with, and a generic plan is kept until an ANALYZE of the table invalidates it,
--- where `auto` would plan again at the next call. On statistics that count no open row (40,000
--- processed rows analyzed, then a backlog), the batch settle's check for older rows walked
--- `outbox_eligible_idx` without a bound in both modes, three times slower in the generic plan
--- (150-234 ms against 47-69 ms per call), until the next ANALYZE (which autovacuum runs once
--- a tenth of the table has changed). With statistics taken on any
--- backlog the generic and custom plans read the same buffers. docs/queries.md, "Planned once
--- per connection".
---
--- The claim's functions (_System_OutboxClaimBatch, _System_OutboxClaimChains) keep the plan
--- cache's default. Forced generic, the keyed drain ran 13% faster (14,409 and 13,333 per s
--- against 12,121 and 12,304, alternated) but the head-of-line scenario's p99 (one record
--- blocked, the others offered at 500/s) rose from 15-18 ms to 30-44 ms in the same sitting,
--- against a target of 20 ms: a claim at low load ran slower from its generic plan. Latency
--- for every record is not traded for drain throughput.
+-- Not the functions that read a record's open rows through a partial index (the claim's
+-- `_System_OutboxClaimBatch` and `…ClaimChains`, `…LostFences`, `…SettleMany`,
+-- `…HeadRemove`, `…HeadRemoveMany`): which index those walk depends on the statistics the plan
+-- is made with, and a generic plan is kept until an ANALYZE invalidates it, where the default
+-- plans again at the next call. Measured: with all of them forced generic, a review saw the
+-- batch settle's check for older rows walk `outbox_eligible_idx` without a bound on statistics
+-- that counted no open row (150-234 ms per call against 47-69 ms under the default); in a full
+-- bench run with those functions forced generic and the claim on the default, the retention
+-- scenario's first drain (1,000,000 terminal rows analyzed, then a keyed backlog) ran at 114/s
+-- (855/s in the run before, 795-909/s before this migration); with the claim forced generic
+-- too, the head-of-line scenario's p99 rose from 15-18 ms to 30-44 ms (target 20 ms), though
+-- the keyed drain ran 13% faster. Latency and
+-- robustness are not traded for drain throughput. docs/queries.md, "Planned once per
+-- connection".
 
 ALTER FUNCTION _System_OutboxHeadAdd(text[], timestamptz[], uuid[])
-    SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION _System_OutboxHeadRemove(text, uuid)
-    SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION _System_OutboxHeadRemoveMany(text[], uuid[])
     SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION _System_OutboxCheckFence(uuid, timestamptz)
     SET plan_cache_mode = force_generic_plan;
@@ -55,11 +48,7 @@ ALTER FUNCTION _System_OutboxBeat(interval, uuid, timestamptz, text)
     SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION _System_OutboxBeatMany(interval, uuid[], timestamptz[])
     SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION _System_OutboxLostFences(uuid[], timestamptz[])
-    SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION _System_OutboxSettle(interval, uuid, timestamptz, text, interval, text, text)
-    SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION _System_OutboxSettleMany(interval, uuid[], timestamptz[], text, boolean)
     SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION _System_OutboxReleaseMany(interval, uuid[], timestamptz[], text, text)
     SET plan_cache_mode = force_generic_plan;
