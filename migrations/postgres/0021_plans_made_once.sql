@@ -52,6 +52,11 @@ ALTER FUNCTION _System_OutboxSettle(interval, uuid, timestamptz, text, interval,
     SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION _System_OutboxReleaseMany(interval, uuid[], timestamptz[], text, text)
     SET plan_cache_mode = force_generic_plan;
+-- A function's settings hold for what it calls: the row trigger that `_System_OutboxSettle`'s
+-- UPDATE fires runs `_System_OutboxHeadRemove`, which reads the record's open rows through a
+-- partial index, so it is given the plan cache's default explicitly.
+ALTER FUNCTION _System_OutboxHeadRemove(text, uuid)
+    SET plan_cache_mode = auto;
 -- The chart's tally (migration 0016) had none of the index-only settings: a plan made while
 -- `_System_OutboxThroughput` was empty walked it with a sequential scan per row of its trim
 -- once it had grown (a review measured 1.1 s for a trim over 45,000 rows, with the plan

@@ -487,9 +487,11 @@ async fn a_hot_record_runs_in_chains_in_order(db: TestDb) {
     assert!(metrics.batches > 0, "{metrics:?}");
     assert_eq!(metrics.processed, 200);
     // Without chains every one of the hot record's 150 rows needs a claim statement of its
-    // own (a statement takes one head per record); idle workers' empty claims count too.
+    // own (a statement takes one head per record), so fewer than 150 statements in all shows
+    // the chains; idle workers' empty claims count too (104 seen with chains on a loaded CI
+    // machine, so the bound is not tighter).
     assert!(
-        metrics.claim_statements < 100,
+        metrics.claim_statements < 150,
         "chains: the hot record's rows come several per claim: {metrics:?}"
     );
     let order = effect_order(&db).await;
