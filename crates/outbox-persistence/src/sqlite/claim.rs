@@ -8,24 +8,15 @@ use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
 use super::sql::{
-    CHAIN_CANDIDATES, CLAIM_CANDIDATES, CLAIM_CHAIN_ROW, CLAIM_ROW, ELIGIBLE, ELIGIBLE_BY_ID,
+    CHAIN_CANDIDATES, CLAIM_CANDIDATES, CLAIM_CHAIN_ROWS, CLAIM_ROWS, ELIGIBLE, ELIGIBLE_BY_ID,
 };
 use super::time::{format_ts, next_written, parse_id, parse_ts};
 use super::{SqliteOutbox, json_list};
 use crate::attempt::chrono_span;
 use crate::{
-    Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, HeadsRepair, OutboxEvent,
-    RecordKey, Result, Scope, clip_error,
+    Claim, ClaimPolicy, Error, EventId, EventRow, EventStatus, Fence, OutboxEvent, RecordKey,
+    Result, Scope, clip_error,
 };
-
-/// Each key's oldest non-terminal row, as the outbox rows say.
-const TRUE_HEADS: &str = "\
-SELECT e.RecordKey, e.CreatedDate, e.Id FROM _System_OutboxEvent e
-WHERE e.RecordKey IS NOT NULL AND e.Status NOT IN ('processed', 'failed')
-  AND NOT EXISTS (
-    SELECT 1 FROM _System_OutboxEvent o
-    WHERE o.RecordKey = e.RecordKey AND o.Status NOT IN ('processed', 'failed')
-      AND (o.CreatedDate, o.Id) < (e.CreatedDate, e.Id))";
 
 /// How many rounds one claim transaction reads candidates in: a round after the first runs only
 /// when the one before failed a candidate (undecodable, or exhausted by dead workers), which may
@@ -186,172 +177,138 @@ async fn canonicalize_id(
     }
 }
 
-/// Claims one row of a record chain (a candidate from `chain_candidates`), if it is still
-/// `pending` on a first attempt.
-async fn claim_chain_row(
+/// Claims the chosen rows of record chains (candidates from `chain_candidates`, each still
+/// `pending` on a first attempt as read in this transaction) in one statement. The write lock
+/// keeps every other writer out since they were read, so each is claimed; one that is not means
+/// the rows changed under the lock, and the claim fails whole (its transaction rolls back)
+/// rather than hand out a chain row without the row before it.
+async fn claim_chain_rows(
     tx: &mut SqliteConnection,
-    candidate: &Claim,
+    chosen: Vec<Claim>,
     now: DateTime<Utc>,
-) -> Result<Option<Claim>> {
-    let written = next_written(now, candidate.event.last_modified_date);
-    let updated = sqlx::query(CLAIM_CHAIN_ROW)
-        .bind(candidate.event.id.to_string())
-        .bind(format_ts(written))
+) -> Result<Vec<Claim>> {
+    if chosen.is_empty() {
+        return Ok(chosen);
+    }
+    let claims: Vec<Claim> = chosen
+        .into_iter()
+        .map(|candidate| {
+            let written = next_written(now, candidate.event.last_modified_date);
+            let mut event = candidate.event;
+            event.status = EventStatus::Processing;
+            event.last_modified_date = written;
+            Claim {
+                fence: Fence {
+                    id: event.id,
+                    last_written: written,
+                },
+                event,
+                reclaimed: false,
+            }
+        })
+        .collect();
+    let rows: Vec<[String; 2]> = claims
+        .iter()
+        .map(|c| [c.event.id.to_string(), format_ts(c.fence.last_written)])
+        .collect();
+    let updated = sqlx::query(CLAIM_CHAIN_ROWS)
+        .bind(serde_json::to_string(&rows).expect("strings serialize"))
         .execute(&mut *tx)
         .await?
         .rows_affected();
-    if updated != 1 {
-        return Ok(None);
+    if updated != claims.len() as u64 {
+        return Err(Error::Invalid(format!(
+            "{} of {} record-chain rows read under the write lock could not be claimed: the claim is rolled back",
+            claims.len() as u64 - updated,
+            claims.len()
+        )));
     }
-    let mut event = candidate.event.clone();
-    event.status = EventStatus::Processing;
-    event.last_modified_date = written;
-    Ok(Some(Claim {
-        fence: Fence {
-            id: event.id,
-            last_written: written,
-        },
-        event,
-        reclaimed: false,
-    }))
+    Ok(claims)
 }
 
-/// Claims the candidate `row` (read inside the write transaction on `conn`) when its state
-/// allows (see [`Claimed::of`]); a row that cannot be decoded is failed with the reason.
-async fn claim_on(
+/// A candidate read, decoded and ready to be claimed (see [`claim_ready`]).
+struct Ready {
+    rowid: i64,
+    event: OutboxEvent,
+    /// `LastModifiedDate` as stored (the fence of the claim's own write).
+    raw_last_modified: String,
+    next: Claimed,
+}
+
+/// Prepares the candidate `row` (read inside the write transaction on `conn`) for its claim
+/// (see [`Claimed::of`]); a row that cannot be decoded is failed with the reason.
+async fn prepare_claim(
     conn: &mut SqliteConnection,
     row: &SqliteRow,
     now: DateTime<Utc>,
     policy: ClaimPolicy,
-) -> Result<Candidate> {
+) -> Result<std::result::Result<Ready, Candidate>> {
     let rowid: i64 = row.try_get("rowid")?;
     let event = match event_from_row(row) {
         Ok(event) => event,
         Err(e) => {
             let reason = format!("unreadable outbox row written by other code: {}", e.chain());
-            return fail_unreadable(conn, rowid, &reason).await;
+            return fail_unreadable(conn, rowid, &reason).await.map(Err);
         }
     };
     if let Some(failed) = canonicalize_id(conn, row, rowid, event.id).await? {
-        return Ok(failed);
+        return Ok(Err(failed));
     }
     let raw_last_modified: String = row.try_get("LastModifiedDate")?;
     let next = Claimed::of(&event, &raw_last_modified, now, policy);
-    let rows = sqlx::query(CLAIM_ROW)
-        .bind(rowid)
-        .bind(next.status.as_str())
-        .bind(format_ts(next.written))
-        .bind(next.retry_count)
-        .bind(next.last_error.as_deref().map(clip_error))
-        .bind(event.status.as_str())
-        .bind(&raw_last_modified)
-        .execute(&mut *conn)
-        .await?
-        .rows_affected();
-    if rows != 1 {
-        return Ok(Candidate::Passed);
+    Ok(Ok(Ready {
+        rowid,
+        event,
+        raw_last_modified,
+        next,
+    }))
+}
+
+/// Claims the `ready` candidates in one statement (`CLAIM_ROWS`), each while its state is
+/// still the one it was read with; what became of each, in order.
+async fn claim_ready(conn: &mut SqliteConnection, ready: Vec<Ready>) -> Result<Vec<Candidate>> {
+    if ready.is_empty() {
+        return Ok(Vec::new());
     }
-    if next.exhausted {
-        tracing::warn!(
-            event_id = %event.id,
-            event_type = %event.event_type,
-            retry_count = next.retry_count,
-            "a stale claim used up MaxRetryAttempts (its worker died on every attempt): the event is failed"
-        );
-        return Ok(Candidate::Failed);
-    }
-    Ok(Candidate::Claimed(next.into_claim(event)))
+    let rows: Vec<serde_json::Value> = ready
+        .iter()
+        .map(|r| {
+            serde_json::json!([
+                r.rowid,
+                r.next.status.as_str(),
+                format_ts(r.next.written),
+                r.next.retry_count,
+                r.next.last_error.as_deref().map(clip_error),
+                r.event.status.as_str(),
+                r.raw_last_modified,
+            ])
+        })
+        .collect();
+    let claimed: Vec<i64> = sqlx::query_scalar(CLAIM_ROWS)
+        .bind(serde_json::Value::from(rows).to_string())
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(ready
+        .into_iter()
+        .map(|r| {
+            if !claimed.contains(&r.rowid) {
+                return Candidate::Passed;
+            }
+            if r.next.exhausted {
+                tracing::warn!(
+                    event_id = %r.event.id,
+                    event_type = %r.event.event_type,
+                    retry_count = r.next.retry_count,
+                    "a stale claim used up MaxRetryAttempts (its worker died on every attempt): the event is failed"
+                );
+                return Candidate::Failed;
+            }
+            Candidate::Claimed(r.next.into_claim(r.event))
+        })
+        .collect())
 }
 
 impl SqliteOutbox {
-    /// The record keys whose head in `_System_OutboxHead` differs from the outbox rows (see
-    /// [`crate::Database::check_heads`]).
-    pub async fn check_heads(&self) -> Result<Vec<String>> {
-        let sql = format!(
-            "WITH truth AS ({TRUE_HEADS})
-             SELECT t.RecordKey FROM truth t
-             LEFT JOIN _System_OutboxHead h ON h.RecordKey = t.RecordKey
-             WHERE h.Id IS NOT t.Id OR h.CreatedDate IS NOT t.CreatedDate
-             UNION
-             SELECT h.RecordKey FROM _System_OutboxHead h
-             WHERE h.RecordKey NOT IN (SELECT RecordKey FROM truth)
-             ORDER BY 1 LIMIT 1000"
-        );
-        Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-            .fetch_all(&self.pool)
-            .await?)
-    }
-
-    /// Repairs the heads of at most `max_keys` keys (see
-    /// [`crate::OutboxRepository::repair_heads`]). SQLite has one writer, so its triggers keep
-    /// the heads exact; what differs was written around them (a head changed by hand, rows
-    /// copied in with the triggers dropped). The check reads without the write lock; only a
-    /// difference takes it, and each key is looked at again under it.
-    pub(super) async fn repair_head_rows(&self, max_keys: u32) -> Result<HeadsRepair> {
-        let mut report = HeadsRepair::default();
-        let keys = self.check_heads().await?;
-        if keys.is_empty() {
-            return Ok(report);
-        }
-        let (mut tx, _) = self.begin_write().await?;
-        for key in keys.into_iter().take(max_keys as usize) {
-            let truth: Option<(String, String)> = sqlx::query_as(
-                "SELECT CreatedDate, Id FROM _System_OutboxEvent
-                 WHERE RecordKey = ?1 AND Status NOT IN ('processed', 'failed')
-                 ORDER BY CreatedDate, Id LIMIT 1",
-            )
-            .bind(&key)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let head: Option<(String, String)> = sqlx::query_as(
-                "SELECT CreatedDate, Id FROM _System_OutboxHead WHERE RecordKey = ?1",
-            )
-            .bind(&key)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let kind = match (&truth, &head) {
-                (Some(t), Some(h)) if t != h => "misplaced",
-                (Some(_), None) => "missing",
-                (None, Some(_)) => "left over",
-                _ => continue,
-            };
-            sqlx::query("DELETE FROM _System_OutboxHead WHERE RecordKey = ?1")
-                .bind(&key)
-                .execute(&mut *tx)
-                .await?;
-            if let Some((created, id)) = truth {
-                sqlx::query(
-                    "INSERT INTO _System_OutboxHead (RecordKey, CreatedDate, Id) VALUES (?1, ?2, ?3)",
-                )
-                .bind(&key)
-                .bind(created)
-                .bind(id)
-                .execute(&mut *tx)
-                .await?;
-            }
-            report.add(key, kind);
-        }
-        tx.commit().await?;
-        Ok(report)
-    }
-
-    /// Rebuilds `_System_OutboxHead` from the outbox rows (see
-    /// [`crate::Database::rebuild_heads`]); returns the number of heads.
-    pub async fn rebuild_heads(&self) -> Result<u64> {
-        let (mut tx, _) = self.begin_write().await?;
-        sqlx::query("DELETE FROM _System_OutboxHead")
-            .execute(&mut *tx)
-            .await?;
-        let sql =
-            format!("INSERT INTO _System_OutboxHead (RecordKey, CreatedDate, Id) {TRUE_HEADS}");
-        let n = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        tx.commit().await?;
-        Ok(n)
-    }
-
     pub(super) async fn eligible(
         &self,
         policy: ClaimPolicy,
@@ -417,28 +374,20 @@ impl SqliteOutbox {
                         .await?,
                 );
             }
-            let mut taken = 0;
+            // Rank by rank: each chain's candidates are its record's next rows in order, all
+            // claimable under the write lock, so a chain is cut only by the count.
+            let mut chosen = Vec::with_capacity(extra);
             'ranks: for rank in 0..chain {
                 for candidates in &chains {
-                    if taken == extra {
+                    if chosen.len() == extra {
                         break 'ranks;
                     }
                     if let Some(row) = candidates.get(rank) {
-                        // A chain whose row at this rank could not be claimed ends there.
-                        if rank > 0
-                            && !claims
-                                .iter()
-                                .any(|c| c.event.id == candidates[rank - 1].event.id)
-                        {
-                            continue;
-                        }
-                        if let Some(claim) = claim_chain_row(&mut tx, row, now).await? {
-                            claims.push(claim);
-                            taken += 1;
-                        }
+                        chosen.push(row.clone());
                     }
                 }
             }
+            claims.extend(claim_chain_rows(&mut tx, chosen, now).await?);
         }
         tx.commit().await?;
         // A later round may claim an older row than an earlier one did (one released by a
@@ -533,6 +482,7 @@ impl SqliteOutbox {
         };
         let rows = query.fetch_all(&mut *tx).await?;
         let mut failed_some = false;
+        let mut ready = Vec::new();
         for row in &rows {
             // A stale row claimed by an earlier round of this transaction still reads as stale
             // (the stale ids were observed before it): never claim it twice.
@@ -543,13 +493,22 @@ impl SqliteOutbox {
             if claims.iter().any(|c| Some(c.event.id) == id) {
                 continue;
             }
-            match claim_on(&mut *tx, row, now, policy).await? {
-                Candidate::Claimed(claim) => {
-                    claims.push(claim);
-                    if claims.len() == max {
+            match prepare_claim(&mut *tx, row, now, policy).await? {
+                Ok(candidate) => {
+                    ready.push(candidate);
+                    if claims.len() + ready.len() == max {
                         break;
                     }
                 }
+                Err(Candidate::Failed) => failed_some = true,
+                Err(_) => {}
+            }
+        }
+        // One statement for the round's claims (each statement is a round trip to the
+        // connection's thread).
+        for candidate in claim_ready(&mut *tx, ready).await? {
+            match candidate {
+                Candidate::Claimed(claim) => claims.push(claim),
                 Candidate::Failed => failed_some = true,
                 Candidate::Passed => {}
             }

@@ -3,6 +3,7 @@
 //! while the row still carries the fence and moves `LastModifiedDate` strictly forward; the
 //! liveness observations learn of every claim this process holds.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use sqlx::SqliteExecutor;
 
 use super::SqliteOutbox;
 use super::liveness::Liveness;
+use super::sql::{FENCED_PROCESSED_MANY, MAY_RUN_IN_BATCH};
 use super::time::{format_ts, host_now, next_written};
 use crate::attempt::{AttemptWrites, FencedWrite, OpenAttempt, chrono_span, fence_outcome};
 use crate::{
@@ -48,21 +50,6 @@ const BEGIN_ATTEMPT: &str = "BEGIN IMMEDIATE; SAVEPOINT outbox_claimed";
 const HOLDS_FENCE: &str = "\
 SELECT 1 FROM _System_OutboxEvent
 WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?2";
-
-/// A batch's check of one row: still `processing` under its fence, and no older row of its
-/// record outside the batch (`?3`, a JSON array of the batch's ids) non-terminal (an operator
-/// retry, or a row other code wrote, since the claim).
-const MAY_RUN_IN_BATCH: &str = "\
-SELECT 1 FROM _System_OutboxEvent e
-WHERE e.Id = ?1 AND e.Status = 'processing' AND e.LastModifiedDate = ?2
-  AND (e.RecordKey IS NULL OR NOT EXISTS (
-    SELECT 1 FROM _System_OutboxEvent older
-    WHERE older.RecordKey = e.RecordKey
-      AND (older.CreatedDate < e.CreatedDate
-           OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id))
-      AND older.Status NOT IN ('processed', 'failed')
-      AND older.Id NOT IN (SELECT value FROM json_each(?3))
-  ))";
 
 /// `write`, fenced on `fence`, on `conn` (the attempt's transaction or the pool), at `now`
 /// (the host's time plus the clock shift).
@@ -116,6 +103,29 @@ impl AttemptWrites for SqliteAttemptWrites {
         write: FencedWrite<'_>,
     ) -> Result<FenceOutcome> {
         write_fenced(tx.sqlite()?, host_now(&self.shift), fence, write).await
+    }
+
+    /// One statement for all (each statement is a round trip to the connection's thread).
+    async fn processed_many(&self, tx: &mut Tx, fences: &[Fence]) -> Result<Vec<FenceOutcome>> {
+        let now = host_now(&self.shift);
+        let ids: Vec<String> = fences.iter().map(|f| f.id.to_string()).collect();
+        let rows: Vec<[String; 3]> = fences
+            .iter()
+            .zip(&ids)
+            .map(|(f, id)| {
+                let written = next_written(now, f.last_written);
+                [id.clone(), format_ts(written), format_ts(f.last_written)]
+            })
+            .collect();
+        let written: Vec<String> = sqlx::query_scalar(FENCED_PROCESSED_MANY)
+            .bind(serde_json::to_string(&rows).expect("strings serialize"))
+            .fetch_all(tx.sqlite()?)
+            .await?;
+        let written: HashSet<&str> = written.iter().map(String::as_str).collect();
+        Ok(ids
+            .iter()
+            .map(|id| fence_outcome(u64::from(written.contains(id.as_str()))))
+            .collect())
     }
 
     fn ending(&self) {
@@ -250,17 +260,20 @@ impl SqliteOutbox {
     ) -> Result<(Box<dyn Attempt>, Vec<EventId>)> {
         let turn = self.gate.turn().await?;
         let mut tx = self.pool.begin_with(BEGIN_ATTEMPT).await?;
-        let mut lost = Vec::new();
         let ids: Vec<String> = fences.iter().map(|f| f.id.to_string()).collect();
-        let ids = serde_json::Value::from(ids).to_string();
-        for fence in &fences {
-            let held: Option<i64> = sqlx::query_scalar(MAY_RUN_IN_BATCH)
-                .bind(fence.id.to_string())
-                .bind(format_ts(fence.last_written))
-                .bind(&ids)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if held.is_none() {
+        let pairs: Vec<[String; 2]> = fences
+            .iter()
+            .map(|f| [f.id.to_string(), format_ts(f.last_written)])
+            .collect();
+        let held: Vec<String> = sqlx::query_scalar(MAY_RUN_IN_BATCH)
+            .bind(serde_json::to_string(&pairs).expect("strings serialize"))
+            .bind(serde_json::to_string(&ids).expect("strings serialize"))
+            .fetch_all(&mut *tx)
+            .await?;
+        let held: HashSet<&str> = held.iter().map(String::as_str).collect();
+        let mut lost = Vec::new();
+        for (fence, id) in fences.iter().zip(&ids) {
+            if !held.contains(id.as_str()) {
                 lost.push(fence.id);
             }
         }

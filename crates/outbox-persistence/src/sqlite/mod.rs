@@ -22,6 +22,7 @@ mod claim;
 mod enqueue;
 mod fenced;
 pub(crate) mod gate;
+mod heads;
 mod keys;
 mod liveness;
 mod ops;
@@ -155,9 +156,12 @@ impl SqliteOutbox {
         stale_after: Duration,
         lock_wait: Option<Duration>,
     ) -> Result<String> {
-        let processing: Vec<(String, String)> = sqlx::query_as(sql::PROCESSING)
-            .fetch_all(&mut *conn)
+        let processing: String = sqlx::query_scalar(sql::PROCESSING)
+            .fetch_one(&mut *conn)
             .await?;
+        let processing: Vec<(String, String)> = serde_json::from_str(&processing).map_err(|e| {
+            crate::Error::Invalid(format!("the processing rows' ids and times: {e}"))
+        })?;
         let stale = self
             .liveness()
             .look(processing, stale_after, lock_wait, &self.shift);

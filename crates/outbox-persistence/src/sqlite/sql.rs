@@ -160,12 +160,21 @@ WHERE e.RecordKey IS NULL AND e.Status NOT IN ('processed', 'failed') AND
 LIMIT ?3"
 );
 
-/// Claims one candidate by `rowid` (`?1`) while it still has the status (`?6`) and the
-/// `LastModifiedDate` (`?7`) it was read with.
-pub(super) const CLAIM_ROW: &str = "\
+/// Claims candidates in one statement (`?1`, a JSON array of `[rowid, status, written,
+/// retry count, error, status read, LastModifiedDate read]`), each by `rowid` while it still
+/// has the status and the `LastModifiedDate` it was read with; returns the rowids claimed. The
+/// candidates are the outer loop (the unary `+` keeps the planner off the status index).
+pub(super) const CLAIM_ROWS: &str = "\
 UPDATE _System_OutboxEvent
-SET Status = ?2, LastModifiedDate = ?3, RetryCount = ?4, LastError = ?5
-WHERE rowid = ?1 AND Status = ?6 AND LastModifiedDate = ?7";
+SET Status = j.status, LastModifiedDate = j.written, RetryCount = j.retry, LastError = j.error
+FROM (SELECT json_extract(value, '$[0]') AS rid, json_extract(value, '$[1]') AS status,
+             json_extract(value, '$[2]') AS written, json_extract(value, '$[3]') AS retry,
+             json_extract(value, '$[4]') AS error, json_extract(value, '$[5]') AS read_status,
+             json_extract(value, '$[6]') AS read_written
+      FROM json_each(?1)) AS j
+WHERE _System_OutboxEvent.rowid = j.rid AND +_System_OutboxEvent.Status = j.read_status
+  AND +_System_OutboxEvent.LastModifiedDate = j.read_written
+RETURNING _System_OutboxEvent.rowid";
 
 /// A head's next non-terminal rows of its record, in order (`?1` the key, `?2`/`?3` the head's
 /// `CreatedDate` and `Id`, `?4` how many): the candidates of its record chain.
@@ -177,15 +186,52 @@ WHERE RecordKey = ?1 AND Status NOT IN ('processed', 'failed')
 ORDER BY CreatedDate, Id
 LIMIT ?4";
 
-/// Claims one row of a record chain (`?1` its id, `?2` the claim's time), still `pending` on a
-/// first attempt.
-pub(super) const CLAIM_CHAIN_ROW: &str = "\
-UPDATE _System_OutboxEvent SET Status = 'processing', LastModifiedDate = ?2
-WHERE Id = ?1 AND Status = 'pending' AND RetryCount = 0";
+/// Claims rows of record chains (`?1`, a JSON array of `[id, the claim's time]`), each still
+/// `pending` on a first attempt.
+pub(super) const CLAIM_CHAIN_ROWS: &str = "\
+UPDATE _System_OutboxEvent SET Status = 'processing', LastModifiedDate = j.written
+FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS written
+      FROM json_each(?1)) AS j
+WHERE _System_OutboxEvent.Id = j.id AND +_System_OutboxEvent.Status = 'pending'
+  AND +_System_OutboxEvent.RetryCount = 0";
 
-/// The `processing` rows, for the liveness observations.
-pub(super) const PROCESSING: &str =
-    "SELECT Id, LastModifiedDate FROM _System_OutboxEvent WHERE Status = 'processing'";
+/// The `processing` rows, for the liveness observations: one JSON array of `[Id,
+/// LastModifiedDate]` (one row back from the connection's thread, not one per row in flight).
+pub(super) const PROCESSING: &str = "\
+SELECT json_group_array(json_array(CAST(Id AS TEXT), CAST(LastModifiedDate AS TEXT)))
+FROM _System_OutboxEvent WHERE Status = 'processing'";
+
+/// A batch's check of its rows in one statement (`?1`, a JSON array of `[id, fence]` pairs;
+/// `?2`, a JSON array of the batch's ids): the ids of the rows still `processing` under their
+/// fence with no older row of their record outside the batch non-terminal (an operator retry,
+/// or a row other code wrote, since the claim). `CROSS JOIN` keeps the pairs the outer loop,
+/// each row then found by its id (left free, the planner walked every `processing` row).
+pub(super) const MAY_RUN_IN_BATCH: &str = "\
+SELECT e.Id FROM json_each(?1) j CROSS JOIN _System_OutboxEvent e
+  ON e.Id = json_extract(j.value, '$[0]')
+WHERE e.Status = 'processing' AND e.LastModifiedDate = json_extract(j.value, '$[1]')
+  AND (e.RecordKey IS NULL OR NOT EXISTS (
+    SELECT 1 FROM _System_OutboxEvent older
+    WHERE older.RecordKey = e.RecordKey
+      AND (older.CreatedDate < e.CreatedDate
+           OR (older.CreatedDate = e.CreatedDate AND older.Id < e.Id))
+      AND older.Status NOT IN ('processed', 'failed')
+      AND older.Id NOT IN (SELECT value FROM json_each(?2))
+  ))";
+
+/// `processed` for the rows of a batch's settle in one statement (`?1`, a JSON array of
+/// `[id, written, fence]` in settle order), each fenced on its own as `FENCED_PROCESSED` is;
+/// returns the ids it wrote. The pairs are the outer loop (the unary `+` keeps the planner off
+/// the status index, which would walk every `processing` row), so rows are written, and their
+/// heads' triggers run, in settle order.
+pub(super) const FENCED_PROCESSED_MANY: &str = "\
+UPDATE _System_OutboxEvent SET Status = 'processed', LastModifiedDate = j.written, LastError = NULL
+FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS written,
+             json_extract(value, '$[2]') AS fence
+      FROM json_each(?1)) AS j
+WHERE _System_OutboxEvent.Id = j.id AND +_System_OutboxEvent.Status = 'processing'
+  AND +_System_OutboxEvent.LastModifiedDate = j.fence
+RETURNING _System_OutboxEvent.Id";
 
 #[cfg(test)]
 mod tests {
@@ -240,6 +286,54 @@ mod tests {
                 "{plan:#?}"
             );
             assert!(!plan.iter().any(|d| d.contains("TEMP B-TREE")), "{plan:#?}");
+        }
+        db.close().await;
+        std::fs::remove_file(&path).ok();
+    }
+
+    /// The statements that take a JSON array of rows walk the array and reach each row by its
+    /// key, on a fresh file as on a grown one: left free, the planner walked the status index
+    /// (every `processing` or `pending` row) and probed the array for each.
+    #[tokio::test]
+    async fn the_statements_over_json_arrays_reach_each_row_by_its_key() {
+        use sqlx::Row;
+        let path = std::env::temp_dir().join(format!("outbox_plan_{}.db", uuid::Uuid::now_v7()));
+        let db = crate::Database::connect(
+            &format!("sqlite://{}", path.display()),
+            crate::ConnectConfig::default(),
+        )
+        .await
+        .unwrap();
+        db.migrate().await.unwrap();
+        let crate::Database::Sqlite(pool) = &db else {
+            unreachable!()
+        };
+        for sql in [
+            CLAIM_ROWS,
+            CLAIM_CHAIN_ROWS,
+            FENCED_PROCESSED_MANY,
+            MAY_RUN_IN_BATCH,
+        ] {
+            let plan: Vec<String> =
+                sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+                    .bind("[]")
+                    .bind("[]")
+                    .fetch_all(pool)
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.get::<String, _>("detail"))
+                    .collect();
+            let at = |what: &str| plan.iter().position(|d| d.contains(what));
+            let by_key = at("(Id=?)").or(at("(rowid=?)"));
+            assert!(
+                at("VIRTUAL TABLE").is_some() && by_key.is_some() && at("VIRTUAL TABLE") < by_key,
+                "{sql}\n{plan:#?}"
+            );
+            assert!(
+                !plan.iter().any(|d| d.contains("outbox_eligible_idx")),
+                "{plan:#?}"
+            );
         }
         db.close().await;
         std::fs::remove_file(&path).ok();
