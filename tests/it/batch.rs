@@ -604,3 +604,69 @@ async fn postgres_a_beat_whose_commit_reply_was_lost_is_read_back_by_its_version
         "a look-alike written by another transaction is not the beat's version"
     );
 }
+
+/// SQLite: a record chain over rows whose ids other code spelled differently (upper case,
+/// braces) ends before such a row instead of failing the claim (the claim of a chain's rows
+/// compares the canonical spelling); each such row is claimed as its record's head later, its id
+/// made canonical then, and the record drains in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_chain_ends_before_a_row_whose_id_other_code_spelled() {
+    let db = TestDb::sqlite().await;
+    let repo = db.repository();
+    let at = outbox_persistence::truncate_micros(chrono::Utc::now()) - chrono::Duration::hours(1);
+    let rows: Vec<RawRow> = (0..4)
+        .map(|k| RawRow::pending(Some("lead:spelled"), at + chrono::Duration::seconds(k)))
+        .collect();
+    for row in &rows {
+        db.insert_raw(row).await;
+    }
+    let other = RawRow::pending(Some("lead:other"), at + chrono::Duration::seconds(10));
+    db.insert_raw(&other).await;
+    let (upper, braced) = (rows[2].id.to_string(), rows[3].id.to_string());
+    db.execute(&format!(
+        "UPDATE _System_OutboxEvent SET Id = '{}' WHERE Id = '{upper}';
+         UPDATE _System_OutboxEvent SET Id = '{{{braced}}}' WHERE Id = '{braced}';",
+        upper.to_uppercase()
+    ))
+    .await;
+    let mut order = Vec::new();
+    for round in 0..4 {
+        let claims = repo
+            .claim_chains(policy(5), &Scope::All, 8, 8)
+            .await
+            .unwrap_or_else(|e| panic!("claim {round} fails: {e}"));
+        assert!(!claims.is_empty(), "round {round} claims something");
+        for claim in claims {
+            order.push(claim.event.id);
+            let mut attempt = repo
+                .begin_attempt(Duration::from_secs(5), claim.fence)
+                .await
+                .unwrap()
+                .expect("the claim holds");
+            assert_eq!(
+                attempt.mark_processed(claim.fence).await.unwrap(),
+                FenceOutcome::Written
+            );
+            attempt.commit().await.unwrap();
+        }
+        if order.len() == 5 {
+            break;
+        }
+    }
+    let spelled: Vec<_> = order
+        .iter()
+        .filter(|id| **id != other.id)
+        .copied()
+        .collect();
+    let expected: Vec<_> = rows.iter().map(|r| r.id).collect();
+    assert_eq!(spelled, expected, "the record's rows once each, in order");
+    assert!(order.contains(&other.id));
+    for row in &rows {
+        let event = repo
+            .get_event(row.id)
+            .await
+            .unwrap()
+            .expect("found by its id");
+        assert_eq!(event.status, EventStatus::Processed);
+    }
+}

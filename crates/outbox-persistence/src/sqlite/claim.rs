@@ -177,53 +177,50 @@ async fn canonicalize_id(
     }
 }
 
-/// Claims the chosen rows of record chains (candidates from `chain_candidates`, each still
-/// `pending` on a first attempt as read in this transaction) in one statement. The write lock
-/// keeps every other writer out since they were read, so each is claimed; one that is not means
-/// the rows changed under the lock, and the claim fails whole (its transaction rolls back)
-/// rather than hand out a chain row without the row before it.
+/// A record chain's candidate: its `rowid` and the row as read.
+type ChainRow = (i64, Claim);
+
+/// Claims rows of record chains (`chosen`: one rank of the chains, each row read `pending` on a
+/// first attempt in this transaction) in one statement, by `rowid`; the claims, in order, and
+/// `None` for a row not claimed (then its chain ends there).
 async fn claim_chain_rows(
     tx: &mut SqliteConnection,
-    chosen: Vec<Claim>,
+    chosen: &[&ChainRow],
     now: DateTime<Utc>,
-) -> Result<Vec<Claim>> {
-    if chosen.is_empty() {
-        return Ok(chosen);
-    }
-    let claims: Vec<Claim> = chosen
-        .into_iter()
-        .map(|candidate| {
+) -> Result<Vec<Option<Claim>>> {
+    let claims: Vec<(i64, Claim)> = chosen
+        .iter()
+        .map(|(rowid, candidate)| {
             let written = next_written(now, candidate.event.last_modified_date);
-            let mut event = candidate.event;
+            let mut event = candidate.event.clone();
             event.status = EventStatus::Processing;
             event.last_modified_date = written;
-            Claim {
-                fence: Fence {
-                    id: event.id,
-                    last_written: written,
-                },
+            let fence = Fence {
+                id: event.id,
+                last_written: written,
+            };
+            let claim = Claim {
+                fence,
                 event,
                 reclaimed: false,
-            }
+            };
+            (*rowid, claim)
         })
         .collect();
-    let rows: Vec<[String; 2]> = claims
+    let rows: Vec<(i64, String)> = claims
         .iter()
-        .map(|c| [c.event.id.to_string(), format_ts(c.fence.last_written)])
+        .map(|(rowid, c)| (*rowid, format_ts(c.fence.last_written)))
         .collect();
-    let updated = sqlx::query(CLAIM_CHAIN_ROWS)
-        .bind(serde_json::to_string(&rows).expect("strings serialize"))
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-    if updated != claims.len() as u64 {
-        return Err(Error::Invalid(format!(
-            "{} of {} record-chain rows read under the write lock could not be claimed: the claim is rolled back",
-            claims.len() as u64 - updated,
-            claims.len()
-        )));
-    }
-    Ok(claims)
+    let landed: Vec<i64> = sqlx::query_scalar(CLAIM_CHAIN_ROWS)
+        .bind(serde_json::to_string(&rows).expect("rows serialize"))
+        .fetch_all(&mut *tx)
+        .await?;
+    let mut landed: std::collections::HashSet<i64> = landed.into_iter().collect();
+    // A row chosen twice (heads that disagree with the rows) is claimed once.
+    Ok(claims
+        .into_iter()
+        .map(|(rowid, claim)| landed.remove(&rowid).then_some(claim))
+        .collect())
 }
 
 /// A candidate read, decoded and ready to be claimed (see [`claim_ready`]).
@@ -365,7 +362,7 @@ impl SqliteOutbox {
         if chain > 0 && claims.len() < max {
             // Rank by rank across the chains, as on PostgreSQL: `max` rows in all.
             let heads = claims.clone();
-            let mut chains: Vec<Vec<Claim>> = Vec::with_capacity(heads.len());
+            let mut chains: Vec<Vec<ChainRow>> = Vec::with_capacity(heads.len());
             let extra = max - claims.len();
             for head in &heads {
                 let limit = chain.min(extra);
@@ -374,20 +371,35 @@ impl SqliteOutbox {
                         .await?,
                 );
             }
-            // Rank by rank: each chain's candidates are its record's next rows in order, all
-            // claimable under the write lock, so a chain is cut only by the count.
-            let mut chosen = Vec::with_capacity(extra);
-            'ranks: for rank in 0..chain {
-                for candidates in &chains {
-                    if chosen.len() == extra {
-                        break 'ranks;
+            // Rank by rank, one statement per rank: a chain whose row at a rank was not
+            // claimed ends there.
+            let mut open = vec![true; chains.len()];
+            let mut taken = 0;
+            for rank in 0..chain {
+                let mut chosen: Vec<(usize, &ChainRow)> = Vec::new();
+                for (c, candidates) in chains.iter().enumerate() {
+                    match candidates.get(rank) {
+                        Some(row) if open[c] && taken + chosen.len() < extra => {
+                            chosen.push((c, row));
+                        }
+                        _ => open[c] = false,
                     }
-                    if let Some(row) = candidates.get(rank) {
-                        chosen.push(row.clone());
+                }
+                if chosen.is_empty() {
+                    break;
+                }
+                let rows: Vec<&ChainRow> = chosen.iter().map(|(_, row)| *row).collect();
+                let landed = claim_chain_rows(&mut tx, &rows, now).await?;
+                for ((c, _), claim) in chosen.into_iter().zip(landed) {
+                    match claim {
+                        Some(claim) => {
+                            claims.push(claim);
+                            taken += 1;
+                        }
+                        None => open[c] = false,
                     }
                 }
             }
-            claims.extend(claim_chain_rows(&mut tx, chosen, now).await?);
         }
         tx.commit().await?;
         // A later round may claim an older row than an earlier one did (one released by a
@@ -411,7 +423,7 @@ impl SqliteOutbox {
         now: DateTime<Utc>,
         scope: &Scope,
         limit: usize,
-    ) -> Result<Vec<Claim>> {
+    ) -> Result<Vec<ChainRow>> {
         let Some(key) = &head.event.record_key else {
             return Ok(Vec::new());
         };
@@ -430,6 +442,12 @@ impl SqliteOutbox {
             let Ok(event) = event_from_row(row) else {
                 break;
             };
+            // An id other code wrote in another spelling is made canonical by the claim that
+            // takes it as its record's head: a chain ends before it.
+            let rowid: i64 = row.try_get("rowid")?;
+            if row.try_get::<String, _>("Id")? != event.id.to_string() {
+                break;
+            }
             let in_scope = scope
                 .only()
                 .is_none_or(|only| only.contains(&event.event_type))
@@ -440,7 +458,7 @@ impl SqliteOutbox {
             if event.status != EventStatus::Pending || event.retry_count != 0 || !due || !in_scope {
                 break;
             }
-            candidates.push(Claim::for_test(event));
+            candidates.push((rowid, Claim::for_test(event)));
         }
         Ok(candidates)
     }
@@ -491,6 +509,11 @@ impl SqliteOutbox {
                 .ok()
                 .and_then(|id| parse_id(&id).ok());
             if claims.iter().any(|c| Some(c.event.id) == id) {
+                continue;
+            }
+            // A row read twice (heads that disagree with the rows) is claimed once.
+            let rowid = row.try_get::<i64, _>("rowid").ok();
+            if ready.iter().any(|r: &Ready| Some(r.rowid) == rowid) {
                 continue;
             }
             match prepare_claim(&mut *tx, row, now, policy).await? {

@@ -179,21 +179,23 @@ RETURNING _System_OutboxEvent.rowid";
 /// A head's next non-terminal rows of its record, in order (`?1` the key, `?2`/`?3` the head's
 /// `CreatedDate` and `Id`, `?4` how many): the candidates of its record chain.
 pub(super) const CHAIN_CANDIDATES: &str = "\
-SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError
+SELECT Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate, LastError,
+       rowid
 FROM _System_OutboxEvent
 WHERE RecordKey = ?1 AND Status NOT IN ('processed', 'failed')
   AND (CreatedDate > ?2 OR (CreatedDate = ?2 AND Id > ?3))
 ORDER BY CreatedDate, Id
 LIMIT ?4";
 
-/// Claims rows of record chains (`?1`, a JSON array of `[id, the claim's time]`), each still
-/// `pending` on a first attempt.
+/// Claims rows of record chains (`?1`, a JSON array of `[rowid, the claim's time]`), each
+/// still `pending` on a first attempt; returns the rowids claimed.
 pub(super) const CLAIM_CHAIN_ROWS: &str = "\
 UPDATE _System_OutboxEvent SET Status = 'processing', LastModifiedDate = j.written
-FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS written
+FROM (SELECT json_extract(value, '$[0]') AS rid, json_extract(value, '$[1]') AS written
       FROM json_each(?1)) AS j
-WHERE _System_OutboxEvent.Id = j.id AND +_System_OutboxEvent.Status = 'pending'
-  AND +_System_OutboxEvent.RetryCount = 0";
+WHERE _System_OutboxEvent.rowid = j.rid AND +_System_OutboxEvent.Status = 'pending'
+  AND +_System_OutboxEvent.RetryCount = 0
+RETURNING _System_OutboxEvent.rowid";
 
 /// The `processing` rows, for the liveness observations: one JSON array of `[Id,
 /// LastModifiedDate]` (one row back from the connection's thread, not one per row in flight).
@@ -222,8 +224,9 @@ WHERE e.Status = 'processing' AND e.LastModifiedDate = json_extract(j.value, '$[
 /// `processed` for the rows of a batch's settle in one statement (`?1`, a JSON array of
 /// `[id, written, fence]` in settle order), each fenced on its own as `FENCED_PROCESSED` is;
 /// returns the ids it wrote. The pairs are the outer loop (the unary `+` keeps the planner off
-/// the status index, which would walk every `processing` row), so rows are written, and their
-/// heads' triggers run, in settle order.
+/// the status index, which would walk every `processing` row). SQLite collects the matches
+/// first and writes them in `rowid` order, not the array's: the heads' triggers move each head
+/// from the rows as they stand, so the order changes nothing.
 pub(super) const FENCED_PROCESSED_MANY: &str = "\
 UPDATE _System_OutboxEvent SET Status = 'processed', LastModifiedDate = j.written, LastError = NULL
 FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS written,
