@@ -282,7 +282,177 @@ async fn a_record_never_ends_ahead_of_its_event_given_back_at_the_settle(db: Tes
     );
 }
 
+/// The follow-up rows' type: out of the worker's scope, so they stay as inserted.
+const FOLLOW_TYPE: &str = "lock_free.follow";
+
+/// Enqueues one follow-up row per event through `ctx.enqueue_owned` (keyed `follow:<record>`);
+/// the event of record `fail` enqueues and then fails, the first time; the event of record
+/// `bad` enqueues a payload that is not an envelope.
+struct Fanning {
+    repo: Arc<dyn OutboxRepository>,
+    failed: Arc<AtomicBool>,
+}
+
+#[async_trait]
+impl Handler for Fanning {
+    async fn handle(
+        &self,
+        event: &OutboxEvent,
+        ctx: &mut AttemptContext<'_>,
+    ) -> Result<(), HandlerError> {
+        let key = event.record_key.as_ref().map(|k| k.as_str().to_string());
+        let record = key
+            .as_deref()
+            .unwrap_or_default()
+            .trim_start_matches("account:");
+        let payload = if record == "bad" {
+            "not an envelope".to_string()
+        } else {
+            format!(r#"{{"object":"Follow","record_id":"{record}","snapshot":{{}}}}"#)
+        };
+        ctx.enqueue_owned(
+            self.repo.as_ref(),
+            vec![NewEvent::new(FOLLOW_TYPE, payload)],
+        )
+        .await?;
+        if record == "fail" && !self.failed.swap(true, Ordering::SeqCst) {
+            return Err(HandlerError::Retryable("failing once on purpose".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Rows enqueued through `ctx.enqueue_owned` in a batch are inserted at the settle, for the
+/// events written `processed` only: none for an attempt that failed (its retry's row comes
+/// later) nor for a payload refused at the call (that handler's error, the rest of its batch
+/// unharmed), in the events' order; on PostgreSQL a segment's rows are inserted by one
+/// statement (one command id within their transaction).
+async fn owned_rows_are_inserted_at_the_settle_for_processed_events_only(db: TestDb) {
+    let repo: Arc<dyn OutboxRepository> = db.repository();
+    let config = WorkerConfig::default()
+        .with_mode(DispatchMode::Pull)
+        .dangerously_skip_rollout_gate("owned rows under test")
+        .with_workers(1)
+        .with_poll_interval(Duration::from_millis(20))
+        .with_retry_delay(Duration::from_millis(20))
+        .with_max_retry_delay(Duration::from_millis(50))
+        .with_batches(32, Duration::from_secs(30))
+        .with_scope(outbox_persistence::Scope::Only(vec![EVENT_TYPE.into()]));
+    let handler = Fanning {
+        repo: repo.clone(),
+        failed: Arc::default(),
+    };
+    let handle = Dispatcher::new(
+        repo.clone(),
+        Handlers::new().register(EVENT_TYPE, handler),
+        config,
+    )
+    .start()
+    .await
+    .unwrap();
+    // A warm-up: the worker's first claim runs alone (one event per attempt: at once).
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &[event("w")]).await.unwrap();
+    tx.commit().await.unwrap();
+    let sources = format!(
+        "SELECT count(*) FROM _System_OutboxEvent WHERE EventType = '{EVENT_TYPE}' AND Status IN ('pending', 'processing')"
+    );
+    let wait = |what: &'static str| {
+        let (db, sources) = (&db, sources.clone());
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while db.count(&sources).await > 0 {
+                assert!(std::time::Instant::now() < deadline, "{what} did not drain");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    wait("the warm-up").await;
+    let mut events: Vec<NewEvent> = (0..6).map(|i| event(&format!("a{i}"))).collect();
+    events.push(event("fail"));
+    events.push(event("bad"));
+    events.extend((6..11).map(|i| event(&format!("a{i}"))));
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    wait("the sources").await;
+    handle.shutdown().await;
+
+    let status = |record: &str| {
+        format!(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE RecordKey = 'account:{record}' AND Status = 'failed'"
+        )
+    };
+    assert_eq!(
+        db.count(&status("bad")).await,
+        1,
+        "the refused payload failed its event"
+    );
+    assert_eq!(
+        db.count(&format!(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE EventType = '{EVENT_TYPE}' \
+             AND RecordKey <> 'account:bad' AND (Status <> 'processed' \
+             OR (RetryCount > 0) <> (RecordKey = 'account:fail'))"
+        ))
+        .await,
+        0,
+        "the rest processed; only the failed one counted a retry"
+    );
+    let follows: Vec<String> = match db.backend() {
+        Backend::Postgres => sqlx::query_scalar(
+            "SELECT RecordKey FROM _System_OutboxEvent WHERE EventType = $1 ORDER BY CreatedDate, Id",
+        )
+        .bind(FOLLOW_TYPE)
+        .fetch_all(db.pg().expect("PostgreSQL"))
+        .await
+        .unwrap(),
+        Backend::Sqlite => {
+            let Some(pool) = db.sqlite_pool() else {
+                unreachable!()
+            };
+            sqlx::query_scalar(
+                "SELECT RecordKey FROM _System_OutboxEvent WHERE EventType = ?1 ORDER BY CreatedDate, Id",
+            )
+            .bind(FOLLOW_TYPE)
+            .fetch_all(pool)
+            .await
+            .unwrap()
+        }
+    };
+    let mut expected: Vec<String> = std::iter::once("follow:w".to_string())
+        .chain((0..11).map(|i| format!("follow:a{i}")))
+        .collect();
+    expected.push("follow:fail".into());
+    assert_eq!(
+        follows, expected,
+        "one row per processed event, in their order, the retry's last"
+    );
+    if db.backend() == Backend::Postgres {
+        // Rows of one transaction (a segment) share their statement's command id.
+        assert_eq!(
+            db.count(&format!(
+                "SELECT count(*) FROM (SELECT xmin::text FROM _System_OutboxEvent \
+                 WHERE EventType = '{FOLLOW_TYPE}' GROUP BY xmin::text \
+                 HAVING count(DISTINCT cmin::text) > 1) t"
+            ))
+            .await,
+            0,
+            "a segment's rows were inserted by more than one statement"
+        );
+        assert!(
+            db.count(&format!(
+                "SELECT max(n) FROM (SELECT count(*) AS n FROM _System_OutboxEvent \
+                 WHERE EventType = '{FOLLOW_TYPE}' GROUP BY xmin::text) t"
+            ))
+            .await
+                > 1,
+            "a batch's rows share a transaction"
+        );
+    }
+}
+
 backend_tests!(
+    owned_rows_are_inserted_at_the_settle_for_processed_events_only,
     lock_free_handlers_share_a_commit_and_a_failure_undoes_only_its_own,
     handlers_that_may_lock_commit_once_each,
     a_record_never_ends_ahead_of_its_event_given_back_at_the_settle,

@@ -9,7 +9,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use outbox_persistence::{Attempt, Claim, EffectRecord, RecordKey};
+use outbox_persistence::{Attempt, Claim, EffectRecord, NewEvent, RecordKey};
 use tokio::sync::OwnedMutexGuard;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -196,36 +196,36 @@ struct Decision {
     /// in the transaction while it is `processed`; written again with its release if it is
     /// given back after it ran, and on the side if the transaction rolls back.
     effects: Vec<EffectRecord>,
+    /// The owned rows its handler enqueued (`ctx.enqueue_owned`): inserted at the settle
+    /// while it is `processed`, dropped otherwise.
+    owned: Vec<NewEvent>,
 }
 
 impl Decision {
-    fn processed(kept_effects: bool, effects: Vec<EffectRecord>) -> Self {
+    fn processed(kept_effects: bool, effects: Vec<EffectRecord>, owned: Vec<NewEvent>) -> Self {
         Self {
             outcome: AttemptOutcome::Processed,
             kept_effects,
             failure: None,
             release: None,
             effects,
+            owned,
         }
     }
 
     fn failed(failure: Failure) -> Self {
         Self {
             outcome: failure_outcome(&failure),
-            kept_effects: false,
             failure: Some(failure),
-            release: None,
-            effects: Vec::new(),
+            ..Self::processed(false, Vec::new(), Vec::new())
         }
     }
 
     fn not_run(why: &'static str) -> Self {
         Self {
             outcome: AttemptOutcome::NotRun,
-            kept_effects: false,
-            failure: None,
             release: Some(why),
-            effects: Vec::new(),
+            ..Self::processed(false, Vec::new(), Vec::new())
         }
     }
 

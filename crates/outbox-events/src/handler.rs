@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_persistence::{Attempt, EffectRecord, OutboxEvent, Tx};
+use outbox_persistence::{
+    Attempt, EffectRecord, EventEnvelope, NewEvent, OutboxEvent, OutboxRepository, Tx,
+};
 
 use crate::consumer::Consumer;
 use crate::effect::{Effect, EffectScope};
@@ -219,6 +221,9 @@ pub struct AttemptContext<'a> {
     /// The effects run through the ledger in this attempt ([`AttemptContext::effect`]): kept
     /// in the ledger if the transaction rolls back while the worker lives.
     pub(crate) sent: Vec<EffectRecord>,
+    /// Owned rows to enqueue at the settle ([`AttemptContext::enqueue_owned`]), when the
+    /// attempt defers them (a batch's); `None`: enqueued at once.
+    deferred: Option<Vec<NewEvent>>,
 }
 
 /// The workers' attempt, or a transaction a test opened.
@@ -236,6 +241,7 @@ impl<'a> AttemptContext<'a> {
             locking: false,
             scope: None,
             sent: Vec::new(),
+            deferred: None,
         }
     }
 
@@ -267,7 +273,49 @@ impl<'a> AttemptContext<'a> {
                 handler_id: handler_id.to_owned(),
             }),
             sent: Vec::new(),
+            deferred: None,
         }
+    }
+
+    /// Defers this context's [`AttemptContext::enqueue_owned`] rows to the settle (a batch's
+    /// attempt, which inserts a segment's in one statement).
+    pub(crate) fn deferring_owned_enqueues(mut self) -> Self {
+        self.deferred = Some(Vec::new());
+        self
+    }
+
+    /// The owned rows deferred to the settle, taken.
+    pub(crate) fn take_deferred(&mut self) -> Vec<NewEvent> {
+        self.deferred
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Enqueues `events`, outbox rows under record keys that only this handler's attempts
+    /// write (a fan-out's: see [`OutboxRepository::enqueue_owned`]), in the attempt's
+    /// transaction: they commit if and only if this event ends `processed`. In a batched
+    /// attempt they are inserted at its settle, with the other handlers' of its segment in one
+    /// statement (by the dispatcher's repository), in claim order and after the outcome of
+    /// this event is written; elsewhere (one event per attempt, a unit test's context) at once
+    /// through `repo`, like `repo.enqueue_owned(ctx.lock_free_tx(), &events)`. Each payload is
+    /// checked here either way: one that is not a valid envelope is this handler's error.
+    pub async fn enqueue_owned(
+        &mut self,
+        repo: &dyn OutboxRepository,
+        events: Vec<NewEvent>,
+    ) -> Result<(), HandlerError> {
+        for event in &events {
+            EventEnvelope::parse(&event.payload).map_err(|e| {
+                HandlerError::permanent_from("an owned row's payload is not a valid envelope", e)
+            })?;
+        }
+        if let Some(deferred) = &mut self.deferred {
+            deferred.extend(events);
+            return Ok(());
+        }
+        repo.enqueue_owned(self.lock_free_tx(), &events).await?;
+        Ok(())
     }
 
     /// An external effect of this handler for this event, named `name` (stable across

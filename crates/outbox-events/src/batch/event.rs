@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use outbox_persistence::{Attempt, EffectRecord};
+use outbox_persistence::{Attempt, EffectRecord, NewEvent};
 
 use super::{Batch, Decision, Member, Step, Stop};
 use crate::attempt::CatchPanic;
@@ -53,7 +53,7 @@ impl Batch<'_> {
         }
         self.ran += 1;
         self.steps[i] = Step::Ran(None);
-        let (result, (touched, locking), sent) = self.run_handler(tx, i).await;
+        let (result, (touched, locking), (sent, owned)) = self.run_handler(tx, i).await;
         match result {
             Err(AttemptOutcome::Cancelled) => {
                 self.on_side.extend(sent);
@@ -75,7 +75,7 @@ impl Batch<'_> {
                 Ok(Kept::default())
             }
             Ok(Ok(())) => {
-                self.decide(i, Decision::processed(touched, sent));
+                self.decide(i, Decision::processed(touched, sent, owned));
                 Ok(Kept {
                     effects: touched,
                     locking: touched && locking,
@@ -99,12 +99,13 @@ impl Batch<'_> {
     }
 
     /// Runs event `i`'s handler: its result (or why it did not end), whether it used the
-    /// transaction (and through `ctx.tx()`), and the effects it ran through the ledger.
+    /// transaction (and through `ctx.tx()`), the effects it ran through the ledger and the
+    /// owned rows it enqueued (deferred to the settle).
     async fn run_handler(
         &mut self,
         tx: &mut dyn Attempt,
         i: usize,
-    ) -> (HandlerRun, (bool, bool), Vec<EffectRecord>) {
+    ) -> (HandlerRun, (bool, bool), (Vec<EffectRecord>, Vec<NewEvent>)) {
         let env = self.env;
         let Member { claim, beat, .. } = self.members[i];
         let handler = env
@@ -116,9 +117,10 @@ impl Batch<'_> {
                 "no handler registered for event type {:?}",
                 claim.event.event_type
             ));
-            return (Ok(Err(missing)), (false, false), Vec::new());
+            return (Ok(Err(missing)), (false, false), Default::default());
         };
-        let mut ctx = AttemptContext::for_attempt(tx, &name, claim.event.id);
+        let mut ctx =
+            AttemptContext::for_attempt(tx, &name, claim.event.id).deferring_owned_enqueues();
         let started = Instant::now();
         let result = self
             .unstarted
@@ -135,7 +137,8 @@ impl Batch<'_> {
         self.handler_time += took;
         env.metrics.handler_ran(&claim.event.event_type, took);
         let sent = ctx.take_sent();
-        (result, (ctx.touched(), ctx.locking()), sent)
+        let owned = ctx.take_deferred();
+        (result, (ctx.touched(), ctx.locking()), (sent, owned))
     }
 }
 

@@ -6,7 +6,7 @@
 //! effects, if a lost claim's are among them) rolled back to the segment's savepoint, and an
 //! event given back takes its record's later events with it.
 
-use outbox_persistence::{Attempt, Error, EventStatus, Fence, FenceOutcome, RecordKey};
+use outbox_persistence::{Attempt, Error, EventStatus, Fence, FenceOutcome, NewEvent, RecordKey};
 use tokio::sync::OwnedMutexGuard;
 
 use super::{Batch, Decision, Step, Stop};
@@ -112,10 +112,40 @@ impl Batch<'_> {
                 return Err(stop);
             }
             held.retain(|(i, _, _)| !matches!(self.steps[*i], Step::Done(_)));
+            if let Err(stop) = self.enqueue_owned(tx, &mut held).await {
+                self.undecided(held);
+                return Err(stop);
+            }
             for (i, decision, fence) in held {
                 self.steps[i] = Step::Written(decision, Some(fence));
             }
             return Ok(());
+        }
+    }
+
+    /// Inserts the owned rows of the events written `processed` by this settle (their handlers'
+    /// `ctx.enqueue_owned`, deferred to here), in claim order, in one statement. A lock timeout
+    /// or conflict gives the segment back, as on an outcome's write; any other error is the
+    /// transaction dying.
+    async fn enqueue_owned(&self, tx: &mut dyn Attempt, held: &mut [Held]) -> Result<(), Stop> {
+        let rows: Vec<NewEvent> = held
+            .iter_mut()
+            .filter(|(_, decision, _)| is_processed(decision))
+            .flat_map(|(_, decision, _)| std::mem::take(&mut decision.owned))
+            .collect();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        match self.env.repo.enqueue_owned(tx.tx(), &rows).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let error = format!("enqueuing the handlers' owned rows failed: {}", e.chain());
+                Err(if e.is_lock_timeout() || e.is_conflict() {
+                    Stop::GiveBack(error)
+                } else {
+                    Stop::Died(error)
+                })
+            }
         }
     }
 
