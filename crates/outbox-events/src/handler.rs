@@ -298,14 +298,22 @@ impl<'a> AttemptContext<'a> {
     /// attempt they are inserted at its settle, with the other handlers' of its segment in one
     /// statement (by the dispatcher's repository), in claim order and after the outcome of
     /// this event is written; elsewhere (one event per attempt, a unit test's context) at once
-    /// through `repo`, like `repo.enqueue_owned(ctx.lock_free_tx(), &events)`. Each payload is
-    /// checked here either way: one that is not a valid envelope is this handler's error.
+    /// through `repo`, like `repo.enqueue_owned(ctx.lock_free_tx(), &events)`. Each row is
+    /// checked here either way (a payload that is not a valid envelope, an empty event type or
+    /// one holding a NUL is this handler's error); what the insert itself meets at the settle
+    /// (a statement timeout, the database gone) is the segment's transaction dying.
     pub async fn enqueue_owned(
         &mut self,
         repo: &dyn OutboxRepository,
         events: Vec<NewEvent>,
     ) -> Result<(), HandlerError> {
         for event in &events {
+            if event.event_type.is_empty() || event.event_type.contains('\0') {
+                return Err(HandlerError::Permanent(format!(
+                    "an owned row's event type {:?} is empty or holds a NUL",
+                    event.event_type
+                )));
+            }
             EventEnvelope::parse(&event.payload).map_err(|e| {
                 HandlerError::permanent_from("an owned row's payload is not a valid envelope", e)
             })?;

@@ -139,6 +139,11 @@ impl Batch<'_> {
         match self.env.repo.enqueue_owned(tx.tx(), &rows).await {
             Ok(_) => Ok(()),
             Err(e) => {
+                if e.is_lock_timeout() {
+                    let (i, _, _) = &held[0];
+                    let claim = self.members[*i].claim;
+                    self.env.metrics.lock_timeout(&claim.event.event_type);
+                }
                 let error = format!("enqueuing the handlers' owned rows failed: {}", e.chain());
                 Err(if e.is_lock_timeout() || e.is_conflict() {
                     Stop::GiveBack(error)
