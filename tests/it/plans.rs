@@ -778,3 +778,68 @@ async fn postgres_the_outbox_functions_keep_their_planner_settings() {
         }
     }
 }
+
+/// The statistics trap (migration 0022): statistics taken while the table held only terminal
+/// rows (a quiet period over a large retained history, analyzed) count every partial index on
+/// the open rows as empty. A backlog then arrives; the claim, planned at each call on those
+/// statistics, must still reach each head's rows through the record's own indexes: one claim
+/// reads (almost) nothing of `outbox_eligible_idx`, where the equality-keyed probes read the
+/// table's open rows once per head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_claim_after_statistics_of_terminal_rows_reads_each_record_by_its_key() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    db.execute("ALTER TABLE _System_OutboxEvent SET (autovacuum_enabled = false)")
+        .await;
+    db.execute(
+        "INSERT INTO _System_OutboxEvent (Id, EventType, Payload, Status, RetryCount, RecordKey,
+           CreatedDate, LastModifiedDate)
+         SELECT gen_random_uuid(), 't', '{}', 'processed', 0, 'lead:k' || (i % 200),
+                now() - interval '2 hours' + i * interval '1 ms',
+                now() - interval '2 hours' + i * interval '1 ms'
+         FROM generate_series(1, 20000) i",
+    )
+    .await;
+    db.execute("ANALYZE _System_OutboxEvent").await;
+    db.execute("ANALYZE _System_OutboxHead").await;
+    db.execute(
+        "INSERT INTO _System_OutboxEvent (Id, EventType, Payload, Status, RetryCount, RecordKey,
+           CreatedDate, LastModifiedDate)
+         SELECT gen_random_uuid(), 't', '{}', 'pending', 0, 'lead:k' || (i % 200),
+                now() - interval '1 hour' + i * interval '1 ms',
+                now() - interval '1 hour' + i * interval '1 ms'
+         FROM generate_series(1, 4000) i",
+    )
+    .await;
+    // The oldest 50 records' heads in flight, as beside running workers.
+    db.execute(
+        "UPDATE _System_OutboxEvent SET Status = 'processing', LastModifiedDate = clock_timestamp()
+         WHERE Id IN (SELECT Id FROM _System_OutboxHead ORDER BY CreatedDate, Id LIMIT 50)",
+    )
+    .await;
+    let pool = db.pg().expect("PostgreSQL");
+    let mut tx = pool.begin().await.unwrap();
+    let claimed: Vec<uuid::Uuid> = sqlx::query_scalar(CLAIM)
+        .bind(32_i32)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    let read: i64 = sqlx::query_scalar(
+        "SELECT pg_stat_get_xact_tuples_returned('outbox_eligible_idx'::regclass)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        claimed.len(),
+        32,
+        "a batch of heads beside the 50 in flight"
+    );
+    assert!(
+        read < 100,
+        "the claim read {read} entries of outbox_eligible_idx: a record's rows walked through \
+         the table's open rows"
+    );
+}
