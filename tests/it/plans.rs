@@ -820,17 +820,23 @@ async fn postgres_a_claim_after_statistics_of_terminal_rows_reads_each_record_by
     .await;
     let pool = db.pg().expect("PostgreSQL");
     let mut tx = pool.begin().await.unwrap();
+    // The counter holds this transaction's reads (and earlier unflushed ones of the session):
+    // what the claim adds is the difference.
+    let eligible_read = "SELECT pg_stat_get_xact_tuples_returned('outbox_eligible_idx'::regclass)";
+    let before: i64 = sqlx::query_scalar(eligible_read)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
     let claimed: Vec<uuid::Uuid> = sqlx::query_scalar(CLAIM)
         .bind(32_i32)
         .fetch_all(&mut *tx)
         .await
         .unwrap();
-    let read: i64 = sqlx::query_scalar(
-        "SELECT pg_stat_get_xact_tuples_returned('outbox_eligible_idx'::regclass)",
-    )
-    .fetch_one(&mut *tx)
-    .await
-    .unwrap();
+    let after: i64 = sqlx::query_scalar(eligible_read)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let read = after - before;
     tx.rollback().await.unwrap();
     assert_eq!(
         claimed.len(),

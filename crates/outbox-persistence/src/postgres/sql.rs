@@ -112,8 +112,10 @@ macro_rules! scope_filter {
 /// one-time filter of the read, which depends on the head alone), so the heads in flight, at the
 /// front of the walk and about one per claimed row, cost one probe each instead of two row
 /// reads (the claim's statement read 43% fewer buffers past 300 heads in flight). The guard on
-/// the picked row is the same rule, kept as it was; like the pre-filter it reads the statement's
-/// snapshot (an anti-join is not re-evaluated on a locked row's newest version).
+/// the picked row is the same rule; like the pre-filter it reads the statement's snapshot. Since
+/// migration 0022 it is a subquery in the filter of the head's row (no longer an anti-join), so
+/// `SKIP LOCKED`'s re-check of a locked row's newest version runs it again, on that snapshot:
+/// the same answer.
 ///
 /// Migration 0022: the head's probes name their index by their order. `outbox_eligible_idx`,
 /// `outbox_record_key_idx` and `outbox_in_flight_idx` are all partial indexes on the open rows;
