@@ -20,6 +20,7 @@ mod production;
 mod repository;
 mod retention;
 mod rollup;
+mod stale_statistics;
 mod status;
 mod wakeups;
 mod workers;

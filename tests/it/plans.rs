@@ -25,7 +25,7 @@ use sqlx::{Connection as _, PgConnection};
 use crate::repository::{enqueue, lead};
 
 /// A claim of `$1` rows: batches of one and of eight share the function's cached plan.
-const CLAIM: &str = "SELECT Id FROM _System_OutboxClaimBatch('0', '30 seconds', '10 seconds', 5, NULL, NULL, $1, '5000ms')";
+pub(crate) const CLAIM: &str = "SELECT Id FROM _System_OutboxClaimBatch('0', '30 seconds', '10 seconds', 5, NULL, NULL, $1, '5000ms')";
 
 /// An ordinary client-prepared read over the same tables: the candidates' walk and its join.
 const CONTROL: &str = "\
@@ -208,7 +208,7 @@ FROM generate_series(1, 25000) i";
 
 /// A count read from the shared statistics (`sql`), with `conn`'s counts flushed to them first
 /// (`pg_stat_force_next_flush`: flushed before the call's reply is sent).
-async fn flushed_count(db: &TestDb, conn: &PgPool, sql: &str) -> i64 {
+pub(crate) async fn flushed_count(db: &TestDb, conn: &PgPool, sql: &str) -> i64 {
     sqlx::query("SELECT pg_stat_force_next_flush()")
         .execute(conn)
         .await
@@ -218,7 +218,7 @@ async fn flushed_count(db: &TestDb, conn: &PgPool, sql: &str) -> i64 {
 
 /// A pool of one connection to `db`: every statement of a test on one backend, so that its
 /// cached plans and its statistics counts are the ones read.
-async fn one_connection(db: &TestDb) -> PgPool {
+pub(crate) async fn one_connection(db: &TestDb) -> PgPool {
     PgPoolOptions::new()
         .max_connections(1)
         .connect_with(db.pg().unwrap().connect_options().as_ref().clone())
@@ -249,7 +249,7 @@ async fn attempt_path_round(repo: &Arc<dyn OutboxRepository>, round: u32) {
 }
 
 /// The claims of [`attempt_path_round`]: its rows' ids in enqueue order, and their fences.
-async fn claim_round(
+pub(crate) async fn claim_round(
     repo: &Arc<dyn OutboxRepository>,
     round: u32,
 ) -> (Vec<uuid::Uuid>, Vec<Fence>) {
@@ -270,7 +270,7 @@ async fn claim_round(
 }
 
 /// The beats of [`attempt_path_round`], together and alone: the fences in enqueue order.
-async fn beat_round(
+pub(crate) async fn beat_round(
     repo: &Arc<dyn OutboxRepository>,
     round: u32,
     ids: &[uuid::Uuid],
@@ -296,7 +296,7 @@ async fn beat_round(
 }
 
 /// The settles of [`attempt_path_round`] over its fences, in its enqueue order.
-async fn settle_round(repo: &Arc<dyn OutboxRepository>, f: &[Fence]) {
+pub(crate) async fn settle_round(repo: &Arc<dyn OutboxRepository>, f: &[Fence]) {
     let lock = Duration::from_secs(5);
     let (mut batch, lost) = repo
         .begin_batch_attempt(lock, [&f[0..3], &f[6..8]].concat())
@@ -341,7 +341,7 @@ async fn settle_round(repo: &Arc<dyn OutboxRepository>, f: &[Fence]) {
 }
 
 /// The reclaims that end [`attempt_path_round`].
-async fn reclaim_round(repo: &Arc<dyn OutboxRepository>, f: &[Fence]) {
+pub(crate) async fn reclaim_round(repo: &Arc<dyn OutboxRepository>, f: &[Fence]) {
     let lock = Duration::from_secs(5);
     // The unkeyed row given back in the batch is the only one eligible: claimed and settled.
     let policy = ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(10), 5);
@@ -777,75 +777,4 @@ async fn postgres_the_outbox_functions_keep_their_planner_settings() {
             );
         }
     }
-}
-
-/// The statistics trap (migration 0022): statistics taken while the table held only terminal
-/// rows (a quiet period over a large retained history, analyzed) count every partial index on
-/// the open rows as empty. A backlog then arrives; the claim, planned at each call on those
-/// statistics, must still reach each head's rows through the record's own indexes: one claim
-/// reads (almost) nothing of `outbox_eligible_idx`, where the equality-keyed probes read the
-/// table's open rows once per head.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_claim_after_statistics_of_terminal_rows_reads_each_record_by_its_key() {
-    let Some(db) = TestDb::postgres().await else {
-        return;
-    };
-    db.execute("ALTER TABLE _System_OutboxEvent SET (autovacuum_enabled = false)")
-        .await;
-    db.execute(
-        "INSERT INTO _System_OutboxEvent (Id, EventType, Payload, Status, RetryCount, RecordKey,
-           CreatedDate, LastModifiedDate)
-         SELECT gen_random_uuid(), 't', '{}', 'processed', 0, 'lead:k' || (i % 200),
-                now() - interval '2 hours' + i * interval '1 ms',
-                now() - interval '2 hours' + i * interval '1 ms'
-         FROM generate_series(1, 20000) i",
-    )
-    .await;
-    db.execute("ANALYZE _System_OutboxEvent").await;
-    db.execute("ANALYZE _System_OutboxHead").await;
-    db.execute(
-        "INSERT INTO _System_OutboxEvent (Id, EventType, Payload, Status, RetryCount, RecordKey,
-           CreatedDate, LastModifiedDate)
-         SELECT gen_random_uuid(), 't', '{}', 'pending', 0, 'lead:k' || (i % 200),
-                now() - interval '1 hour' + i * interval '1 ms',
-                now() - interval '1 hour' + i * interval '1 ms'
-         FROM generate_series(1, 4000) i",
-    )
-    .await;
-    // The oldest 50 records' heads in flight, as beside running workers.
-    db.execute(
-        "UPDATE _System_OutboxEvent SET Status = 'processing', LastModifiedDate = clock_timestamp()
-         WHERE Id IN (SELECT Id FROM _System_OutboxHead ORDER BY CreatedDate, Id LIMIT 50)",
-    )
-    .await;
-    let pool = db.pg().expect("PostgreSQL");
-    let mut tx = pool.begin().await.unwrap();
-    // The counter holds this transaction's reads (and earlier unflushed ones of the session):
-    // what the claim adds is the difference.
-    let eligible_read = "SELECT pg_stat_get_xact_tuples_returned('outbox_eligible_idx'::regclass)";
-    let before: i64 = sqlx::query_scalar(eligible_read)
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    let claimed: Vec<uuid::Uuid> = sqlx::query_scalar(CLAIM)
-        .bind(32_i32)
-        .fetch_all(&mut *tx)
-        .await
-        .unwrap();
-    let after: i64 = sqlx::query_scalar(eligible_read)
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    let read = after - before;
-    tx.rollback().await.unwrap();
-    assert_eq!(
-        claimed.len(),
-        32,
-        "a batch of heads beside the 50 in flight"
-    );
-    assert!(
-        read < 100,
-        "the claim read {read} entries of outbox_eligible_idx: a record's rows walked through \
-         the table's open rows"
-    );
 }
