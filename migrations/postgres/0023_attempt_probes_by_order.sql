@@ -11,10 +11,10 @@
 -- open rows over 1,000 records, 256 heads in flight), calls for 32 claimed heads:
 --   `_System_OutboxClaimChains`: 16,491 buffers (its chains' walk 7,992 rows removed by filter per
 --     head; its UPDATE joined the picked ids to a walk of `outbox_eligible_idx`, 4,422,432 rows
---     removed by join filter) -> 4,882;
+--     removed by join filter) -> 5,265-5,611 (most of it the row trigger's head checks);
 --   `_System_OutboxSettleMany` with chains: 850 + 9,337 buffers in `_System_OutboxHeadRemoveMany`
---     (984 rows removed per record to find its next head) -> 643 + 702;
---   `_System_OutboxLostFences`: 541 -> 255 (grows with the open rows older than a chain's end).
+--     (984 rows removed per record to find its next head) -> 1,888-1,902 in all;
+--   `_System_OutboxLostFences`: 541 -> 337-359 (grows with the open rows older than a chain's end).
 --
 -- The rewrite, as in 0022: a probe bounds the key by a range and is ordered by `RecordKey` first,
 -- an order only the key's indexes give; under the functions' `enable_sort = off` no statistics
@@ -22,7 +22,7 @@
 -- the B-tree walks the record with: PostgreSQL (15 here) ends a scan at a row comparison only
 -- when its first column decides it, so `(CreatedDate, Id) < (c, i)` beside a range on the key,
 -- or `(RecordKey, CreatedDate, Id) < (k, c, i)`, walks the whole record when no row matches (a
--- hot record's 20,000 pending rows: 302 index pages per settle in the test below, against 16).
+-- hot record's 20,000 pending rows: 302 index pages per settle in tests/it/stale_statistics.rs, against 16).
 -- So the chains' walk starts at its head, `(RecordKey, CreatedDate, Id) > (k, c, i)`, and ends at
 -- the key's range or its LIMIT; the begin check and the settle look for the record's first open
 -- row that is not one of the call's (`Id <> ALL`, a walk of at most the call's rows) and compare

@@ -20,21 +20,21 @@ use crate::plans::{
 };
 
 /// 20,000 `processed` rows over 200 records, analyzed with autovacuum off: statistics that
-/// count no open row, kept while the test's open rows arrive.
-async fn statistics_of_terminal_rows(db: &TestDb) {
-    db.execute("ALTER TABLE _System_OutboxEvent SET (autovacuum_enabled = false)")
-        .await;
-    db.execute(
+/// count no open row, kept while the test's open rows arrive. Run on `pool`.
+async fn statistics_of_terminal_rows(pool: &PgPool) {
+    for sql in [
+        "ALTER TABLE _System_OutboxEvent SET (autovacuum_enabled = false)",
         "INSERT INTO _System_OutboxEvent (Id, EventType, Payload, Status, RetryCount, RecordKey,
            CreatedDate, LastModifiedDate)
          SELECT gen_random_uuid(), 't', '{}', 'processed', 0, 'lead:k' || (i % 200),
                 now() - interval '2 hours' + i * interval '1 ms',
                 now() - interval '2 hours' + i * interval '1 ms'
          FROM generate_series(1, 20000) i",
-    )
-    .await;
-    db.execute("ANALYZE _System_OutboxEvent").await;
-    db.execute("ANALYZE _System_OutboxHead").await;
+        "ANALYZE _System_OutboxEvent",
+        "ANALYZE _System_OutboxHead",
+    ] {
+        sqlx::query(sql).execute(pool).await.unwrap();
+    }
 }
 
 /// The claim (migration 0022): a backlog of 4,000 rows over the 200 records arrives after the
@@ -46,7 +46,7 @@ async fn postgres_a_claim_after_statistics_of_terminal_rows_reads_each_record_by
     let Some(db) = TestDb::postgres().await else {
         return;
     };
-    statistics_of_terminal_rows(&db).await;
+    statistics_of_terminal_rows(db.pg().expect("PostgreSQL")).await;
     db.execute(
         "INSERT INTO _System_OutboxEvent (Id, EventType, Payload, Status, RetryCount, RecordKey,
            CreatedDate, LastModifiedDate)
@@ -95,7 +95,7 @@ async fn postgres_a_claim_after_statistics_of_terminal_rows_reads_each_record_by
 }
 
 /// Open rows around the round's: 2,000 in flight, created before it (each on a record of its
-/// own, fresh: no reclaim takes them), and 20,000 pending on the round's first record
+/// own, beaten an hour ahead: no reclaim takes them however slow the test), and 20,000 pending on the round's first record
 /// (`lead:p0a`), created after it and due in an hour (no claim takes them): a hot record's tail.
 const AROUND: &str = "\
 INSERT INTO _System_OutboxEvent
@@ -104,7 +104,7 @@ SELECT gen_random_uuid(), 'around', '{}', CASE WHEN i <= 2000 THEN 'processing' 
        0, CASE WHEN i <= 2000 THEN 'lead:busy' || i ELSE 'lead:p0a' END,
        clock_timestamp() + CASE WHEN i <= 2000 THEN interval '-1 hour' ELSE interval '1 hour' END
          + i * interval '1 microsecond',
-       clock_timestamp() + CASE WHEN i <= 2000 THEN interval '0' ELSE interval '1 hour' END
+       clock_timestamp() + interval '1 hour'
 FROM generate_series(1, 22000) i";
 
 /// What the round's statements have read so far (`conn`'s counts flushed first): entries
@@ -124,10 +124,13 @@ async fn reads(db: &TestDb, conn: &PgPool) -> (i64, i64) {
 /// The rest of the attempt's path (migration 0023) after the trap's statistics: record chains,
 /// the batch's begin check, beats, the chain settle and its heads, the one-event settle's row
 /// trigger, reclaims. One round of the attempt path (two records of three rows, two unkeyed
-/// rows; every statement the library runs, on one connection) beside the 7,000 open rows of
+/// rows; every statement the library runs, on one connection) beside the 22,000 open rows of
 /// [`AROUND`]: each of its steps must read fewer than 100 entries of `outbox_eligible_idx`,
 /// where the equality-keyed probes read it from the table's oldest open row up to the record's
-/// (the 2,000 in flight) or to its end (all 7,000) once per record and step.
+/// (the 2,000 in flight) or to its end (all 22,000) once per record and step, and fewer than 100
+/// pages of `outbox_record_key_idx`, where a probe bounded by a row comparison on its second
+/// column walks the hot record's whole tail (302 pages per settle). The setup runs on the
+/// round's connection, so that its own reads are flushed before the first count.
 #[tokio::test]
 async fn postgres_the_attempt_path_after_statistics_of_terminal_rows_reads_each_record_by_its_key()
 {
@@ -141,9 +144,9 @@ async fn postgres_the_attempt_path_after_statistics_of_terminal_rows_reads_each_
     if db.behind_pooler() || version < 150_000 {
         return;
     }
-    statistics_of_terminal_rows(&db).await;
-    db.execute(AROUND).await;
     let one = one_connection(&db).await;
+    statistics_of_terminal_rows(&one).await;
+    sqlx::query(AROUND).execute(&one).await.unwrap();
     let repo: Arc<dyn OutboxRepository> = Arc::new(PgOutbox::new(one.clone()));
     let mut read = reads(&db, &one).await;
     let mut step = |name: &'static str, now: (i64, i64)| {
