@@ -10,14 +10,17 @@
 
 use std::sync::Arc;
 
-use outbox_persistence::OutboxRepository;
+use std::time::Duration;
+
 use outbox_persistence::postgres::PgOutbox;
 use outbox_persistence::sqlx::PgPool;
+use outbox_persistence::{ClaimPolicy, Fence, FenceOutcome, NewEvent, OutboxRepository, Scope};
 use outbox_tests::TestDb;
 
 use crate::plans::{
     CLAIM, beat_round, claim_round, flushed_count, one_connection, reclaim_round, settle_round,
 };
+use crate::repository::{enqueue, lead};
 
 /// 20,000 `processed` rows over 200 records, analyzed with autovacuum off: statistics that
 /// count no open row, kept while the test's open rows arrive. Run on `pool`.
@@ -123,8 +126,9 @@ async fn reads(db: &TestDb, conn: &PgPool) -> (i64, i64) {
 
 /// The rest of the attempt's path (migration 0023) after the trap's statistics: record chains,
 /// the batch's begin check, beats, the chain settle and its heads, the one-event settle's row
-/// trigger, reclaims. One round of the attempt path (two records of three rows, two unkeyed
-/// rows; every statement the library runs, on one connection) beside the 22,000 open rows of
+/// trigger, reclaims, and records emptied (the heads' deletes). One round of the attempt path
+/// (two records of three rows, two unkeyed rows; every statement the library runs, on one
+/// connection) and [`emptied_round`] beside the 22,000 open rows of
 /// [`AROUND`]: each of its steps must read fewer than 100 entries of `outbox_eligible_idx`,
 /// where the equality-keyed probes read it from the table's oldest open row up to the record's
 /// (the 2,000 in flight) or to its end (all 22,000) once per record and step, and fewer than 100
@@ -162,8 +166,17 @@ async fn postgres_the_attempt_path_after_statistics_of_terminal_rows_reads_each_
     let settled = step("settles", reads(&db, &one).await);
     reclaim_round(&repo, &fences).await;
     let reclaimed = step("reclaims", reads(&db, &one).await);
+    emptied_round(&repo).await;
+    let emptied = step("records emptied", reads(&db, &one).await);
+    let heads: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM _System_OutboxHead WHERE RecordKey LIKE 'lead:gone-%'",
+    )
+    .fetch_one(&one)
+    .await
+    .unwrap();
+    assert_eq!(heads, 0, "the emptied records' heads are deleted");
     one.close().await;
-    let steps = [claimed, beaten, settled, reclaimed];
+    let steps = [claimed, beaten, settled, reclaimed, emptied];
     assert!(
         steps
             .iter()
@@ -172,4 +185,38 @@ async fn postgres_the_attempt_path_after_statistics_of_terminal_rows_reads_each_
          {steps:?}; a record's rows walked through the table's open rows, or the hot record's \
          past a probe's bound"
     );
+}
+
+/// Records whose last open rows end, so that the heads' removal deletes their heads: a chain
+/// of three and a single row settled in a batch (`_System_OutboxHeadRemoveMany`), and a row
+/// settled alone (the row trigger's `_System_OutboxHeadRemove`), each after the round's rows.
+async fn emptied_round(repo: &Arc<dyn OutboxRepository>) {
+    let mut events: Vec<NewEvent> = (0..3).map(|_| NewEvent::new("t", lead("gone-a"))).collect();
+    events.push(NewEvent::new("t", lead("gone-b")));
+    enqueue(repo, &events).await;
+    let policy = ClaimPolicy::new(Duration::from_secs(30), Duration::from_secs(10), 5);
+    let claims = repo.claim_chains(policy, &Scope::All, 8, 2).await.unwrap();
+    assert_eq!(claims.len(), 4, "the two records' rows, and no other");
+    let fences: Vec<Fence> = claims.iter().map(|c| c.fence).collect();
+    let lock = Duration::from_secs(5);
+    let (mut batch, lost) = repo
+        .begin_batch_attempt(lock, fences.clone())
+        .await
+        .unwrap();
+    assert!(lost.is_empty());
+    let written = batch.mark_processed_chains(fences).await.unwrap();
+    assert_eq!(written, vec![FenceOutcome::Written; 4]);
+    batch.commit().await.unwrap();
+    enqueue(repo, &[NewEvent::new("t", lead("gone-c"))]).await;
+    let claim = repo.claim_next(policy, &Scope::All).await.unwrap().unwrap();
+    let mut single = repo
+        .begin_attempt(lock, claim.fence)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        single.mark_processed(claim.fence).await.unwrap(),
+        FenceOutcome::Written
+    );
+    single.commit().await.unwrap();
 }
