@@ -98,8 +98,9 @@ async fn postgres_a_claim_after_statistics_of_terminal_rows_reads_each_record_by
 }
 
 /// Open rows around the round's: 2,000 in flight, created before it (each on a record of its
-/// own, beaten an hour ahead: no reclaim takes them however slow the test), and 20,000 pending on the round's first record
-/// (`lead:p0a`), created after it and due in an hour (no claim takes them): a hot record's tail.
+/// own, beaten an hour ahead: no reclaim takes them however slow the test), and 20,000 pending
+/// on the round's first record (`lead:p0a`), created after it and due in an hour (no claim
+/// takes them): a hot record's tail.
 const AROUND: &str = "\
 INSERT INTO _System_OutboxEvent
   (Id, EventType, Payload, Status, RetryCount, RecordKey, CreatedDate, LastModifiedDate)
@@ -128,8 +129,7 @@ async fn reads(db: &TestDb, conn: &PgPool) -> (i64, i64) {
 /// the batch's begin check, beats, the chain settle and its heads, the one-event settle's row
 /// trigger, reclaims, and records emptied (the heads' deletes). One round of the attempt path
 /// (two records of three rows, two unkeyed rows; every statement the library runs, on one
-/// connection) and [`emptied_round`] beside the 22,000 open rows of
-/// [`AROUND`]: each of its steps must read fewer than 100 entries of `outbox_eligible_idx`,
+/// connection) and [`emptied_round`] beside the 22,000 open rows of [`AROUND`]: each of its steps must read fewer than 100 entries of `outbox_eligible_idx`,
 /// where the equality-keyed probes read it from the table's oldest open row up to the record's
 /// (the 2,000 in flight) or to its end (all 22,000) once per record and step, and fewer than 100
 /// pages of `outbox_record_key_idx`, where a probe bounded by a row comparison on its second

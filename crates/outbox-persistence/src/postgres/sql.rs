@@ -27,7 +27,10 @@ macro_rules! claimable_state {
 }
 
 /// No other row of the candidate `e`'s key is `processing` with a live heartbeat (needs a
-/// `clock` CTE and the stale-after interval as `$2`).
+/// `clock` CTE and the stale-after interval as `$2`). The unkeyed pick's and `claim_event`'s;
+/// the head pick has its own ordered form of it (migration 0022, in `claim_candidate!`). The
+/// equality-keyed probes here are still open to the statistics trap in `claim_event` (the
+/// legacy dispatcher's claim by id; docs/queries.md).
 macro_rules! in_flight_guard {
     () => {
         "      AND NOT EXISTS (
