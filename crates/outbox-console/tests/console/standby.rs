@@ -220,6 +220,9 @@ async fn a_stopped_standby_is_a_clear_error_not_a_hang() {
     });
     let relayed = url.replacen(authority(&url), &format!("127.0.0.1:{port}"), 1);
     let standby = connect(&relayed).await;
+    // The database arrives with the replay of its creation, its tables with that of the
+    // migrations: the first page must not race the replay.
+    caught_up(&db, &standby).await;
     let console = Console::new(db.db.clone(), Vec::new(), ConsoleConfig::default())
         .unwrap()
         .reading_from(standby);
