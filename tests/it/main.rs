@@ -20,6 +20,7 @@ mod production;
 mod repository;
 mod retention;
 mod rollup;
+mod side_by_side;
 mod stale_statistics;
 mod status;
 mod wakeups;

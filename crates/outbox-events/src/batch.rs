@@ -9,20 +9,22 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use outbox_persistence::{Attempt, Claim, EffectRecord, NewEvent, RecordKey};
+use outbox_persistence::{Attempt, Claim, EffectRecord, RecordKey};
 use tokio::sync::OwnedMutexGuard;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::attempt::{self, rollback_quietly};
-use crate::detached::Landed;
-use crate::env::{AttemptEnv, AttemptOutcome, Failure, STOPPING, failure_outcome};
+use crate::env::{AttemptEnv, AttemptOutcome, Failure, STOPPING};
 use begin::Begun;
+use decision::Decision;
 use event::Segment;
 
 mod begin;
+mod decision;
 mod died;
 mod event;
+mod group;
 mod settle;
 mod slow;
 use crate::heartbeat::{Beat, BeatGroup, FenceCell, FenceState};
@@ -179,81 +181,6 @@ enum Step {
     Ran(Option<Failure>),
     /// Ended.
     Done(AttemptOutcome),
-}
-
-/// An event's decided outcome and the fenced write that records it at the settle.
-struct Decision {
-    outcome: AttemptOutcome,
-    /// Whether its effects are in the transaction (a handler that succeeded and used it): a
-    /// claim found lost at the settle with effects kept takes the batch back with it.
-    kept_effects: bool,
-    /// Its own failure (a failed handler): the retry or `failed` written, and recorded again
-    /// on the side if the transaction dies.
-    failure: Option<Failure>,
-    /// Why it is given back uncounted (a release), if it is.
-    release: Option<&'static str>,
-    /// The effects its handler ran through the ledger (a failed handler's are its failure's):
-    /// in the transaction while it is `processed`; written again with its release if it is
-    /// given back after it ran, and on the side if the transaction rolls back.
-    effects: Vec<EffectRecord>,
-    /// The owned rows its handler enqueued (`ctx.enqueue_owned`): inserted at the settle
-    /// while it is `processed`, dropped otherwise.
-    owned: Vec<NewEvent>,
-}
-
-impl Decision {
-    fn processed(kept_effects: bool, effects: Vec<EffectRecord>, owned: Vec<NewEvent>) -> Self {
-        Self {
-            outcome: AttemptOutcome::Processed,
-            kept_effects,
-            failure: None,
-            release: None,
-            effects,
-            owned,
-        }
-    }
-
-    fn failed(failure: Failure) -> Self {
-        Self {
-            outcome: failure_outcome(&failure),
-            failure: Some(failure),
-            ..Self::processed(false, Vec::new(), Vec::new())
-        }
-    }
-
-    fn not_run(why: &'static str) -> Self {
-        Self {
-            outcome: AttemptOutcome::NotRun,
-            release: Some(why),
-            ..Self::processed(false, Vec::new(), Vec::new())
-        }
-    }
-
-    /// Given back uncounted (`why`) after it was decided: the effects its handler ran stay
-    /// with it, to be recorded with the release.
-    fn give_back(&mut self, why: &'static str) {
-        let effects = self.take_effects();
-        *self = Decision::not_run(why);
-        self.effects = effects;
-    }
-
-    /// The effects its handler ran through the ledger, taken (a failure's too).
-    fn take_effects(&mut self) -> Vec<EffectRecord> {
-        let mut effects = std::mem::take(&mut self.effects);
-        if let Some(failure) = &mut self.failure {
-            effects.append(&mut failure.effects);
-        }
-        effects
-    }
-
-    /// What its row shows if a `COMMIT` that reported an error landed after all.
-    fn landed(&self) -> Option<Landed> {
-        match (&self.failure, self.release) {
-            (_, Some(_)) => None,
-            (Some(_), None) => Some(Landed::Failure),
-            (None, None) => Some(Landed::Processed),
-        }
-    }
 }
 
 /// How a batch stopped early.
@@ -468,6 +395,12 @@ impl<'a> Batch<'a> {
                 .is_some_and(|key| self.blocked.contains(key))
             {
                 self.decide(i, Decision::not_run(OLDER_FAILED));
+                continue;
+            }
+            let group = self.group_from(i);
+            if !group.is_empty() {
+                // Transaction-free handlers, side by side (rule 10).
+                self.run_group(tx, group).await?;
                 continue;
             }
             if !self.unstarted.start(member.index) {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use outbox_persistence::{
     Attempt, Claim, EffectRecord, EventId, EventStatus, FailureBookkeeping, FenceOutcome, Terminal,
-    clip_error, record_effect,
+    clip_error,
 };
 
 use crate::env::{AttemptEnv, AttemptOutcome, Failure, failure_outcome};
@@ -376,10 +376,10 @@ pub(crate) async fn record_in(
     tx: &mut dyn Attempt,
     effects: &[EffectRecord],
 ) -> outbox_persistence::Result<()> {
-    for effect in effects {
-        record_effect(tx.tx(), effect).await?;
+    if effects.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    outbox_persistence::record_effects_in(tx.tx(), effects).await
 }
 
 /// Records `effects` in the ledger on a transaction of its own (their attempt's transaction

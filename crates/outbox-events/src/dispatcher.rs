@@ -15,7 +15,7 @@ use crate::claims::{Claims, Reply};
 use crate::config::{DispatchMode, WorkerConfig};
 use crate::env::AttemptEnv;
 use crate::gate::ModeDecision;
-use crate::handler::Handlers;
+use crate::handlers::Handlers;
 use crate::legacy;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::pause::narrow;

@@ -56,13 +56,22 @@ impl Effect<'_, '_> {
         Fut: Future<Output = Result<T, HandlerError>>,
     {
         let scope = self.ctx.effect_scope()?.clone();
-        let recorded = find_effect(
-            self.ctx.lock_free_tx(),
-            scope.event_id,
-            &scope.handler_id,
-            &self.name,
-        )
-        .await?;
+        // A detached context (a transaction-free handler beside others of its batch) was
+        // handed what the ledger held before the batch ran it; no other attempt can have
+        // recorded this effect since (the claim is this worker's).
+        let prior = self.ctx.prior_effect(&self.name);
+        let recorded = match prior {
+            Some(prior) => prior,
+            None => {
+                find_effect(
+                    self.ctx.lock_free_tx(),
+                    scope.event_id,
+                    &scope.handler_id,
+                    &self.name,
+                )
+                .await?
+            }
+        };
         if let Some(result) = recorded {
             tracing::info!(event_id = %scope.event_id, effect = %self.name, "effect recorded by an earlier attempt; not run again");
             counted(&scope, &self.name, "skipped");
@@ -87,7 +96,10 @@ impl Effect<'_, '_> {
                 e,
             ));
         }
-        record_effect(self.ctx.lock_free_tx(), &record).await?;
+        if self.ctx.has_tx() {
+            record_effect(self.ctx.lock_free_tx(), &record).await?;
+        }
+        // Detached: recorded at the settle, with the event's outcome, from `sent`.
         Ok(value)
     }
 }

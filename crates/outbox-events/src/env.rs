@@ -13,7 +13,7 @@ use outbox_persistence::{Claim, FailureBookkeeping, OutboxRepository};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerConfig;
-use crate::handler::Handlers;
+use crate::handlers::Handlers;
 use crate::metrics::{Ended, Metrics};
 
 /// Why a claim is given back unrun when its worker is stopping.

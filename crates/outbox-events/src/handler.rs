@@ -1,14 +1,10 @@
 //! The handler contract: one handler per `EventType`, running inside the attempt transaction.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-
 use async_trait::async_trait;
 use outbox_persistence::{
     Attempt, EffectRecord, EventEnvelope, NewEvent, OutboxEvent, OutboxRepository, Tx,
 };
 
-use crate::consumer::Consumer;
 use crate::effect::{Effect, EffectScope};
 
 /// A boxed error kept as the cause of a [`HandlerError`] (any `std::error::Error + Send + Sync`,
@@ -226,11 +222,19 @@ pub struct AttemptContext<'a> {
     deferred: Option<Vec<NewEvent>>,
 }
 
-/// The workers' attempt, or a transaction a test opened.
+/// The workers' attempt, or a transaction a test opened, or none: a transaction-free
+/// handler run beside others of its batch ([`Handler::runs_without_tx`]), with what the ledger
+/// recorded for its event before it ran.
 enum Inner<'a> {
     Attempt(&'a mut dyn Attempt),
     Tx(&'a mut Tx),
+    Detached(Vec<EffectRecord>),
 }
+
+/// What a detached context's handler meets when it asks for the transaction anyway: a panic
+/// with this message, which the worker catches as the event's retryable failure; its next
+/// attempt runs alone, with its transaction.
+pub(crate) const NO_TX: &str = "this handler declared that it runs without the transaction (Handler::runs_without_tx) but asked for it; the event is retried in an attempt of its own";
 
 impl<'a> AttemptContext<'a> {
     /// A context around `tx`, any open transaction: for a handler's unit test.
@@ -275,6 +279,54 @@ impl<'a> AttemptContext<'a> {
             sent: Vec::new(),
             deferred: None,
         }
+    }
+
+    /// The context of a transaction-free handler run beside others of its batch
+    /// ([`Handler::runs_without_tx`]): no transaction; `prior` is what the ledger recorded
+    /// for this event before the batch ran it (read for the whole group in one statement);
+    /// the effects it runs are recorded at the settle, and its owned rows inserted there.
+    pub(crate) fn detached(
+        handler_id: &str,
+        event_id: outbox_persistence::EventId,
+        prior: Vec<EffectRecord>,
+    ) -> Self {
+        Self {
+            inner: Inner::Detached(prior),
+            touched: false,
+            locking: false,
+            scope: Some(EffectScope {
+                event_id,
+                handler_id: handler_id.to_owned(),
+            }),
+            sent: Vec::new(),
+            deferred: Some(Vec::new()),
+        }
+    }
+
+    /// Whether this context holds the attempt's transaction: `false` only for a handler that
+    /// declared [`Handler::runs_without_tx`] run beside others of its batch, where
+    /// [`AttemptContext::tx`] and [`AttemptContext::lock_free_tx`] must not be called (the
+    /// handler reads what it needs through a pool of its own; [`AttemptContext::effect`] and
+    /// [`AttemptContext::enqueue_owned`] work either way).
+    pub fn has_tx(&self) -> bool {
+        !matches!(self.inner, Inner::Detached(_))
+    }
+
+    /// What the ledger recorded for this event before a detached context's handler ran
+    /// (`None`: the context has a transaction; read the ledger there).
+    pub(crate) fn prior_effect(&self, effect_key: &str) -> Option<Option<Option<String>>> {
+        let Inner::Detached(prior) = &self.inner else {
+            return None;
+        };
+        let scope = self.scope.as_ref()?;
+        // Also what it ran itself so far (with a transaction, the ledger's row in it).
+        Some(
+            prior
+                .iter()
+                .chain(&self.sent)
+                .find(|e| e.handler_id == scope.handler_id && e.effect_key == effect_key)
+                .map(|e| e.result.clone()),
+        )
     }
 
     /// Defers this context's [`AttemptContext::enqueue_owned`] rows to the settle (a batch's
@@ -389,6 +441,8 @@ impl<'a> AttemptContext<'a> {
         match &mut self.inner {
             Inner::Attempt(attempt) => attempt.tx(),
             Inner::Tx(tx) => tx,
+            // Caught by the worker: the event's retryable failure (see `NO_TX`).
+            Inner::Detached(_) => panic!("{NO_TX}"),
         }
     }
 }
@@ -408,94 +462,19 @@ pub trait Handler: Send + Sync + 'static {
         event: &OutboxEvent,
         ctx: &mut AttemptContext<'_>,
     ) -> Result<(), HandlerError>;
-}
 
-/// The registered handlers, by `EventType`, with their consumer declarations.
-#[derive(Clone, Default)]
-pub struct Handlers {
-    by_type: HashMap<String, (Consumer, Arc<dyn Handler>)>,
-}
-
-impl Handlers {
-    /// No handlers.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Registers `handler` for `event_type` without declaring its effects. It runs, but the
-    /// rollout gate refuses to flip `OUTBOX_PULL_WORKER` while it is registered.
-    pub fn register(self, event_type: impl Into<String>, handler: impl Handler) -> Self {
-        self.register_consumer(Consumer::undeclared(event_type), handler)
-    }
-
-    /// Registers `handler` for its consumer's event type, with its declared effects, replacing
-    /// an earlier registration of that event type.
-    pub fn register_consumer(self, consumer: Consumer, handler: impl Handler) -> Self {
-        self.register_arc(consumer, Arc::new(handler))
-    }
-
-    /// Registers a shared handler with its consumer declaration.
-    pub fn register_arc(mut self, consumer: Consumer, handler: Arc<dyn Handler>) -> Self {
-        self.by_type
-            .insert(consumer.event_type.clone(), (consumer, handler));
-        self
-    }
-
-    /// Registers `handler` for its consumer's event type as running its external effects
-    /// through the effect ledger ([`AttemptContext::effect`]): its effects declared with
-    /// [`crate::Safeguard::Ledger`] then count as protected for the rollout gate, which also
-    /// checks that the ledger's table is migrated on the database.
-    pub fn register_with_ledger(self, consumer: Consumer, handler: impl Handler) -> Self {
-        self.register_arc(consumer.through_the_ledger(), Arc::new(handler))
-    }
-
-    /// Registers `handler` for its consumer's event type as a push to a broker that
-    /// deduplicates by a key the outbox derives, in a window the caller checked against the
-    /// broker before registering (outbox-relay checks the stream's duplicate window at every
-    /// start, then registers its handlers so): its pushes declared
-    /// [`crate::Safeguard::BrokerDedup`] then count as protected for the rollout gate. Calling
-    /// it without such a check is the caller's claim, as a described contract is.
-    pub fn register_with_broker_dedup(self, consumer: Consumer, handler: impl Handler) -> Self {
-        self.register_arc(consumer.through_the_broker(), Arc::new(handler))
-    }
-
-    /// The handler of `event_type`: the one registered for the type itself, else the one whose
-    /// prefix (a registered type ending in `*`) is the longest that starts it.
-    pub fn get(&self, event_type: &str) -> Option<&Arc<dyn Handler>> {
-        self.get_named(event_type).map(|(_, h)| h)
-    }
-
-    /// The handler of `event_type` with its consumer's name (the ledger's handler id): the
-    /// one registered for the type itself, else the one whose prefix (a registered type
-    /// ending in `*`, such as `webhook:*`) is the longest that starts it.
-    pub(crate) fn get_named(&self, event_type: &str) -> Option<(&str, &Arc<dyn Handler>)> {
-        let found = self.by_type.get(event_type).or_else(|| {
-            self.by_type
-                .iter()
-                .filter_map(|(registered, entry)| {
-                    let prefix = registered.strip_suffix('*')?;
-                    event_type
-                        .starts_with(prefix)
-                        .then_some((prefix.len(), entry))
-                })
-                .max_by_key(|(len, _)| *len)
-                .map(|(_, entry)| entry)
-        });
-        found.map(|(c, h)| (c.name.as_str(), h))
-    }
-
-    /// The consumer declarations, sorted by event type.
-    pub fn consumers(&self) -> Vec<Consumer> {
-        let mut consumers: Vec<Consumer> = self.by_type.values().map(|(c, _)| c.clone()).collect();
-        consumers.sort_by(|a, b| a.event_type.cmp(&b.event_type));
-        consumers
-    }
-
-    /// The registered event types, sorted.
-    pub fn event_types(&self) -> Vec<&str> {
-        let mut types: Vec<&str> = self.by_type.keys().map(String::as_str).collect();
-        types.sort_unstable();
-        types
+    /// Whether this handler never asks for the attempt's transaction when its context has
+    /// none ([`AttemptContext::has_tx`] is `false`): its effects are external, run through
+    /// [`AttemptContext::effect`] (a webhook, a provider call), and its rows, if any, are
+    /// owned rows ([`AttemptContext::enqueue_owned`]). A batch then runs such handlers side by
+    /// side, one event per record at a time (a record's events still one after another, in
+    /// order), instead of one after another: a batch of slow sends takes about the time of its
+    /// slowest. The ledger is read for them before they run and written at the settle, with
+    /// their outcomes. Default `false`. A handler that declares it and asks for the
+    /// transaction anyway fails that attempt (retryable) and runs alone on the next, with its
+    /// transaction (docs/state-machine.md, "Batched attempts", rule 10).
+    fn runs_without_tx(&self) -> bool {
+        false
     }
 }
 

@@ -28,6 +28,7 @@ mod env;
 mod gate;
 mod gauges;
 mod handler;
+mod handlers;
 mod heads;
 mod heartbeat;
 mod legacy;
@@ -50,7 +51,8 @@ pub use dispatcher::{DECIDE_RETRY_FOR, Dispatcher, DispatcherHandle, ShutdownRep
 pub use effect::Effect;
 pub use env::AttemptOutcome;
 pub use gate::{GateReport, ModeDecision, evaluate_gate};
-pub use handler::{AttemptContext, BoxError, Handler, HandlerError, Handlers};
+pub use handler::{AttemptContext, BoxError, Handler, HandlerError};
+pub use handlers::Handlers;
 pub use legacy::slot_for_event;
 pub use metrics::{
     HISTOGRAMS, Metrics, MetricsSnapshot, SECONDS_BUCKETS, describe_metrics, names as metric_names,

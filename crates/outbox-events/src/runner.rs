@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerConfig;
 use crate::env::{AttemptEnv, AttemptOutcome};
-use crate::handler::Handlers;
+use crate::handlers::Handlers;
 use crate::metrics::Metrics;
 
 /// Runs the attempt of one claimed row to its end, as a dispatcher's worker does: for an

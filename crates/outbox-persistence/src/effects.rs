@@ -132,6 +132,88 @@ fn now_micros() -> DateTime<Utc> {
     crate::truncate_micros(Utc::now())
 }
 
+/// Every effect the ledger records for `event_ids` (any handler), read in `tx` in one
+/// statement through the ledger's primary key, which leads with the event: what a batch reads
+/// before it runs its transaction-free handlers side by side (their contexts hand it back
+/// instead of reading the ledger one effect at a time).
+pub async fn find_effects(tx: &mut Tx, event_ids: &[EventId]) -> Result<Vec<EffectRecord>> {
+    if event_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    const COLUMNS: &str = "EventId, HandlerId, EffectKey, IdempotencyKey, Result";
+    type Row<I> = (I, String, String, String, Option<String>);
+    let record = |(event_id, handler_id, effect_key, idempotency_key, result)| EffectRecord {
+        event_id,
+        handler_id,
+        effect_key,
+        idempotency_key,
+        result,
+    };
+    match tx {
+        Tx::Postgres(tx) => {
+            // Built from constants only: the ids are bound.
+            let rows: Vec<Row<EventId>> = crate::statement::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT {COLUMNS} FROM _System_OutboxEffect WHERE EventId = ANY($1)"
+            )))
+            .bind(event_ids)
+            .fetch_all(&mut **tx)
+            .await?;
+            Ok(rows.into_iter().map(record).collect())
+        }
+        Tx::Sqlite(tx) => {
+            let marks = vec!["?"; event_ids.len()].join(", ");
+            let sql =
+                format!("SELECT {COLUMNS} FROM _System_OutboxEffect WHERE EventId IN ({marks})");
+            // Built from constants and one `?` per id: the ids are bound.
+            let mut query = crate::statement::query_as::<_, Row<String>>(sqlx::AssertSqlSafe(sql));
+            for id in event_ids {
+                query = query.bind(id.to_string());
+            }
+            let mut out = Vec::new();
+            for (id, handler_id, effect_key, key, result) in query.fetch_all(&mut **tx).await? {
+                let event_id = crate::sqlite::parse_id(&id)?;
+                out.push(record((event_id, handler_id, effect_key, key, result)));
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// Records `effects` in `tx` (each once: one already recorded stays as it is): on PostgreSQL
+/// in one statement, on SQLite one statement each (in the one transaction that holds the
+/// write lock).
+pub async fn record_effects_in(tx: &mut Tx, effects: &[EffectRecord]) -> Result<()> {
+    match (tx, effects) {
+        (_, []) => Ok(()),
+        (tx, [one]) => record_effect(tx, one).await.map(drop),
+        (Tx::Postgres(tx), many) => {
+            const RECORD_MANY: &str = "INSERT INTO _System_OutboxEffect
+                                         (EventId, HandlerId, EffectKey, IdempotencyKey, Result)
+                                       SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[],
+                                                            $4::text[], $5::text[])
+                                       ON CONFLICT (EventId, HandlerId, EffectKey) DO NOTHING";
+            let column = |f: fn(&EffectRecord) -> Option<String>| -> Vec<Option<String>> {
+                many.iter().map(f).collect()
+            };
+            crate::statement::query(RECORD_MANY)
+                .bind(many.iter().map(|e| e.event_id).collect::<Vec<EventId>>())
+                .bind(column(|e| Some(e.handler_id.clone())))
+                .bind(column(|e| Some(e.effect_key.clone())))
+                .bind(column(|e| Some(e.idempotency_key.clone())))
+                .bind(column(|e| e.result.clone()))
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        }
+        (tx, many) => {
+            for effect in many {
+                record_effect(tx, effect).await?;
+            }
+            Ok(())
+        }
+    }
+}
+
 /// Whether the ledger's table is there (the outbox's migrations that carry it applied).
 pub async fn ledger_table_exists(tx: &mut Tx) -> Result<bool> {
     let exists = match tx {
@@ -155,9 +237,7 @@ pub async fn ledger_table_exists(tx: &mut Tx) -> Result<bool> {
 
 /// Records `effects` in `tx` and commits it (`OutboxRepository::record_effects`).
 pub(crate) async fn record_on_own_tx(mut tx: Tx, effects: &[EffectRecord]) -> Result<()> {
-    for effect in effects {
-        record_effect(&mut tx, effect).await?;
-    }
+    record_effects_in(&mut tx, effects).await?;
     tx.commit().await
 }
 

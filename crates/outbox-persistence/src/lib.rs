@@ -61,7 +61,7 @@ pub use database::{
 };
 pub use effects::{
     EFFECTS_EVENTS_LOOKED_UP, EFFECTS_SHOWN, EffectRecord, RecordedEffect, effects_of, find_effect,
-    idempotency_key, ledger_table_exists, record_effect,
+    find_effects, idempotency_key, ledger_table_exists, record_effect, record_effects_in,
 };
 pub use error::{Error, ErrorClass, classify as classify_error};
 pub use heads::{DEFAULT_HEADS_REPAIR_KEYS, HeadsRepair};

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use outbox_events::OutboxRepository;
 use outbox_events::persistence::Tx;
 use outbox_events::persistence::webhooks::{self, WebhookEndpoint};
 
@@ -29,6 +30,9 @@ type Read = (Instant, u64, Arc<Vec<WebhookEndpoint>>);
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Endpoints {
     read: Arc<Mutex<Option<Read>>>,
+    /// Held by a read through the pool: the deliveries of a batch, run side by side, that
+    /// find the last read stale make one read, not one each.
+    reading: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Endpoints {
@@ -74,12 +78,40 @@ impl Endpoints {
         tx: &mut Tx,
         name: &str,
     ) -> outbox_events::persistence::Result<Option<WebhookEndpoint>> {
-        if let Some(cached) = self.cached()
-            && let Some(found) = cached.iter().find(|e| e.name == name && e.enabled)
-        {
-            return Ok(Some(found.clone()));
+        if let Some(found) = self.cached_enabled(name) {
+            return Ok(Some(found));
         }
         let endpoints = self.fresh(tx).await?;
         Ok(endpoints.iter().find(|e| e.name == name).cloned())
+    }
+
+    /// [`Endpoints::get`] for a delivery run without the attempt's transaction (beside others
+    /// of its batch): a stale read is made once, on a transaction of its own from `repo`,
+    /// while the others wait for it.
+    pub(crate) async fn get_pooled(
+        &self,
+        repo: &dyn OutboxRepository,
+        name: &str,
+    ) -> outbox_events::persistence::Result<Option<WebhookEndpoint>> {
+        if let Some(found) = self.cached_enabled(name) {
+            return Ok(Some(found));
+        }
+        let _reading = self.reading.lock().await;
+        // Another delivery's read may have landed while this one waited.
+        if let Some(found) = self.cached_enabled(name) {
+            return Ok(Some(found));
+        }
+        let mut tx = repo.begin().await?;
+        let found = self.get(&mut tx, name).await;
+        tx.rollback().await?;
+        found
+    }
+
+    /// The enabled endpoint `name` in the last read, while it is fresh.
+    fn cached_enabled(&self, name: &str) -> Option<WebhookEndpoint> {
+        self.cached()?
+            .iter()
+            .find(|e| e.name == name && e.enabled)
+            .cloned()
     }
 }

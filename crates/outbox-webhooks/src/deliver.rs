@@ -60,6 +60,9 @@ pub struct WebhookDelivery {
     side: SideWriter,
     probes: Probes,
     endpoints: crate::cache::Endpoints,
+    /// The dispatcher's repository: the endpoints' reads of a delivery run without the
+    /// attempt's transaction.
+    repo: Arc<dyn OutboxRepository>,
 }
 
 impl WebhookDelivery {
@@ -77,7 +80,8 @@ impl WebhookDelivery {
         }
         Self {
             client: Client::new(config.clone()),
-            side: SideWriter::new(repo, config.disable_after_failures),
+            side: SideWriter::new(repo.clone(), config.disable_after_failures),
+            repo,
             config,
             probes: Probes::new(probe_spacing),
             endpoints: crate::cache::Endpoints::default(),
@@ -228,11 +232,17 @@ impl Handler for WebhookDelivery {
         let delivery: Delivery = serde_json::from_str(&event.payload).map_err(|e| {
             HandlerError::permanent_from("not a webhook delivery row the fan-out wrote", e)
         })?;
-        // A read: lock-free, as are the ledger's rows (keyed by this event alone).
-        let endpoint = self
-            .endpoints
-            .get(ctx.lock_free_tx(), &delivery.endpoint)
-            .await?;
+        // A read: lock-free, as are the ledger's rows (keyed by this event alone). Beside
+        // other deliveries of its batch (no transaction), through the pool.
+        let endpoint = if ctx.has_tx() {
+            self.endpoints
+                .get(ctx.lock_free_tx(), &delivery.endpoint)
+                .await?
+        } else {
+            self.endpoints
+                .get_pooled(self.repo.as_ref(), &delivery.endpoint)
+                .await?
+        };
         let attempt = event.retry_count + 1;
         // A delivery the ledger records as sent is not sent again, whatever became of its
         // endpoint since: the checks run only when it is to be sent.
@@ -261,6 +271,13 @@ impl Handler for WebhookDelivery {
             .await?;
         tracing::debug!(event_id = %event.id, endpoint = %delivery.endpoint, status, "webhook delivered");
         Ok(())
+    }
+
+    /// A delivery needs no transaction: its send is an effect through the ledger and its
+    /// endpoint a read, so a batch's deliveries (one per endpoint and record) are sent side by
+    /// side.
+    fn runs_without_tx(&self) -> bool {
+        true
     }
 }
 

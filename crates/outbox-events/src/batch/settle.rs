@@ -6,7 +6,9 @@
 //! effects, if a lost claim's are among them) rolled back to the segment's savepoint, and an
 //! event given back takes its record's later events with it.
 
-use outbox_persistence::{Attempt, Error, EventStatus, Fence, FenceOutcome, NewEvent, RecordKey};
+use outbox_persistence::{
+    Attempt, EffectRecord, Error, EventStatus, Fence, FenceOutcome, NewEvent, RecordKey,
+};
 use tokio::sync::OwnedMutexGuard;
 
 use super::{Batch, Decision, Step, Stop};
@@ -390,6 +392,13 @@ async fn write_all(
         .collect();
     let mut outcomes = vec![FenceOutcome::Written; held.len()];
     let fences: Vec<Fence> = processed.iter().map(|&k| held[k].2.fence).collect();
+    // The effects of handlers run without the transaction (rule 10), with their `processed`.
+    let unrecorded: Vec<EffectRecord> = processed
+        .iter()
+        .filter(|&&k| held[k].1.unrecorded)
+        .flat_map(|&k| held[k].1.effects.iter().cloned())
+        .collect();
+    record_in(tx, &unrecorded).await?;
     let written = match fences.as_slice() {
         [] => Vec::new(),
         [one] => vec![tx.mark_processed(*one).await?],
