@@ -34,6 +34,8 @@ use slow::Unstarted;
 const BUDGET_SPENT: &str = "not run: the batched attempt reached its time budget";
 const OLDER_FAILED: &str = "not run: an older event of its record did not succeed in the batch";
 const BATCH_DIED: &str = "not run: the batched attempt's transaction failed first";
+const OLDER_GIVEN_BACK: &str =
+    "not run: an older event of its record was given back while another handler ran long";
 const WAITS_FOR_OLDER: &str =
     "not run: an older row of its record became non-terminal after the claim";
 
@@ -357,11 +359,29 @@ impl<'a> Batch<'a> {
 
     /// Members given back while an earlier handler ran long (rule 8) end as their release did.
     fn take_given_back(&mut self) {
-        for (i, member) in self.members.iter().enumerate() {
-            if matches!(self.steps[i], Step::Waiting) && self.unstarted.is_given_back(member.index)
+        for i in 0..self.members.len() {
+            if matches!(self.steps[i], Step::Waiting)
+                && self.unstarted.is_given_back(self.members[i].index)
             {
-                self.steps[i] = Step::Done(self.unstarted.outcome(member.index));
+                self.given_back_unstarted(i);
             }
+        }
+    }
+
+    /// Member `i` was given back while an earlier handler ran long (rule 8): it ends as its
+    /// release did. A release pass may stop part way (a release whose reply was lost), so a
+    /// record's later claims can still be this worker's: they are given back too (at the
+    /// settle), and the record waits in the worker's next batches, so that none of them runs
+    /// before the row given back.
+    fn given_back_unstarted(&mut self, i: usize) {
+        let outcome = self.unstarted.outcome(self.members[i].index);
+        let ended = outcome != AttemptOutcome::Processed;
+        self.steps[i] = Step::Done(outcome);
+        if let (true, Some(key)) = (ended, self.members[i].claim.event.record_key.clone()) {
+            let members = self.members.clone();
+            let same = move |j: usize| members[j].claim.event.record_key.as_ref() == Some(&key);
+            self.give_back(i + 1, same, OLDER_GIVEN_BACK);
+            self.block(i);
         }
     }
 
@@ -405,7 +425,7 @@ impl<'a> Batch<'a> {
             }
             if !self.unstarted.start(member.index) {
                 // Given back while an earlier handler ran long (rule 8).
-                self.steps[i] = Step::Done(self.unstarted.outcome(member.index));
+                self.given_back_unstarted(i);
                 continue;
             }
             let span = attempt::attempt_span(member.claim);

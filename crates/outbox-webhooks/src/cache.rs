@@ -96,15 +96,31 @@ impl Endpoints {
         if let Some(found) = self.cached_enabled(name) {
             return Ok(Some(found));
         }
+        let asked = Instant::now();
         let _reading = self.reading.lock().await;
-        // Another delivery's read may have landed while this one waited.
-        if let Some(found) = self.cached_enabled(name) {
-            return Ok(Some(found));
+        // A read made while this one waited is as good as its own (an endpoint it does not
+        // hold, or holds disabled, included).
+        if let Some(endpoints) = self.cached_since(asked) {
+            return Ok(endpoints.iter().find(|e| e.name == name).cloned());
         }
         let mut tx = repo.begin().await?;
         let found = self.get(&mut tx, name).await;
-        tx.rollback().await?;
+        // A read: a failed rollback changes nothing (the connection goes back either way).
+        let _ = tx.rollback().await;
         found
+    }
+
+    /// The last read, if it is fresh and was made after `asked`.
+    fn cached_since(&self, asked: Instant) -> Option<Arc<Vec<WebhookEndpoint>>> {
+        let changes = CHANGES.load(Ordering::SeqCst);
+        match &*self.read.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((at, seen, endpoints))
+                if *at >= asked && at.elapsed() < FRESH_FOR && *seen == changes =>
+            {
+                Some(endpoints.clone())
+            }
+            _ => None,
+        }
     }
 
     /// The enabled endpoint `name` in the last read, while it is fresh.

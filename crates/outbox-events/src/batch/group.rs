@@ -104,7 +104,7 @@ impl Batch<'_> {
                 started.push(i);
             } else {
                 // Given back while an earlier handler ran long (rule 8).
-                self.steps[i] = Step::Done(self.unstarted.outcome(index));
+                self.given_back_unstarted(i);
             }
         }
         let runs = started.iter().map(|&i| self.run_member(i, &prior));

@@ -217,7 +217,12 @@ impl Batch<'_> {
         lost: &mut Vec<(usize, RecordKey)>,
     ) -> Result<(), Stop> {
         for k in unwritten {
-            let (i, _, fence) = &held[k];
+            let (i, decision, fence) = &held[k];
+            // What its handler ran (already in the transaction unless it ran without it: a
+            // row recorded twice is kept once).
+            record_in(tx, &decision.effects)
+                .await
+                .map_err(|e| Stop::Died(format!("recording effects failed: {}", e.chain())))?;
             let outcome = tx
                 .release(fence.fence, OLDER_REOPENED)
                 .await
@@ -392,13 +397,6 @@ async fn write_all(
         .collect();
     let mut outcomes = vec![FenceOutcome::Written; held.len()];
     let fences: Vec<Fence> = processed.iter().map(|&k| held[k].2.fence).collect();
-    // The effects of handlers run without the transaction (rule 10), with their `processed`.
-    let unrecorded: Vec<EffectRecord> = processed
-        .iter()
-        .filter(|&&k| held[k].1.unrecorded)
-        .flat_map(|&k| held[k].1.effects.iter().cloned())
-        .collect();
-    record_in(tx, &unrecorded).await?;
     let written = match fences.as_slice() {
         [] => Vec::new(),
         [one] => vec![tx.mark_processed(*one).await?],
@@ -411,6 +409,14 @@ async fn write_all(
     for (&k, outcome) in processed.iter().zip(written) {
         outcomes[k] = outcome;
     }
+    // The effects of handlers run without the transaction (rule 10), with their `processed`
+    // where it was written (a claim found lost has its own recorded on the side).
+    let unrecorded: Vec<EffectRecord> = processed
+        .iter()
+        .filter(|&&k| held[k].1.unrecorded && outcomes[k] == FenceOutcome::Written)
+        .flat_map(|&k| held[k].1.effects.iter().cloned())
+        .collect();
+    record_in(tx, &unrecorded).await?;
     for (k, (_, decision, fence)) in held.iter().enumerate() {
         outcomes[k] = match (&decision.release, &decision.failure) {
             (Some(why), _) => {
