@@ -34,8 +34,6 @@ use slow::Unstarted;
 const BUDGET_SPENT: &str = "not run: the batched attempt reached its time budget";
 const OLDER_FAILED: &str = "not run: an older event of its record did not succeed in the batch";
 const BATCH_DIED: &str = "not run: the batched attempt's transaction failed first";
-const OLDER_GIVEN_BACK: &str =
-    "not run: an older event of its record was given back while another handler ran long";
 const WAITS_FOR_OLDER: &str =
     "not run: an older row of its record became non-terminal after the claim";
 
@@ -370,17 +368,13 @@ impl<'a> Batch<'a> {
 
     /// Member `i` was given back while an earlier handler ran long (rule 8): it ends as its
     /// release did. A release pass may stop part way (a release whose reply was lost), so a
-    /// record's later claims can still be this worker's: they are given back too (at the
-    /// settle), and the record waits in the worker's next batches, so that none of them runs
-    /// before the row given back.
+    /// record's later claims can still be this worker's: its record is blocked, so that they
+    /// are given back unrun (here or in the worker's next batches) rather than run before it.
     fn given_back_unstarted(&mut self, i: usize) {
         let outcome = self.unstarted.outcome(self.members[i].index);
         let ended = outcome != AttemptOutcome::Processed;
         self.steps[i] = Step::Done(outcome);
-        if let (true, Some(key)) = (ended, self.members[i].claim.event.record_key.clone()) {
-            let members = self.members.clone();
-            let same = move |j: usize| members[j].claim.event.record_key.as_ref() == Some(&key);
-            self.give_back(i + 1, same, OLDER_GIVEN_BACK);
+        if ended {
             self.block(i);
         }
     }

@@ -1390,6 +1390,90 @@ async fn a_long_handler_gives_back_its_workers_reclaimed_rows() {
     assert_eq!((metrics.processed, metrics.not_run), (1, 2), "{metrics:?}");
 }
 
+/// A long handler's give-back pass that stops part way (a release retried on the side ends
+/// it) can give back a record's row and leave the record's later row claimed by the worker
+/// (here in the worker's next batch, of two events each): that later row must not run before
+/// the row given back. It is given back too, unrun.
+#[tokio::test(start_paused = true)]
+async fn a_record_s_later_claim_is_given_back_with_a_row_a_long_handler_gave_back() {
+    let mut claims = batch_claims(4);
+    for c in &mut claims[2..] {
+        c.event.record_key = Some(outbox_persistence::RecordKey::from_stored("Lead:R"));
+    }
+    let (first, other, older, later) = (
+        claims[0].fence,
+        claims[1].fence,
+        claims[2].fence,
+        claims[3].fence,
+    );
+    let mut repo = mock_repo();
+    repo.expect_heartbeat_many()
+        .returning(|fences: Vec<Fence>| {
+            Ok(fences
+                .into_iter()
+                .map(outbox_persistence::BeatOutcome::Beaten)
+                .collect())
+        });
+    repo.expect_release_claim()
+        .withf(move |fence, _| fence.id == other.id)
+        .returning(|_, _| Ok(FenceOutcome::Written));
+    // The older row's release: its first try's reply is lost and no beat confirms the claim,
+    // so it is settled on the side (retried), which ends the pass before the later row.
+    let tries = Arc::new(Mutex::new(0));
+    let t = Arc::clone(&tries);
+    repo.expect_release_claim()
+        .withf(move |fence, _| fence.id == older.id)
+        .returning(move |_, _| {
+            let mut tries = t.lock().unwrap();
+            *tries += 1;
+            if *tries == 1 {
+                Err(unavailable())
+            } else {
+                Ok(FenceOutcome::Lost)
+            }
+        });
+    repo.expect_heartbeat().returning(|_| Err(unavailable()));
+    repo.expect_get_event()
+        .returning(|id| Ok(Some(row(id, EventStatus::Pending, 0))));
+    // The first batch: the long handler's event written `processed`.
+    let mut first_batch = MockAttempt::new();
+    first_batch
+        .expect_mark_processed()
+        .times(1)
+        .withf(move |fence| fence.id == first.id)
+        .returning(|_| Ok(FenceOutcome::Written));
+    first_batch.expect_commit().times(1).returning(|| Ok(()));
+    // The second: the later row given back unrun.
+    let mut second_batch = MockAttempt::new();
+    second_batch
+        .expect_release()
+        .times(1)
+        .withf(move |fence, why| fence.id == later.id && why.contains("older event of its record"))
+        .returning(|_, _| Ok(FenceOutcome::Written));
+    second_batch.expect_commit().times(1).returning(|| Ok(()));
+    let attempts = Mutex::new(vec![second_batch, first_batch]);
+    repo.expect_begin_batch_attempt()
+        .times(2)
+        .returning(move |_, _| {
+            let attempt = attempts.lock().unwrap().pop().unwrap();
+            Ok((Box::new(attempt) as Box<dyn Attempt>, Vec::new()))
+        });
+    let config = config().with_batches(2, Duration::from_millis(10));
+    let runner = ClaimRunner::new(
+        Arc::new(repo),
+        handlers(Duration::from_secs(30), || Ok(())),
+        config,
+    );
+    let (_, ran) = runner.run_batch(claims).await;
+    assert_eq!(ran, 1, "only the first handler ran");
+    assert!(
+        *tries.lock().unwrap() >= 2,
+        "the older row's release was retried"
+    );
+    let metrics = runner.metrics().snapshot();
+    assert_eq!(metrics.processed, 1, "{metrics:?}");
+}
+
 /// Finding 5: a graceful stop while an attempt cannot begin (the database is away) gives the
 /// claim back uncounted at once instead of retrying past the shutdown.
 #[tokio::test(start_paused = true)]
