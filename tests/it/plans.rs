@@ -727,6 +727,7 @@ async fn postgres_the_outbox_functions_keep_their_planner_settings() {
         "_system_outboxheadremove",
         "_system_outboxheadremovemany",
         "_system_outboxtally",
+        "_system_outboxfindeffects",
     ];
     let pool = db.pg().unwrap();
     for function in functions {
@@ -746,6 +747,7 @@ async fn postgres_the_outbox_functions_keep_their_planner_settings() {
             "_system_outboxsettle",
             "_system_outboxreleasemany",
             "_system_outboxtally",
+            "_system_outboxfindeffects",
         ]
         .contains(&function);
         if function == "_system_outboxheadremove" {

@@ -133,7 +133,8 @@ fn now_micros() -> DateTime<Utc> {
 }
 
 /// Every effect the ledger records for `event_ids` (any handler), read in `tx` in one
-/// statement through the ledger's primary key, which leads with the event: what a batch reads
+/// statement through the ledger's primary key, which leads with the event (on PostgreSQL in
+/// `_System_OutboxFindEffects`, whose planner settings leave no other plan): what a batch reads
 /// before it runs its transaction-free handlers side by side (their contexts hand it back
 /// instead of reading the ledger one effect at a time).
 pub async fn find_effects(tx: &mut Tx, event_ids: &[EventId]) -> Result<Vec<EffectRecord>> {
@@ -151,13 +152,13 @@ pub async fn find_effects(tx: &mut Tx, event_ids: &[EventId]) -> Result<Vec<Effe
     };
     match tx {
         Tx::Postgres(tx) => {
-            // Built from constants only: the ids are bound.
-            let rows: Vec<Row<EventId>> = crate::statement::query_as(sqlx::AssertSqlSafe(format!(
-                "SELECT {COLUMNS} FROM _System_OutboxEffect WHERE EventId = ANY($1)"
-            )))
-            .bind(event_ids)
-            .fetch_all(&mut **tx)
-            .await?;
+            // A function with the claim's planner settings (migration 0024): a plan made while
+            // the ledger was small would keep reading it whole as it grows.
+            let rows: Vec<Row<EventId>> =
+                crate::statement::query_as("SELECT * FROM _System_OutboxFindEffects($1)")
+                    .bind(event_ids)
+                    .fetch_all(&mut **tx)
+                    .await?;
             Ok(rows.into_iter().map(record).collect())
         }
         Tx::Sqlite(tx) => {
