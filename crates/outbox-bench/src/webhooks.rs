@@ -259,7 +259,7 @@ pub(crate) async fn webhooks(db: &BenchDb, sizes: &Sizes, report: &mut Report) -
         (acks.len(), violations),
     );
 
-    let (p50, p99, offered, violations) = offered_latency(db, sizes, &receiver).await?;
+    let (p50, p99, offered, violations, stages) = offered_latency(db, sizes, &receiver).await?;
     report.push(Row {
         scenario: format!("webhooks at {OFFERED} events/s offered over {} records", sizes.records),
         dispatcher: "pull".into(),
@@ -268,7 +268,7 @@ pub(crate) async fn webhooks(db: &BenchDb, sizes: &Sizes, report: &mut Report) -
         p50_ms: Some(p50),
         p99_ms: Some(p99),
         note: format!(
-            "enqueue-to-delivered (receiver clock - CreatedDate, first acknowledgement); {violations} out of record order"
+            "enqueue-to-delivered (receiver clock - CreatedDate, first acknowledgement); {violations} out of record order; {stages}"
         ),
         ..Row::default()
     });
@@ -321,12 +321,12 @@ fn push_drains(
 }
 
 /// Enqueue-to-delivered at [`OFFERED`] events/s for a few seconds (10 in the full run), with
-/// the workers already running: p50, p99, events, order violations.
+/// the workers already running: p50, p99, events, order violations, and each stage's share.
 async fn offered_latency(
     db: &BenchDb,
     sizes: &Sizes,
     receiver: &Receiver,
-) -> Result<(f64, f64, usize, usize)> {
+) -> Result<(f64, f64, usize, usize, String)> {
     reset(db).await?;
     let worker = config(DispatchMode::Pull, WORKERS);
     let (handlers, hooks) = webhook_handlers(db, receiver, &worker).await?;
@@ -362,8 +362,31 @@ async fn offered_latency(
     }
     run.stop().await?;
     hooks.flush().await;
+    let stages = stages(pg(&pool)?).await?;
     pool.close().await;
     let acks = receiver.take();
     let (p50, p99) = latencies(&acks);
-    Ok((p50, p99, sent, order_violations(&acks)))
+    Ok((p50, p99, sent, order_violations(&acks), stages))
+}
+
+/// Where the latency goes, from the rows (the database's clock): each stage's row from its
+/// `CreatedDate` to its `processed` write (`LastModifiedDate`), p50/p99 in ms, the fan-out's
+/// (the source event) and the delivery's.
+async fn stages(pool: &sqlx::PgPool) -> Result<String> {
+    let rows: Vec<(String, f64, f64)> = sqlx::query_as(
+        "SELECT CASE WHEN EventType LIKE 'webhook:%' THEN 'delivery' ELSE 'fan-out' END,
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)
+         FROM (SELECT EventType, extract(epoch FROM LastModifiedDate - CreatedDate)::float8 * 1000 AS ms
+               FROM _System_OutboxEvent WHERE Status = 'processed') t
+         GROUP BY 1 ORDER BY 1 DESC",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|(stage, p50, p99)| {
+            format!("{stage} row created-to-processed p50 {p50:.1} / p99 {p99:.1} ms")
+        })
+        .collect::<Vec<_>>()
+        .join(", "))
 }

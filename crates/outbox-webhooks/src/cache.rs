@@ -48,7 +48,7 @@ impl Endpoints {
     }
 
     /// The last read, while it is fresh and no change was made through this process since.
-    fn cached(&self) -> Option<Arc<Vec<WebhookEndpoint>>> {
+    pub(crate) fn cached(&self) -> Option<Arc<Vec<WebhookEndpoint>>> {
         let changes = CHANGES.load(Ordering::SeqCst);
         match &*self.read.lock().unwrap_or_else(|e| e.into_inner()) {
             Some((at, seen, endpoints)) if at.elapsed() < FRESH_FOR && *seen == changes => {
@@ -121,6 +121,28 @@ impl Endpoints {
             }
             _ => None,
         }
+    }
+
+    /// [`Endpoints::all`] for a handler run without the attempt's transaction (beside others
+    /// of its batch): a stale read is made once, on a transaction of its own from `repo`,
+    /// while the others wait for it.
+    pub(crate) async fn all_pooled(
+        &self,
+        repo: &dyn OutboxRepository,
+    ) -> outbox_events::persistence::Result<Arc<Vec<WebhookEndpoint>>> {
+        if let Some(endpoints) = self.cached() {
+            return Ok(endpoints);
+        }
+        let asked = Instant::now();
+        let _reading = self.reading.lock().await;
+        if let Some(endpoints) = self.cached_since(asked) {
+            return Ok(endpoints);
+        }
+        let mut tx = repo.begin().await?;
+        let read = self.fresh(&mut tx).await;
+        // A read: a failed rollback changes nothing (the connection goes back either way).
+        let _ = tx.rollback().await;
+        read
     }
 
     /// The enabled endpoint `name` in the last read, while it is fresh.

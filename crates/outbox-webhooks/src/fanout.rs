@@ -159,8 +159,15 @@ impl Handler for WebhookFanOut {
         ctx: &mut AttemptContext<'_>,
     ) -> Result<(), HandlerError> {
         // Lock-free (a batch's next handlers may share the transaction): a read, and rows
-        // under keys only this record's fan-out writes, one attempt at a time (its claim).
-        let all = self.endpoints.all(ctx.lock_free_tx()).await?;
+        // under keys only this record's fan-out writes, one attempt at a time (its claim). The
+        // transaction is asked for only when the cached read is stale: a handler that never
+        // asks for it costs its batch no savepoint. Beside others of its batch (no
+        // transaction), the read goes through the pool.
+        let all = match self.endpoints.cached() {
+            Some(all) => all,
+            None if ctx.has_tx() => self.endpoints.all(ctx.lock_free_tx()).await?,
+            None => self.endpoints.all_pooled(self.repo.as_ref()).await?,
+        };
         let endpoints: Vec<_> = all
             .iter()
             .filter(|e| e.subscribes_to(&event.event_type))
@@ -175,6 +182,12 @@ impl Handler for WebhookFanOut {
         ctx.enqueue_owned(self.repo.as_ref(), rows).await?;
         tracing::debug!(event_id = %event.id, deliveries = count, "fanned out to webhook endpoints");
         Ok(())
+    }
+
+    /// A fan-out needs no transaction: its read goes through the pool and its rows are owned
+    /// rows, inserted at the settle; a batch runs its fan-outs side by side, one per record.
+    fn runs_without_tx(&self) -> bool {
+        true
     }
 }
 
