@@ -373,20 +373,9 @@ async fn offered_latency(
 /// `CreatedDate` to its `processed` write (`LastModifiedDate`), p50/p99 in ms, the fan-out's
 /// (the source event) and the delivery's.
 async fn stages(pool: &sqlx::PgPool) -> Result<String> {
-    let rows: Vec<(String, f64, f64)> = sqlx::query_as(
-        "SELECT CASE WHEN EventType LIKE 'webhook:%' THEN 'delivery' ELSE 'fan-out' END,
-                percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)
-         FROM (SELECT EventType, extract(epoch FROM LastModifiedDate - CreatedDate)::float8 * 1000 AS ms
-               FROM _System_OutboxEvent WHERE Status = 'processed') t
-         GROUP BY 1 ORDER BY 1 DESC",
-    )
-    .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|(stage, p50, p99)| {
-            format!("{stage} row created-to-processed p50 {p50:.1} / p99 {p99:.1} ms")
-        })
-        .collect::<Vec<_>>()
-        .join(", "))
+    let (delivery, fan_out) = bench::latency_by_type_prefix(pool, "webhook:").await?;
+    Ok(format!(
+        "fan-out row created-to-processed p50 {:.1} / p99 {:.1} ms, delivery row p50 {:.1} / p99 {:.1} ms",
+        fan_out.p50_ms, fan_out.p99_ms, delivery.p50_ms, delivery.p99_ms
+    ))
 }

@@ -265,6 +265,39 @@ pub async fn latency(pool: &PgPool, keys: Keys<'_>, since: DateTime<Utc>) -> Res
     })
 }
 
+/// Latency figures (`LastModifiedDate - CreatedDate`) of the processed rows whose event type
+/// starts with `prefix`, then of the others: two stages of a pipeline (the webhooks' fan-out
+/// rows and their delivery rows). The span is not measured (0).
+pub async fn latency_by_type_prefix(pool: &PgPool, prefix: &str) -> Result<(Figures, Figures)> {
+    let rows = crate::statement::query(
+        "SELECT starts_with(EventType, $1), count(*),
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY lat),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY lat)
+         FROM (SELECT EventType,
+                      EXTRACT(EPOCH FROM (LastModifiedDate - CreatedDate))::float8 * 1000 AS lat
+               FROM _System_OutboxEvent WHERE Status = 'processed') s
+         GROUP BY 1",
+    )
+    .bind(prefix)
+    .fetch_all(pool)
+    .await?;
+    let mut out = (Figures::default(), Figures::default());
+    for row in rows {
+        let figures = Figures {
+            n: row.try_get::<i64, _>(1)? as usize,
+            p50_ms: row.try_get::<Option<f64>, _>(2)?.unwrap_or(0.0),
+            p99_ms: row.try_get::<Option<f64>, _>(3)?.unwrap_or(0.0),
+            span_s: 0.0,
+        };
+        if row.try_get::<bool, _>(0)? {
+            out.0 = figures;
+        } else {
+            out.1 = figures;
+        }
+    }
+    Ok(out)
+}
+
 /// When the processed rows ended, in seconds from `since`: the first, the 10th and 90th
 /// percentiles and the last (a run's ramp, steady part and tail).
 #[derive(Debug, Clone, Copy, Default)]
