@@ -139,7 +139,7 @@ impl ModeDecision {
 
 /// Why a dispatcher with a consumer registered through the effect ledger does not start, and
 /// the gate refuses, on a database without the ledger's table.
-const LEDGER_TABLE_MISSING: &str = "the effect ledger's table (_System_OutboxEffect) is missing on this database, and a consumer runs its effects through it: run `outbox migrate`";
+const LEDGER_TABLE_MISSING: &str = "the effect ledger's table (_System_OutboxEffect) or, on PostgreSQL, its read function (_System_OutboxFindEffects, migration 0024) is missing on this database, and a consumer runs its effects through it: run `outbox migrate`";
 
 /// Evaluates the gate for the registered consumers (`Handlers::consumers`) against the
 /// database behind `repo`.

@@ -327,12 +327,21 @@ pub async fn effects_of(tx: &mut Tx, event_ids: &[EventId]) -> Result<Vec<Record
     }
 }
 
-/// Whether the ledger's table exists, read in `tx`, rolled back after
+/// Whether the ledger's table exists and, on PostgreSQL, the function a batch reads it through
+/// (`_System_OutboxFindEffects`, migration 0024: without it every batch of transaction-free
+/// handlers would die at its first statement), read in `tx`, rolled back after
 /// (`OutboxRepository::effect_ledger_ready`).
 pub(crate) async fn ledger_ready(mut tx: Tx) -> Result<bool> {
-    let exists = ledger_table_exists(&mut tx).await?;
+    let mut ready = ledger_table_exists(&mut tx).await?;
+    if let (true, Tx::Postgres(pg)) = (ready, &mut tx) {
+        ready = crate::statement::query_scalar(
+            "SELECT to_regprocedure('_system_outboxfindeffects(uuid[])') IS NOT NULL",
+        )
+        .fetch_one(&mut **pg)
+        .await?;
+    }
     tx.rollback().await?;
-    Ok(exists)
+    Ok(ready)
 }
 
 #[cfg(test)]

@@ -63,9 +63,15 @@ impl Endpoints {
         tx: &mut Tx,
     ) -> outbox_events::persistence::Result<Arc<Vec<WebhookEndpoint>>> {
         let changes = CHANGES.load(Ordering::SeqCst);
+        // Stamped with its start: a read is as fresh as the moment it began, and one that
+        // began before the cached one does not replace it (two reads overlap: a handler's in
+        // its transaction, another's through the pool).
+        let began = Instant::now();
         let endpoints = Arc::new(webhooks::endpoints_to_send(tx).await?);
-        *self.read.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some((Instant::now(), changes, endpoints.clone()));
+        let mut read = self.read.lock().unwrap_or_else(|e| e.into_inner());
+        if read.as_ref().is_none_or(|(at, _, _)| *at <= began) {
+            *read = Some((began, changes, endpoints.clone()));
+        }
         Ok(endpoints)
     }
 
@@ -110,7 +116,7 @@ impl Endpoints {
         found
     }
 
-    /// The last read, if it is fresh and was made after `asked`.
+    /// The last read, if it is fresh and began after `asked`.
     fn cached_since(&self, asked: Instant) -> Option<Arc<Vec<WebhookEndpoint>>> {
         let changes = CHANGES.load(Ordering::SeqCst);
         match &*self.read.lock().unwrap_or_else(|e| e.into_inner()) {
