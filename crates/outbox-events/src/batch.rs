@@ -424,22 +424,27 @@ impl<'a> Batch<'a> {
             }
             let span = attempt::attempt_span(member.claim);
             let kept = self.event(tx, i).instrument(span).await?;
-            if !matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
-                // A record's later events wait for this one: none of them runs in this batch.
-                let key = member.claim.event.record_key.clone();
-                if key.is_some() {
-                    let members = self.members.clone();
-                    let same = move |j: usize| members[j].claim.event.record_key == key;
-                    self.give_back(i + 1, same, OLDER_FAILED);
-                }
-                self.block(i);
-            }
+            self.hold_back_record(i);
             self.segment_effects |= kept.effects;
             if kept.locking {
                 return Ok(Segment::Effects);
             }
         }
         Ok(Segment::Done)
+    }
+
+    /// Member `i` ran: unless it ended `processed`, a record's later events wait for it, so
+    /// none of them runs in this batch (given back) or the worker's next ones (blocked).
+    fn hold_back_record(&mut self, i: usize) {
+        if matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
+            return;
+        }
+        if let Some(key) = self.members[i].claim.event.record_key.clone() {
+            let members = self.members.clone();
+            let same = move |j: usize| members[j].claim.event.record_key.as_ref() == Some(&key);
+            self.give_back(i + 1, same, OLDER_FAILED);
+        }
+        self.block(i);
     }
 
     /// Member `i` did not succeed: its record's later rows, in this batch and the worker's next

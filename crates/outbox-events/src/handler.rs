@@ -268,8 +268,13 @@ impl<'a> AttemptContext<'a> {
         handler_id: &str,
         event_id: outbox_persistence::EventId,
     ) -> Self {
+        Self::scoped(Inner::Attempt(attempt), handler_id, event_id)
+    }
+
+    /// A context around `inner` for `event_id` run by the consumer named `handler_id`.
+    fn scoped(inner: Inner<'a>, handler_id: &str, event_id: outbox_persistence::EventId) -> Self {
         Self {
-            inner: Inner::Attempt(attempt),
+            inner,
             touched: false,
             locking: false,
             scope: Some(EffectScope {
@@ -290,17 +295,7 @@ impl<'a> AttemptContext<'a> {
         event_id: outbox_persistence::EventId,
         prior: Vec<EffectRecord>,
     ) -> Self {
-        Self {
-            inner: Inner::Detached(prior),
-            touched: false,
-            locking: false,
-            scope: Some(EffectScope {
-                event_id,
-                handler_id: handler_id.to_owned(),
-            }),
-            sent: Vec::new(),
-            deferred: Some(Vec::new()),
-        }
+        Self::scoped(Inner::Detached(prior), handler_id, event_id).deferring_owned_enqueues()
     }
 
     /// Whether this context holds the attempt's transaction: `false` only for a handler that

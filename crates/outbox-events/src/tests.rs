@@ -861,6 +861,17 @@ fn batch_claims(n: usize) -> Vec<Claim> {
         .collect()
 }
 
+/// Every batch beat of `repo` lands.
+fn beats_land(repo: &mut MockOutboxRepository) {
+    repo.expect_heartbeat_many()
+        .returning(|fences: Vec<Fence>| {
+            Ok(fences
+                .into_iter()
+                .map(outbox_persistence::BeatOutcome::Beaten)
+                .collect())
+        });
+}
+
 /// The mocked repository most unit tests start from: liveness notes taken, a backend whose
 /// writers run side by side.
 fn mock_repo() -> MockOutboxRepository {
@@ -1116,13 +1127,7 @@ async fn a_lock_timeout_at_the_settle_gives_the_batch_back_uncounted() {
         .returning(|_, _| Ok(FenceOutcome::Written));
     repo.expect_increment_retry().never();
     // The releases on the side keep the claims beaten while they land.
-    repo.expect_heartbeat_many()
-        .returning(|fences: Vec<Fence>| {
-            Ok(fences
-                .into_iter()
-                .map(outbox_persistence::BeatOutcome::Beaten)
-                .collect())
-        });
+    beats_land(&mut repo);
     let mut attempt = MockAttempt::new();
     attempt
         .expect_mark_processed_many()
@@ -1341,13 +1346,7 @@ async fn a_long_handler_gives_back_its_workers_reclaimed_rows() {
     let first = claims[0].fence;
     let others: Vec<Fence> = claims[1..].iter().map(|c| c.fence).collect();
     let mut repo = mock_repo();
-    repo.expect_heartbeat_many()
-        .returning(|fences: Vec<Fence>| {
-            Ok(fences
-                .into_iter()
-                .map(outbox_persistence::BeatOutcome::Beaten)
-                .collect())
-        });
+    beats_land(&mut repo);
     let started = tokio::time::Instant::now();
     let given_back: Arc<Mutex<Vec<(Fence, Duration)>>> = Arc::default();
     let g = Arc::clone(&given_back);
@@ -1407,13 +1406,7 @@ async fn a_record_s_later_claim_is_given_back_with_a_row_a_long_handler_gave_bac
         claims[3].fence,
     );
     let mut repo = mock_repo();
-    repo.expect_heartbeat_many()
-        .returning(|fences: Vec<Fence>| {
-            Ok(fences
-                .into_iter()
-                .map(outbox_persistence::BeatOutcome::Beaten)
-                .collect())
-        });
+    beats_land(&mut repo);
     repo.expect_release_claim()
         .withf(move |fence, _| fence.id == other.id)
         .returning(|_, _| Ok(FenceOutcome::Written));
@@ -1514,13 +1507,7 @@ async fn a_release_whose_commit_landed_despite_an_error_is_not_a_lost_claim() {
     let claims = batch_claims(3);
     let given_back = claims[1].fence;
     let mut repo = mock_repo();
-    repo.expect_heartbeat_many()
-        .returning(|fences: Vec<Fence>| {
-            Ok(fences
-                .into_iter()
-                .map(outbox_persistence::BeatOutcome::Beaten)
-                .collect())
-        });
+    beats_land(&mut repo);
     repo.expect_release_claim()
         .times(1)
         .withf(move |fence, _| *fence == given_back)
@@ -1575,13 +1562,7 @@ async fn a_release_retried_after_its_reply_was_lost_is_not_a_lost_claim() {
     let tries: Arc<Mutex<std::collections::HashMap<outbox_persistence::EventId, u32>>> =
         Arc::default();
     let mut repo = mock_repo();
-    repo.expect_heartbeat_many()
-        .returning(|fences: Vec<Fence>| {
-            Ok(fences
-                .into_iter()
-                .map(outbox_persistence::BeatOutcome::Beaten)
-                .collect())
-        });
+    beats_land(&mut repo);
     let t = Arc::clone(&tries);
     repo.expect_release_claim().returning(move |fence, _| {
         let mut tries = t.lock().unwrap();
@@ -1682,13 +1663,7 @@ async fn a_give_back_that_failed_is_confirmed_by_a_beat_before_the_worker_keeps_
         last_written: kept.last_written + chrono::Duration::seconds(1),
     };
     let mut repo = mock_repo();
-    repo.expect_heartbeat_many()
-        .returning(|fences: Vec<Fence>| {
-            Ok(fences
-                .into_iter()
-                .map(outbox_persistence::BeatOutcome::Beaten)
-                .collect())
-        });
+    beats_land(&mut repo);
     repo.expect_heartbeat()
         .times(1)
         .withf(move |fence| *fence == kept)

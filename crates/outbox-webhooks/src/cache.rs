@@ -92,8 +92,7 @@ impl Endpoints {
     }
 
     /// [`Endpoints::get`] for a delivery run without the attempt's transaction (beside others
-    /// of its batch): a stale read is made once, on a transaction of its own from `repo`,
-    /// while the others wait for it.
+    /// of its batch): read through the pool when the last read does not hold it enabled.
     pub(crate) async fn get_pooled(
         &self,
         repo: &dyn OutboxRepository,
@@ -102,18 +101,38 @@ impl Endpoints {
         if let Some(found) = self.cached_enabled(name) {
             return Ok(Some(found));
         }
+        let endpoints = self.fresh_pooled(repo).await?;
+        Ok(endpoints.iter().find(|e| e.name == name).cloned())
+    }
+
+    /// [`Endpoints::all`] for a handler run without the attempt's transaction.
+    pub(crate) async fn all_pooled(
+        &self,
+        repo: &dyn OutboxRepository,
+    ) -> outbox_events::persistence::Result<Arc<Vec<WebhookEndpoint>>> {
+        match self.cached() {
+            Some(endpoints) => Ok(endpoints),
+            None => self.fresh_pooled(repo).await,
+        }
+    }
+
+    /// A read on a transaction of its own from `repo`, made once while the other handlers of
+    /// this process that want one wait for it (a read that began while they waited serves
+    /// them).
+    async fn fresh_pooled(
+        &self,
+        repo: &dyn OutboxRepository,
+    ) -> outbox_events::persistence::Result<Arc<Vec<WebhookEndpoint>>> {
         let asked = Instant::now();
         let _reading = self.reading.lock().await;
-        // A read made while this one waited is as good as its own (an endpoint it does not
-        // hold, or holds disabled, included).
         if let Some(endpoints) = self.cached_since(asked) {
-            return Ok(endpoints.iter().find(|e| e.name == name).cloned());
+            return Ok(endpoints);
         }
         let mut tx = repo.begin().await?;
-        let found = self.get(&mut tx, name).await;
+        let read = self.fresh(&mut tx).await;
         // A read: a failed rollback changes nothing (the connection goes back either way).
         let _ = tx.rollback().await;
-        found
+        read
     }
 
     /// The last read, if it is fresh and began after `asked`.
@@ -127,28 +146,6 @@ impl Endpoints {
             }
             _ => None,
         }
-    }
-
-    /// [`Endpoints::all`] for a handler run without the attempt's transaction (beside others
-    /// of its batch): a stale read is made once, on a transaction of its own from `repo`,
-    /// while the others wait for it.
-    pub(crate) async fn all_pooled(
-        &self,
-        repo: &dyn OutboxRepository,
-    ) -> outbox_events::persistence::Result<Arc<Vec<WebhookEndpoint>>> {
-        if let Some(endpoints) = self.cached() {
-            return Ok(endpoints);
-        }
-        let asked = Instant::now();
-        let _reading = self.reading.lock().await;
-        if let Some(endpoints) = self.cached_since(asked) {
-            return Ok(endpoints);
-        }
-        let mut tx = repo.begin().await?;
-        let read = self.fresh(&mut tx).await;
-        // A read: a failed rollback changes nothing (the connection goes back either way).
-        let _ = tx.rollback().await;
-        read
     }
 
     /// The enabled endpoint `name` in the last read, while it is fresh.

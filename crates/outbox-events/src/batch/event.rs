@@ -2,14 +2,15 @@
 //! its handler runs under the segment's savepoint (the worker's unstarted claims given back if
 //! it runs long, rule 8), and its outcome is decided, to be written at the settle.
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use outbox_persistence::{Attempt, EffectRecord, NewEvent};
+use outbox_persistence::{Attempt, Claim, EffectRecord, NewEvent};
 
 use super::{Batch, Decision, Member, Step, Stop};
 use crate::attempt::CatchPanic;
-use crate::env::AttemptOutcome;
-use crate::handler::{AttemptContext, HandlerError};
+use crate::env::{AttemptEnv, AttemptOutcome};
+use crate::handler::{AttemptContext, Handler, HandlerError};
 
 /// What an event left in the segment's transaction.
 #[derive(Debug, Clone, Copy, Default)]
@@ -108,16 +109,9 @@ impl Batch<'_> {
     ) -> (HandlerRun, (bool, bool), (Vec<EffectRecord>, Vec<NewEvent>)) {
         let env = self.env;
         let Member { claim, beat, .. } = self.members[i];
-        let handler = env
-            .handlers
-            .get_named(&claim.event.event_type)
-            .map(|(name, h)| (name.to_owned(), h.clone()));
-        let Some((name, handler)) = handler else {
-            let missing = HandlerError::Permanent(format!(
-                "no handler registered for event type {:?}",
-                claim.event.event_type
-            ));
-            return (Ok(Err(missing)), (false, false), Default::default());
+        let (name, handler) = match handler_of(env, claim) {
+            Ok(found) => found,
+            Err(missing) => return (Ok(Err(missing)), (false, false), Default::default()),
         };
         let mut ctx =
             AttemptContext::for_attempt(tx, &name, claim.event.id).deferring_owned_enqueues();
@@ -140,6 +134,23 @@ impl Batch<'_> {
         let owned = ctx.take_deferred();
         (result, (ctx.touched(), ctx.locking()), (sent, owned))
     }
+}
+
+/// The handler of `claim`'s event type with its consumer's name (the ledger's handler id), or
+/// the event's permanent failure when none is registered.
+pub(super) fn handler_of(
+    env: &AttemptEnv,
+    claim: &Claim,
+) -> Result<(String, Arc<dyn Handler>), HandlerError> {
+    env.handlers
+        .get_named(&claim.event.event_type)
+        .map(|(name, h)| (name.to_owned(), h.clone()))
+        .ok_or_else(|| {
+            HandlerError::Permanent(format!(
+                "no handler registered for event type {:?}",
+                claim.event.event_type
+            ))
+        })
 }
 
 /// Undoes the running event's effects: rolls back to its own savepoint (`own`: earlier

@@ -12,7 +12,7 @@ use std::time::Instant;
 use outbox_persistence::{Attempt, EffectRecord, EventId, NewEvent, RecordKey};
 use tracing::Instrument;
 
-use super::{Batch, Decision, Member, OLDER_FAILED, Step, Stop};
+use super::{Batch, Decision, Member, Step, Stop};
 use crate::attempt::{self, CatchPanic};
 use crate::env::AttemptOutcome;
 use crate::handler::{AttemptContext, HandlerError};
@@ -140,22 +140,16 @@ impl Batch<'_> {
     ) -> impl std::future::Future<Output = Ran> + use<'_> {
         let env = self.env;
         let Member { claim, beat, .. } = self.members[i];
-        let handler = env
-            .handlers
-            .get_named(&claim.event.event_type)
-            .map(|(name, h)| (name.to_owned(), h.clone()));
+        let handler = super::event::handler_of(env, claim);
         let mine: Vec<EffectRecord> = prior
             .iter()
             .filter(|e| e.event_id == claim.event.id)
             .cloned()
             .collect();
         async move {
-            let Some((name, handler)) = handler else {
-                let missing = HandlerError::Permanent(format!(
-                    "no handler registered for event type {:?}",
-                    claim.event.event_type
-                ));
-                return (i, Ok(Err(missing)), Vec::new(), Vec::new());
+            let (name, handler) = match handler {
+                Ok(found) => found,
+                Err(missing) => return (i, Ok(Err(missing)), Vec::new(), Vec::new()),
             };
             let mut ctx = AttemptContext::detached(&name, claim.event.id, mine);
             let started = Instant::now();
@@ -206,14 +200,6 @@ impl Batch<'_> {
                 self.decide(i, Decision::failed(failure));
             }
         }
-        if !matches!(self.outcome(i), Some(AttemptOutcome::Processed)) {
-            // A record's later events wait for this one: none of them runs in this batch.
-            if let Some(key) = claim.event.record_key.clone() {
-                let members = self.members.clone();
-                let same = move |j: usize| members[j].claim.event.record_key.as_ref() == Some(&key);
-                self.give_back(i + 1, same, OLDER_FAILED);
-            }
-            self.block(i);
-        }
+        self.hold_back_record(i);
     }
 }
