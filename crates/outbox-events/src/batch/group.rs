@@ -32,8 +32,8 @@ type Ran = (
 
 impl Batch<'_> {
     /// The waiting events, from `first` on in claim order, that may run side by side with
-    /// `first`: transaction-free handlers, each the first waiting event of its record, not of
-    /// a record blocked by an earlier failure, at most [`GROUP_MAX`]. Empty unless `first`
+    /// `first`: of its event type, each the first waiting event of its record, not of a record
+    /// blocked by an earlier failure, at most [`GROUP_MAX`]. Empty unless `first`
     /// is one of them and at least two are; always empty on a backend whose attempt holds the
     /// one write lock (SQLite: a handler without the transaction reads through the pool,
     /// which an in-memory database's one connection, held by the attempt, cannot serve).
@@ -61,7 +61,10 @@ impl Batch<'_> {
                     continue;
                 }
             }
-            if self.runs_without_tx(j) {
+            // One event type per group: a slow handler's events (a webhook endpoint that
+            // hangs) hold back only their own kind, as they would one after another.
+            let first_type = &self.members[first].claim.event.event_type;
+            if self.members[j].claim.event.event_type == *first_type && self.runs_without_tx(j) {
                 group.push(j);
             }
         }
