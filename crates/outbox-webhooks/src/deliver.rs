@@ -210,9 +210,6 @@ impl WebhookDelivery {
     }
 }
 
-/// How often a delivery waiting for its endpoint's probe looks whether it ended.
-const PROBE_WAIT_STEP: Duration = Duration::from_millis(10);
-
 /// The wait of a delivery whose endpoint is (being) disabled: long, so that it is not claimed
 /// again (and counted again) before the pause reaches every worker; enabling the endpoint makes
 /// it due at once (`set_endpoint_enabled`).
@@ -237,8 +234,7 @@ impl Handler for WebhookDelivery {
         })?;
         // A read: lock-free, as are the ledger's rows (keyed by this event alone). Beside
         // other deliveries of its batch (no transaction), through the pool.
-        let has_tx = ctx.has_tx();
-        let endpoint = if has_tx {
+        let endpoint = if ctx.has_tx() {
             self.endpoints
                 .get(ctx.lock_free_tx(), &delivery.endpoint)
                 .await?
@@ -267,10 +263,7 @@ impl Handler for WebhookDelivery {
                     ));
                 }
                 let started = Instant::now();
-                // Beside others of its batch, a delivery waits for a probe of its endpoint in
-                // flight rather than fail: the batch waits for that probe anyway.
-                let wait = !has_tx;
-                let answer = self.probed_send(&endpoint, &delivery, attempt, wait).await;
+                let answer = self.probed_send(&endpoint, &delivery, attempt).await;
                 self.keep(event, &delivery, &endpoint.name, attempt, started, &answer);
                 self.judge(&endpoint.name, event.id, attempt, &answer)
                     .map(|()| answer.map(|a| a.status).unwrap_or_default())
@@ -291,31 +284,22 @@ impl Handler for WebhookDelivery {
 impl WebhookDelivery {
     /// Sends, unless the endpoint gave no answer and another delivery of this process is
     /// probing it (`probe.rs`): then the delivery is not sent and fails like the send would
-    /// have; or, when `wait`, it first waits for that probe to end (at most the send's own
-    /// timeout), and is sent if the probe got an answer.
+    /// have. It does not wait for that probe, also beside others of its batch: every worker
+    /// whose batch held a delivery to the endpoint would then wait for the one probe.
     async fn probed_send(
         &self,
         endpoint: &webhooks::WebhookEndpoint,
         delivery: &Delivery,
         attempt: i32,
-        wait: bool,
     ) -> Result<Answer, SendError> {
         let failing = endpoint.consecutive_failures > 0;
-        let until = Instant::now() + self.config.total_timeout + Duration::from_secs(1);
-        let _probe = loop {
-            match self.probes.admit(&endpoint.name, failing) {
-                Admission::Send(probe) => break probe,
-                Admission::Hold(_)
-                    if wait && self.probes.probing(&endpoint.name) && Instant::now() < until =>
-                {
-                    tokio::time::sleep(PROBE_WAIT_STEP).await;
-                }
-                Admission::Hold(since) => {
-                    return Err(SendError::Held(format!(
-                        "the endpoint has given this process no answer for {}s; one delivery at a time probes it",
-                        since.elapsed().as_secs()
-                    )));
-                }
+        let _probe = match self.probes.admit(&endpoint.name, failing) {
+            Admission::Send(probe) => probe,
+            Admission::Hold(since) => {
+                return Err(SendError::Held(format!(
+                    "the endpoint has given this process no answer for {}s; one delivery at a time probes it",
+                    since.elapsed().as_secs()
+                )));
             }
         };
         let answer = self.send(endpoint, delivery, attempt).await;

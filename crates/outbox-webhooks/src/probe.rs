@@ -99,11 +99,6 @@ impl Probes {
         })
     }
 
-    /// Whether a probe of `endpoint` is in flight.
-    pub(crate) fn probing(&self, endpoint: &str) -> bool {
-        self.lock().get(endpoint).is_some_and(|state| state.probing)
-    }
-
     /// `endpoint` answered a send (any status).
     pub(crate) fn answered(&self, endpoint: &str) {
         let mut states = self.lock();
