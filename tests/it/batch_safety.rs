@@ -107,6 +107,16 @@ impl Handler for Acting {
             self.go_on.notified().await;
         }
         match what.as_str() {
+            "stamp" => {
+                // The transaction that wrote it, read back by the shared-writes test.
+                with_tx!(ctx.tx(), |conn| statement::query(
+                    "UPDATE app_row SET seen = seen + 1, writer = txid_current() WHERE id = $1"
+                )
+                .bind(row as i64)
+                .execute(conn)
+                .await
+                .map(|_| ()))?;
+            }
             "touch" | "hold_touch" => {
                 with_tx!(ctx.tx(), |conn| statement::query(
                     "UPDATE app_row SET seen = seen + 1 WHERE id = $1"
@@ -141,7 +151,8 @@ impl Lcg {
 /// The application's table the handlers write, with rows `ids` at zero.
 async fn app_rows(db: &TestDb, ids: &[i64]) {
     db.execute(
-        "CREATE TABLE app_row (id BIGINT PRIMARY KEY, n BIGINT NOT NULL, seen BIGINT NOT NULL)",
+        "CREATE TABLE app_row (id BIGINT PRIMARY KEY, n BIGINT NOT NULL, seen BIGINT NOT NULL,
+                               writer BIGINT NOT NULL DEFAULT 0)",
     )
     .await;
     for id in ids {
@@ -186,11 +197,41 @@ async fn application_transaction(
 /// handlers' row locks to one `COMMIT`, the application's upserts deadlocked with it; a batch
 /// now commits after each handler that kept effects, so it never holds two handlers' locks.
 async fn application_transactions_beside_batches_never_fail(db: TestDb) {
-    app_rows(&db, &[]).await;
+    applications_beside_workers(&db, config(8)).await;
+}
+
+/// The same with writes shared (rule 11): a segment holds several writing handlers' locks, and
+/// its later handlers' lock waits are bounded (5 ms), so a later handler never waits beside
+/// those locks long enough for a deadlock check (1 s) to find a cycle through it. Without the
+/// bound (shared segments, later handlers waiting up to the attempt's lock timeout), 8 workers
+/// beside the applications' ascending upserts meet cycles. PostgreSQL only: on SQLite a batch
+/// holds the one write lock and writes are not shared.
+async fn application_transactions_beside_shared_writes_never_fail(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return;
+    }
+    let metrics =
+        applications_beside_workers(&db, config(8).with_shared_writes(Duration::from_millis(50)))
+            .await;
+    eprintln!(
+        "shared writes beside applications: {} batches, {} lock waits bounded",
+        metrics.batches, metrics.shared_write_waits
+    );
+}
+
+/// Two applications run 60 transactions each that upsert up to 8 random application rows
+/// (ascending) and enqueue an event per row, beside 8 pull workers of `config` whose handlers
+/// update those rows; asserts that none failed, every event ran its effect once and none was
+/// counted as a failure. Returns the workers' metrics.
+async fn applications_beside_workers(
+    db: &TestDb,
+    config: WorkerConfig,
+) -> outbox_events::MetricsSnapshot {
+    app_rows(db, &[]).await;
     let repo = db.repository();
     let rows: Vec<u64> = (0..APP_ROWS).collect();
     application_transaction(&repo, &rows).await.unwrap();
-    let handle = start(&repo, Acting::default(), config(8)).await;
+    let handle = start(&repo, Acting::default(), config).await;
     let mut applications = Vec::new();
     for seed in 1..=2u64 {
         let repo = repo.clone();
@@ -241,6 +282,70 @@ async fn application_transactions_beside_batches_never_fail(db: TestDb) {
         "{metrics:?}"
     );
     assert!(metrics.batches > 0, "batches ran: {metrics:?}");
+    metrics
+}
+
+/// Rule 11, one interleaving: with writes shared, writing handlers of one batch commit
+/// together, and a later handler whose lock wait reaches the bound is rolled back and runs
+/// first in the next segment, uncounted. An application transaction holds row 3 for 400 ms
+/// while one worker runs six events (rows 1 to 6, one record each) in a batch: rows 1 and 2
+/// are written by one transaction; event 3 waits 5 ms for its row, runs again in a segment of
+/// its own (it waited past the 250 ms window there), and rows 4 to 6 share the next.
+async fn writers_share_a_segment_and_a_bounded_wait_runs_again(db: TestDb) {
+    if db.backend() != Backend::Postgres {
+        return;
+    }
+    app_rows(&db, &[1, 2, 3, 4, 5, 6]).await;
+    let repo = db.repository();
+    let config = config(1)
+        .with_batches(32, Duration::from_secs(30))
+        .with_shared_writes(Duration::from_millis(250));
+    let handle = start(&repo, Acting::default(), config).await;
+    // The first claim runs alone (the worker has not timed its handlers yet): a warm-up.
+    enqueue(&repo, &[event("W", "noop", 0)]).await;
+    drain(&repo, Duration::from_secs(20)).await;
+    let mut application = repo.begin().await.unwrap();
+    with_tx!(&mut application, |conn| statement::query(
+        "UPDATE app_row SET n = n + 1 WHERE id = 3"
+    )
+    .execute(conn)
+    .await
+    .map(|_| ()))
+    .unwrap();
+    let events: Vec<NewEvent> = (1..=6)
+        .map(|row| event(&format!("S{row}"), "stamp", row))
+        .collect();
+    enqueue(&repo, &events).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    application.commit().await.unwrap();
+    drain(&repo, Duration::from_secs(20)).await;
+    let metrics = handle.shutdown().await.metrics;
+    let mut w = Vec::new();
+    for row in 1..=6 {
+        w.push(
+            db.count(&format!("SELECT writer FROM app_row WHERE id = {row}"))
+                .await,
+        );
+    }
+    assert_eq!(w[0], w[1], "rows 1 and 2 written by one segment: {w:?}");
+    assert!(w[2] != w[0] && w[2] != w[3], "row 3 alone: {w:?}");
+    assert!(w[3] == w[4] && w[4] == w[5], "rows 4 to 6 in one: {w:?}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM app_row WHERE id BETWEEN 1 AND 6 AND seen = 1")
+            .await,
+        6,
+        "each event's write landed once"
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM _System_OutboxEvent WHERE Status <> 'processed' OR RetryCount > 0"
+        )
+        .await,
+        0,
+        "the bounded wait was counted against no event: {metrics:?}"
+    );
+    assert!(metrics.shared_write_waits >= 1, "{metrics:?}");
+    assert_eq!(metrics.lock_timeouts, 0, "{metrics:?}");
 }
 
 /// Finding 1, one interleaving, deterministic: a batch never holds a finished handler's row
@@ -609,6 +714,8 @@ backend_tests!(
     an_operator_retry_mid_chain_is_not_overtaken,
     a_claim_lost_at_the_settle_costs_only_its_own_event,
     application_transactions_beside_batches_never_fail,
+    application_transactions_beside_shared_writes_never_fail,
+    writers_share_a_segment_and_a_bounded_wait_runs_again,
     a_batch_holds_no_finished_handlers_row_locks,
     a_claim_lost_at_the_settle_never_lets_its_record_run_ahead,
     a_long_handler_gives_its_workers_unstarted_claims_to_idle_workers,

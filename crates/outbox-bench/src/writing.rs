@@ -9,16 +9,20 @@
 //! each event exactly once; the creates hold one row per event, numbered 1 to N without a gap.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Result, bail};
 use create_action::{ColumnType, EventEnvelope, FindOrCreate, ObjectDef, Source};
-use outbox_events::{AttemptContext, Handler, HandlerError, Handlers, OutboxEvent};
+use outbox_events::{AttemptContext, Handler, HandlerError, Handlers, OutboxEvent, WorkerConfig};
 use outbox_persistence::NewEvent;
 use outbox_persistence::sqlx::PgPool;
 
 use crate::report::{Report, Row};
 use crate::scenarios::{EVENT_TYPE, VARIANTS, drain_with, enqueue, keyed_events, pg, reset};
 use crate::{BenchDb, Sizes};
+
+/// The window of the shared-writes runs (`WorkerConfig::with_shared_writes`).
+const SHARED_WRITES_WINDOW: Duration = Duration::from_millis(20);
 
 /// One `INSERT … ON CONFLICT DO UPDATE` of the event's record's application row.
 struct Upsert;
@@ -213,6 +217,17 @@ pub(crate) async fn writing_drains(db: &BenchDb, sizes: &Sizes, report: &mut Rep
     Ok(())
 }
 
+/// `config` with writes shared for `shared` (rule 11), and the dispatcher's name for the row.
+fn sharing(config: WorkerConfig, name: &str, shared: Option<Duration>) -> (WorkerConfig, String) {
+    match shared {
+        Some(window) => (
+            config.with_shared_writes(window),
+            format!("{name}, writes shared ({} ms)", window.as_millis()),
+        ),
+        None => (config, name.to_owned()),
+    }
+}
+
 async fn writing_drain(
     db: &BenchDb,
     sizes: &Sizes,
@@ -221,18 +236,27 @@ async fn writing_drain(
 ) -> Result<()> {
     eprintln!("writing drain: {}", writer.scenario(sizes));
     let workers = 8;
-    for variant in VARIANTS
+    let variants = VARIANTS
         .into_iter()
-        .filter(|v| v.shipped_pull() || v.name == "pull, one event per attempt")
-    {
+        .filter(|v| v.shipped_pull() || v.name == "pull, one event per attempt");
+    // The shipped pull workers twice: as shipped, then with writes shared (rule 11, opt-in).
+    let runs = variants
+        .flat_map(|v| {
+            let shared = v.shipped_pull().then_some((v, Some(SHARED_WRITES_WINDOW)));
+            [Some((v, None)), shared]
+        })
+        .flatten();
+    for (variant, shared) in runs {
         reset(db).await?;
         let pool = db.connect(2).await?;
         let events = writer.prepare(pg(&pool)?, sizes).await?;
         enqueue(&pool.repository(), &events, 1_000).await?;
         pool.close().await;
+        let (config, async_claims) = variant.setup(workers);
+        let (config, dispatcher) = sharing(config, variant.name, shared);
         let d = drain_with(
             db,
-            variant.setup(workers),
+            (config, async_claims),
             sizes.drain_events,
             writer.handlers()?,
         )
@@ -245,20 +269,25 @@ async fn writing_drain(
         let rate = f.n as f64 / f.span_s.max(1e-9);
         report.push(Row {
             scenario: writer.scenario(sizes),
-            dispatcher: variant.name.into(),
+            dispatcher,
             workers: Some(workers),
             events: Some(f.n),
             per_second: Some(rate),
             p50_ms: Some(f.p50_ms),
             p99_ms: Some(f.p99_ms),
             note: format!(
-                "order violations {}; {checked}{}",
+                "order violations {}; {checked}{}{}",
                 d.violations,
-                variant.claims_note(d.per_statement)
+                variant.claims_note(d.per_statement),
+                shared.map_or(String::new(), |_| format!(
+                    "; {} lock waits bounded (run again in the next segment)",
+                    d.shared_write_waits
+                ))
             ),
             ..Row::default()
         });
         if variant.shipped_pull()
+            && shared.is_none()
             && let Some(b) = report.ceiling_b.get(&workers).copied()
         {
             report.target(

@@ -67,6 +67,11 @@ pub struct WorkerArgs {
     /// A batched attempt stops taking events once its handlers ran this long, in milliseconds.
     #[arg(long)]
     pub batch_budget_ms: Option<u64>,
+    /// Writing handlers share a batch's transaction for up to this many milliseconds (at most
+    /// 250; off by default), their later lock waits bounded: docs/state-machine.md, "Batched
+    /// attempts", rule 11, says what it trades.
+    #[arg(long)]
+    pub shared_writes_ms: Option<u64>,
 }
 
 impl WorkerArgs {
@@ -96,6 +101,9 @@ impl WorkerArgs {
             let events = self.batch_max_events.unwrap_or(c.batch_max_events);
             let budget = self.batch_budget_ms.map_or(c.batch_budget, ms);
             c = c.with_batches(events, budget);
+        }
+        if let Some(v) = self.shared_writes_ms {
+            c = c.with_shared_writes(ms(v));
         }
         c
     }

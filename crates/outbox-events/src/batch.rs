@@ -26,6 +26,7 @@ mod died;
 mod event;
 mod group;
 mod settle;
+mod shared;
 mod slow;
 use crate::heartbeat::{Beat, BeatGroup, FenceCell, FenceState};
 use slow::Unstarted;
@@ -212,9 +213,14 @@ struct Batch<'a> {
     /// transaction that died): recorded in the ledger on the side once the segment's
     /// transaction has ended (before that, its uncommitted rows would hold the side write).
     on_side: Vec<EffectRecord>,
-    /// A handler of the running segment kept effects in its transaction (lock-free ones: the
-    /// segment goes on): the next handler runs under a savepoint of its own.
+    /// A handler of the running segment kept effects in its transaction (lock-free ones, or a
+    /// writer's when writes are shared: the segment goes on): the next handler runs under a
+    /// savepoint of its own.
     segment_effects: bool,
+    /// The running segment holds a writing handler's locks and shares writes (rule 11): since
+    /// that handler's start, until which later handlers join it, each with its lock waits
+    /// bounded.
+    locks_since: Option<Instant>,
 }
 
 impl<'a> Batch<'a> {
@@ -238,6 +244,7 @@ impl<'a> Batch<'a> {
             ran: 0,
             on_side: Vec::new(),
             segment_effects: false,
+            locks_since: None,
         }
     }
 
@@ -265,11 +272,7 @@ impl<'a> Batch<'a> {
                     break;
                 }
             };
-            self.segment_effects = false;
-            let (settled, more) = match self.events(tx.as_mut()).await {
-                Ok(segment) => (self.settle(tx.as_mut()).await, segment == Segment::Effects),
-                Err(stop) => (Err(stop), false),
-            };
+            let (settled, more) = self.segment(tx.as_mut()).await;
             let ended = match settled {
                 Ok(()) => match tx.commit().await {
                     Ok(()) => Ok(()),
@@ -319,6 +322,17 @@ impl<'a> Batch<'a> {
         self.take_given_back();
         self.account_ended();
         (self.handler_time, self.ran)
+    }
+
+    /// Runs a segment's events and settles it: the settle's result, and whether events are
+    /// left for a next segment.
+    async fn segment(&mut self, tx: &mut dyn Attempt) -> (Result<(), Stop>, bool) {
+        self.segment_effects = false;
+        self.locks_since = None;
+        match self.events(tx).await {
+            Ok(segment) => (self.settle_segment(tx).await, segment == Segment::Effects),
+            Err(stop) => (Err(stop), false),
+        }
     }
 
     /// Counts how every event of the batch ended; a record whose event did not succeed keeps
@@ -411,7 +425,15 @@ impl<'a> Batch<'a> {
                 self.decide(i, Decision::not_run(OLDER_FAILED));
                 continue;
             }
+            if self.window_closed() {
+                // The segment holds a writer's locks and its window is over (rule 11).
+                return Ok(Segment::Effects);
+            }
             let group = self.group_from(i);
+            if !group.is_empty() && self.locks_since.is_some() {
+                // A group's sends would hold a writer's locks for as long as they take.
+                return Ok(Segment::Effects);
+            }
             if !group.is_empty() {
                 // Transaction-free handlers, side by side (rule 10).
                 self.run_group(tx, group).await?;
@@ -423,10 +445,15 @@ impl<'a> Batch<'a> {
                 continue;
             }
             let span = attempt::attempt_span(member.claim);
+            let started = Instant::now();
             let kept = self.event(tx, i).instrument(span).await?;
+            if kept.again {
+                // Its lock wait reached the shared segment's bound: it runs first in the next.
+                return Ok(Segment::Effects);
+            }
             self.hold_back_record(i);
             self.segment_effects |= kept.effects;
-            if kept.locking {
+            if kept.locking && !self.share_locks(tx, started).await? {
                 return Ok(Segment::Effects);
             }
         }

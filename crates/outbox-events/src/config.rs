@@ -37,6 +37,15 @@ pub const RECOMMENDED_BATCH_MAX_EVENTS: usize = 32;
 /// Default handler time after which a batched attempt stops taking events
 /// ([`WorkerConfig::batch_budget`]).
 pub const DEFAULT_BATCH_BUDGET: Duration = Duration::from_millis(10);
+/// The longest window [`WorkerConfig::shared_writes`] accepts: well under PostgreSQL's default
+/// `deadlock_timeout` (1 s), so that an application transaction that waits for a lock a
+/// segment holds has not run its one deadlock check while a later handler of the segment may
+/// still wait for a lock (docs/state-machine.md, "Batched attempts", rule 11).
+pub const MAX_SHARED_WRITES_WINDOW: Duration = Duration::from_millis(250);
+/// The longest a later handler of a segment that shares writes waits for a lock: past it, its
+/// statement fails with a lock timeout, its effects are rolled back, and it runs again first
+/// in the next segment, uncounted.
+pub const MAX_SHARED_WRITES_LOCK_WAIT: Duration = Duration::from_millis(5);
 /// Default interval of the heads repair ([`WorkerConfig::heads_repair`]).
 pub const DEFAULT_HEADS_REPAIR_EVERY: Duration = Duration::from_secs(30);
 
@@ -144,6 +153,16 @@ pub struct WorkerConfig {
     /// bounds how long a record's effects wait for the batch's commit. Default
     /// [`DEFAULT_BATCH_BUDGET`].
     pub batch_budget: Duration,
+    /// Pull mode on PostgreSQL, off by default: writing handlers share a batch's segment
+    /// (docs/state-machine.md, "Batched attempts", rule 11). Off, a handler that used
+    /// `ctx.tx()` ends its segment, so a transaction never holds two handlers' locks (rule 2).
+    /// With a window, later handlers join a segment that holds a writing handler's locks
+    /// until this long after that handler started, each with its lock waits bounded by
+    /// [`WorkerConfig::shared_writes_lock_wait`] (one that hits the bound runs again first in
+    /// the next segment, uncounted). The trade: an application transaction that waits for a
+    /// row such a handler wrote waits up to the window (and the last joined handler's time)
+    /// longer. At most [`MAX_SHARED_WRITES_WINDOW`].
+    pub shared_writes: Option<Duration>,
 }
 
 impl Default for WorkerConfig {
@@ -173,6 +192,7 @@ impl Default for WorkerConfig {
             heads_repair: Some(DEFAULT_HEADS_REPAIR_EVERY),
             batch_max_events: DEFAULT_BATCH_MAX_EVENTS,
             batch_budget: DEFAULT_BATCH_BUDGET,
+            shared_writes: None,
         }
     }
 }
@@ -224,6 +244,18 @@ impl WorkerConfig {
         self.batch_max_events = max_events.clamp(1, outbox_persistence::MAX_BATCH_EVENTS);
         self.batch_budget = budget;
         self
+    }
+    /// Writing handlers share a batch's segment for up to `window` (at most
+    /// [`MAX_SHARED_WRITES_WINDOW`]; see [`WorkerConfig::shared_writes`]).
+    pub fn with_shared_writes(mut self, window: Duration) -> Self {
+        self.shared_writes = Some(window.min(MAX_SHARED_WRITES_WINDOW));
+        self
+    }
+    /// How long a later handler of a segment that shares writes waits for a lock: a quarter
+    /// of the window, between 1 ms and [`MAX_SHARED_WRITES_LOCK_WAIT`].
+    pub fn shared_writes_lock_wait(&self) -> Option<Duration> {
+        self.shared_writes
+            .map(|window| (window / 4).clamp(Duration::from_millis(1), MAX_SHARED_WRITES_LOCK_WAIT))
     }
     /// One event per attempt transaction (no batches).
     pub fn without_batches(self) -> Self {
@@ -345,6 +377,13 @@ impl WorkerConfig {
             return Err(format!(
                 "stale-after ({:?}) must be at least three heartbeat intervals ({:?})",
                 self.stale_after, self.heartbeat_interval
+            ));
+        }
+        if let Some(window) = self.shared_writes
+            && window > MAX_SHARED_WRITES_WINDOW
+        {
+            return Err(format!(
+                "the shared-writes window ({window:?}) must be at most {MAX_SHARED_WRITES_WINDOW:?}"
             ));
         }
         Ok(())

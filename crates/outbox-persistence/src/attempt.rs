@@ -115,6 +115,13 @@ pub(crate) trait AttemptWrites: Send + Sync + 'static {
         self.processed_many(tx, fences).await
     }
 
+    /// The statement that bounds the transaction's lock waits by `bound` (`None`: back to the
+    /// attempt's lock timeout), or `None` where a transaction waits for no row lock (SQLite:
+    /// the attempt holds the one write lock).
+    fn lock_waits_sql(&self, _bound: Option<Duration>) -> Option<String> {
+        None
+    }
+
     /// Called once, just before the transaction commits or rolls back.
     fn ending(&self) {}
 
@@ -184,6 +191,17 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
 
     async fn rollback_to_event_savepoint(&mut self) -> Result<()> {
         self.simple(ROLLBACK_TO_EVENT_SAVEPOINT).await
+    }
+
+    async fn bound_lock_waits(&mut self, bound: Option<Duration>) -> Result<()> {
+        let (tx, writes) = self.open()?;
+        if let Some(sql) = writes.lock_waits_sql(bound) {
+            with_tx!(tx, |conn| sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(conn)
+                .await
+                .map(|_| ()))?;
+        }
+        Ok(())
     }
 
     async fn release(&mut self, fence: Fence, error: &str) -> Result<FenceOutcome> {

@@ -468,6 +468,13 @@ pub trait Attempt: Send {
     /// effects are undone, the earlier ones' stay.
     async fn rollback_to_event_savepoint(&mut self) -> Result<()>;
 
+    /// Bounds the rest of the transaction's lock waits by `bound` (`None`: the attempt's lock
+    /// timeout again), for a batch's shared writes (docs/state-machine.md, "Batched attempts",
+    /// rule 11). Nothing on SQLite, whose attempt holds the one write lock.
+    async fn bound_lock_waits(&mut self, _bound: Option<std::time::Duration>) -> Result<()> {
+        Ok(())
+    }
+
     /// Back to `pending` in this transaction, `RetryCount` unchanged, fenced: a batch's event
     /// not counted (it did not run, or its handler succeeded and its `processed` write failed).
     async fn release(&mut self, fence: Fence, error: &str) -> Result<FenceOutcome>;

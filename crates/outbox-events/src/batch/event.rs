@@ -17,8 +17,12 @@ use crate::handler::{AttemptContext, Handler, HandlerError};
 pub(super) struct Kept {
     /// Its handler succeeded and used the transaction: its effects stay.
     pub(super) effects: bool,
-    /// Through `ctx.tx()`, whose statements may hold locks: the segment ends after it.
+    /// Through `ctx.tx()`, whose statements may hold locks: the segment ends after it, unless
+    /// it shares writes (rule 11).
     pub(super) locking: bool,
+    /// Its lock wait reached the bound of a segment that shares writes: its effects are rolled
+    /// back and it waits to run first in the next segment, uncounted (rule 11).
+    pub(super) again: bool,
 }
 
 /// How a segment of the batch (one transaction) ended its events.
@@ -80,6 +84,23 @@ impl Batch<'_> {
                 Ok(Kept {
                     effects: touched,
                     locking: touched && locking,
+                    again: false,
+                })
+            }
+            Ok(Err(error)) if touched && error.is_lock_timeout() && self.locks_since.is_some() => {
+                // A later handler of a segment that shares writes waited for a lock as long as
+                // the bound allows (rule 11): not its failure. Undone, it runs again first in
+                // the next segment, with the attempt's lock timeout; what it sent is recorded
+                // once this segment ends, so its next run does not send it again.
+                env.metrics.shared_write_wait(&claim.event.event_type);
+                tracing::debug!(error = %error, "lock wait bounded in a shared segment; run again in the next");
+                self.on_side.extend(sent);
+                undo(tx, touched, own).await?;
+                self.ran -= 1;
+                self.steps[i] = Step::Waiting;
+                Ok(Kept {
+                    again: true,
+                    ..Kept::default()
                 })
             }
             Ok(Err(error)) => {

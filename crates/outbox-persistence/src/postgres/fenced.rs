@@ -145,6 +145,14 @@ impl AttemptWrites for PgAttemptWrites {
     async fn processed_chains(&self, tx: &mut Tx, fences: &[Fence]) -> Result<Vec<FenceOutcome>> {
         self.processed_by(true, tx, fences).await
     }
+
+    fn lock_waits_sql(&self, bound: Option<Duration>) -> Option<String> {
+        let timeout = match bound {
+            Some(bound) => format!("{}ms", super::session::millis(bound).max(1)),
+            None => self.lock_timeout.clone(),
+        };
+        Some(format!("SET LOCAL lock_timeout = '{timeout}'"))
+    }
 }
 
 impl PgAttemptWrites {

@@ -1,0 +1,74 @@
+//! Shared writes (docs/state-machine.md, "Batched attempts", rule 11; off unless
+//! `WorkerConfig::shared_writes` sets a window): on PostgreSQL, a handler that kept effects
+//! through `ctx.tx()` no longer ends its segment while the window opened by the segment's first
+//! such handler lasts. Every later handler of the segment then waits at most
+//! `WorkerConfig::shared_writes_lock_wait` for any lock; one that reaches it is rolled back
+//! and runs first in the next segment, uncounted. So the transaction waits for a lock beside
+//! another handler's locks only that long, and only within the window, well before an
+//! application transaction that waits for those locks runs its deadlock check
+//! (`deadlock_timeout`, 1 s by default).
+
+use std::time::Instant;
+
+use outbox_persistence::Attempt;
+
+use super::{Batch, Stop};
+
+impl Batch<'_> {
+    /// A handler that started at `started` kept effects through `ctx.tx()`: whether later
+    /// handlers may join the segment (writes shared, a backend with row locks, the window of
+    /// the segment's first writer not over). The first time, the rest of the transaction's
+    /// lock waits are bounded.
+    pub(super) async fn share_locks(
+        &mut self,
+        tx: &mut dyn Attempt,
+        started: Instant,
+    ) -> Result<bool, Stop> {
+        let config = &self.env.config;
+        let Some(window) = config.shared_writes else {
+            return Ok(false);
+        };
+        if self.env.repo.serializes_writers() {
+            // SQLite: the attempt holds the one write lock; rule 2 as it is.
+            return Ok(false);
+        }
+        if self.locks_since.is_none() {
+            if started.elapsed() >= window {
+                return Ok(false);
+            }
+            tx.bound_lock_waits(config.shared_writes_lock_wait())
+                .await
+                .map_err(|e| {
+                    Stop::Died(format!(
+                        "bounding the shared segment's lock waits failed: {}",
+                        e.chain()
+                    ))
+                })?;
+            self.locks_since = Some(started);
+        }
+        Ok(!self.window_closed())
+    }
+
+    /// Whether the segment holds a writer's locks and its window is over: no handler joins it.
+    pub(super) fn window_closed(&self) -> bool {
+        match (self.locks_since, self.env.config.shared_writes) {
+            (Some(since), Some(window)) => since.elapsed() >= window,
+            _ => false,
+        }
+    }
+
+    /// Settles the segment, its lock waits first back to the attempt's lock timeout when it
+    /// shared writes (a settle's write waits for a beat's row lock, which a bound as short as
+    /// a handler's would turn into the segment given back).
+    pub(super) async fn settle_segment(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
+        if self.locks_since.take().is_some() {
+            tx.bound_lock_waits(None).await.map_err(|e| {
+                Stop::Died(format!(
+                    "restoring the segment's lock timeout failed: {}",
+                    e.chain()
+                ))
+            })?;
+        }
+        self.settle(tx).await
+    }
+}
