@@ -15,7 +15,7 @@ use outbox_events::{
     AttemptContext, DispatchMode, Dispatcher, DispatcherHandle, Handler, HandlerError, Handlers,
     OutboxEvent, WorkerConfig,
 };
-use outbox_persistence::{NewEvent, OutboxRepository, statement, with_tx};
+use outbox_persistence::{NewEvent, OutboxRepository, Tx, statement, with_tx};
 use outbox_tests::{Backend, TestDb, backend_tests, drain};
 use record_key::EventEnvelope;
 
@@ -84,6 +84,8 @@ struct Acting {
     log: Arc<std::sync::Mutex<Vec<String>>>,
     /// Set once a `fail_first` handler failed.
     failed_once: Arc<AtomicBool>,
+    /// The transaction of every `touch` (PostgreSQL).
+    writers: Arc<std::sync::Mutex<Vec<i64>>>,
 }
 
 #[async_trait]
@@ -107,24 +109,30 @@ impl Handler for Acting {
             self.go_on.notified().await;
         }
         match what.as_str() {
-            "stamp" => {
-                // The transaction that wrote it, read back by the shared-writes test.
-                with_tx!(ctx.tx(), |conn| statement::query(
-                    "UPDATE app_row SET seen = seen + 1, writer = txid_current() WHERE id = $1"
-                )
-                .bind(row as i64)
-                .execute(conn)
-                .await
-                .map(|_| ()))?;
-            }
             "touch" | "hold_touch" => {
-                with_tx!(ctx.tx(), |conn| statement::query(
-                    "UPDATE app_row SET seen = seen + 1 WHERE id = $1"
-                )
-                .bind(row as i64)
-                .execute(conn)
-                .await
-                .map(|_| ()))?;
+                // On PostgreSQL the row keeps the transaction that wrote it, and the handler
+                // notes it: the tests read which handlers shared a transaction.
+                let tx = ctx.tx();
+                if matches!(tx, Tx::Postgres(_)) {
+                    let writer: i64 = with_tx!(tx, |conn| {
+                        statement::query_scalar(
+                        "UPDATE app_row SET seen = seen + 1, writer = txid_current() WHERE id = $1
+                         RETURNING writer"
+                    )
+                    .bind(row as i64)
+                    .fetch_one(conn)
+                    .await
+                    })?;
+                    self.writers.lock().unwrap().push(writer);
+                } else {
+                    with_tx!(tx, |conn| statement::query(
+                        "UPDATE app_row SET seen = seen + 1 WHERE id = $1"
+                    )
+                    .bind(row as i64)
+                    .execute(conn)
+                    .await
+                    .map(|_| ()))?;
+                }
             }
             "hold" if !self.held.swap(true, Ordering::SeqCst) => {
                 self.go_on.notified().await;
@@ -197,7 +205,15 @@ async fn application_transaction(
 /// handlers' row locks to one `COMMIT`, the application's upserts deadlocked with it; a batch
 /// now commits after each handler that kept effects, so it never holds two handlers' locks.
 async fn application_transactions_beside_batches_never_fail(db: TestDb) {
-    applications_beside_workers(&db, config(8)).await;
+    let (_, writers) = applications_beside_workers(&db, config(8)).await;
+    let mut distinct = writers.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(
+        distinct.len(),
+        writers.len(),
+        "no transaction wrote two handlers' rows"
+    );
 }
 
 /// The same with writes shared (rule 11): a segment holds several writing handlers' locks, and
@@ -210,28 +226,40 @@ async fn application_transactions_beside_shared_writes_never_fail(db: TestDb) {
     if db.backend() != Backend::Postgres {
         return;
     }
-    let metrics =
-        applications_beside_workers(&db, config(8).with_shared_writes(Duration::from_millis(50)))
-            .await;
+    let shared = config(8).with_shared_writes(Duration::from_millis(50));
+    let (metrics, writers) = applications_beside_workers(&db, shared).await;
+    let mut distinct = writers.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
     eprintln!(
-        "shared writes beside applications: {} batches, {} lock waits bounded",
-        metrics.batches, metrics.shared_write_waits
+        "shared writes beside applications: {} batches, {} handler writes by {} transactions, {} run again",
+        metrics.batches,
+        writers.len(),
+        distinct.len(),
+        metrics.shared_write_waits
+    );
+    assert!(
+        distinct.len() < writers.len(),
+        "some transactions wrote several handlers' rows"
     );
 }
 
 /// Two applications run 60 transactions each that upsert up to 8 random application rows
 /// (ascending) and enqueue an event per row, beside 8 pull workers of `config` whose handlers
 /// update those rows; asserts that none failed, every event ran its effect once and none was
-/// counted as a failure. Returns the workers' metrics.
+/// counted as a failure. Returns the workers' metrics and the transactions that wrote the
+/// handlers' rows (PostgreSQL; empty on SQLite).
 async fn applications_beside_workers(
     db: &TestDb,
     config: WorkerConfig,
-) -> outbox_events::MetricsSnapshot {
+) -> (outbox_events::MetricsSnapshot, Vec<i64>) {
     app_rows(db, &[]).await;
     let repo = db.repository();
     let rows: Vec<u64> = (0..APP_ROWS).collect();
     application_transaction(&repo, &rows).await.unwrap();
-    let handle = start(&repo, Acting::default(), config).await;
+    let handler = Acting::default();
+    let writers = handler.writers.clone();
+    let handle = start(&repo, handler, config).await;
     let mut applications = Vec::new();
     for seed in 1..=2u64 {
         let repo = repo.clone();
@@ -282,12 +310,13 @@ async fn applications_beside_workers(
         "{metrics:?}"
     );
     assert!(metrics.batches > 0, "batches ran: {metrics:?}");
-    metrics
+    let writers = writers.lock().unwrap().clone();
+    (metrics, writers)
 }
 
 /// Rule 11, one interleaving: with writes shared, writing handlers of one batch commit
 /// together, and a later handler whose lock wait reaches the bound is rolled back and runs
-/// first in the next segment, uncounted. An application transaction holds row 3 for 400 ms
+/// first in the next segment, uncounted. An application transaction holds row 3 for 1 s
 /// while one worker runs six events (rows 1 to 6, one record each) in a batch: rows 1 and 2
 /// are written by one transaction; event 3 waits 5 ms for its row, runs again in a segment of
 /// its own (it waited past the 250 ms window there), and rows 4 to 6 share the next.
@@ -313,10 +342,10 @@ async fn writers_share_a_segment_and_a_bounded_wait_runs_again(db: TestDb) {
     .map(|_| ()))
     .unwrap();
     let events: Vec<NewEvent> = (1..=6)
-        .map(|row| event(&format!("S{row}"), "stamp", row))
+        .map(|row| event(&format!("S{row}"), "touch", row))
         .collect();
     enqueue(&repo, &events).await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
     application.commit().await.unwrap();
     drain(&repo, Duration::from_secs(20)).await;
     let metrics = handle.shutdown().await.metrics;

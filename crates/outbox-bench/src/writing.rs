@@ -21,8 +21,17 @@ use crate::report::{Report, Row};
 use crate::scenarios::{EVENT_TYPE, VARIANTS, drain_with, enqueue, keyed_events, pg, reset};
 use crate::{BenchDb, Sizes};
 
-/// The window of the shared-writes runs (`WorkerConfig::with_shared_writes`).
+/// The window of the shared-writes runs (`WorkerConfig::with_shared_writes`), unless
+/// `OUTBOX_BENCH_SHARED_WRITES_MS` says otherwise.
 const SHARED_WRITES_WINDOW: Duration = Duration::from_millis(20);
+
+/// The shared-writes runs' window: `OUTBOX_BENCH_SHARED_WRITES_MS` or [`SHARED_WRITES_WINDOW`].
+fn shared_writes_window() -> Duration {
+    std::env::var("OUTBOX_BENCH_SHARED_WRITES_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(SHARED_WRITES_WINDOW, Duration::from_millis)
+}
 
 /// One `INSERT … ON CONFLICT DO UPDATE` of the event's record's application row.
 struct Upsert;
@@ -211,8 +220,15 @@ impl Writer {
 /// The keyed drains with writing handlers, by the shipped pull workers and with one event per
 /// attempt, at 8 workers; a target against ceiling (b) each.
 pub(crate) async fn writing_drains(db: &BenchDb, sizes: &Sizes, report: &mut Report) -> Result<()> {
-    for writer in [Writer::Upsert, Writer::Create] {
-        writing_drain(db, sizes, report, writer).await?;
+    // `OUTBOX_BENCH_WRITERS=upsert` (or `create`) runs one of them, for an A/B.
+    let only = std::env::var("OUTBOX_BENCH_WRITERS").unwrap_or_default();
+    if !["", "upsert", "create"].contains(&only.as_str()) {
+        bail!("OUTBOX_BENCH_WRITERS is {only:?}: upsert, create, or unset for both");
+    }
+    for (name, writer) in [("upsert", Writer::Upsert), ("create", Writer::Create)] {
+        if only.is_empty() || only == name {
+            writing_drain(db, sizes, report, writer).await?;
+        }
     }
     Ok(())
 }
@@ -242,7 +258,9 @@ async fn writing_drain(
     // The shipped pull workers twice: as shipped, then with writes shared (rule 11, opt-in).
     let runs = variants
         .flat_map(|v| {
-            let shared = v.shipped_pull().then_some((v, Some(SHARED_WRITES_WINDOW)));
+            let shared = v
+                .shipped_pull()
+                .then_some((v, Some(shared_writes_window())));
             [Some((v, None)), shared]
         })
         .flatten();
@@ -287,11 +305,18 @@ async fn writing_drain(
             ..Row::default()
         });
         if variant.shipped_pull()
-            && shared.is_none()
             && let Some(b) = report.ceiling_b.get(&workers).copied()
         {
+            let target = match shared {
+                Some(window) => format!(
+                    "{}, writes shared ({} ms, opt-in)",
+                    writer.target(),
+                    window.as_millis()
+                ),
+                None => writer.target().to_owned(),
+            };
             report.target(
-                writer.target(),
+                target,
                 format!("{rate:.0}/s = {:.2}x of {b:.0}/s", rate / b),
                 rate >= 1.5 * b,
             );

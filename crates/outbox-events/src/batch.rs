@@ -221,6 +221,8 @@ struct Batch<'a> {
     /// that handler's start, until which later handlers join it, each with its lock waits
     /// bounded.
     locks_since: Option<Instant>,
+    /// Writing handlers whose effects the running segment keeps (rule 11 caps them).
+    segment_writers: usize,
 }
 
 impl<'a> Batch<'a> {
@@ -245,6 +247,7 @@ impl<'a> Batch<'a> {
             on_side: Vec::new(),
             segment_effects: false,
             locks_since: None,
+            segment_writers: 0,
         }
     }
 
@@ -329,6 +332,7 @@ impl<'a> Batch<'a> {
     async fn segment(&mut self, tx: &mut dyn Attempt) -> (Result<(), Stop>, bool) {
         self.segment_effects = false;
         self.locks_since = None;
+        self.segment_writers = 0;
         match self.events(tx).await {
             Ok(segment) => (self.settle_segment(tx).await, segment == Segment::Effects),
             Err(stop) => (Err(stop), false),
@@ -429,11 +433,11 @@ impl<'a> Batch<'a> {
                 // The segment holds a writer's locks and its window is over (rule 11).
                 return Ok(Segment::Effects);
             }
-            let group = self.group_from(i);
-            if !group.is_empty() && self.locks_since.is_some() {
-                // A group's sends would hold a writer's locks for as long as they take.
+            if self.locks_since.is_some() && self.runs_without_tx(i) {
+                // Its sends (grouped or alone) would hold a writer's locks as long as they take.
                 return Ok(Segment::Effects);
             }
+            let group = self.group_from(i);
             if !group.is_empty() {
                 // Transaction-free handlers, side by side (rule 10).
                 self.run_group(tx, group).await?;

@@ -411,7 +411,9 @@ impl<'a> AttemptContext<'a> {
     /// The attempt transaction: the handler's database effects go here, so they commit
     /// atomically with `processed` and roll back with a failure. In a batched attempt, the
     /// transaction commits after a handler that used it and succeeded, before the next handler
-    /// runs: it never holds two handlers' locks (docs/embedding.md, "Lock footprint").
+    /// runs: it never holds two handlers' locks (docs/embedding.md, "Lock footprint"), unless
+    /// the workers share writes (`WorkerConfig::with_shared_writes`, opt-in: later handlers
+    /// join it with their lock waits bounded).
     pub fn tx(&mut self) -> &mut Tx {
         self.touched = true;
         self.locking = true;

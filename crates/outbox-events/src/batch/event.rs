@@ -20,8 +20,9 @@ pub(super) struct Kept {
     /// Through `ctx.tx()`, whose statements may hold locks: the segment ends after it, unless
     /// it shares writes (rule 11).
     pub(super) locking: bool,
-    /// Its lock wait reached the bound of a segment that shares writes: its effects are rolled
-    /// back and it waits to run first in the next segment, uncounted (rule 11).
+    /// It failed as a later handler of a segment that shares writes (its lock waits bounded):
+    /// its effects are rolled back and it waits to run first in the next segment, uncounted
+    /// (rule 11).
     pub(super) again: bool,
 }
 
@@ -32,7 +33,7 @@ pub(super) enum Segment {
     Done,
     /// A handler kept effects in the transaction that may hold locks (`ctx.tx()`): the
     /// segment settles and commits before another handler runs (rule 2), so the transaction
-    /// never holds two handlers' locks.
+    /// never holds two handlers' locks; or a segment that shares writes (rule 11) ended.
     Effects,
 }
 
@@ -56,6 +57,7 @@ impl Batch<'_> {
                 ))
             })?;
         }
+        let time_before = self.handler_time;
         self.ran += 1;
         self.steps[i] = Step::Ran(None);
         let (result, (touched, locking), (sent, owned)) = self.run_handler(tx, i).await;
@@ -87,15 +89,18 @@ impl Batch<'_> {
                     again: false,
                 })
             }
-            Ok(Err(error)) if touched && error.is_lock_timeout() && self.locks_since.is_some() => {
-                // A later handler of a segment that shares writes waited for a lock as long as
-                // the bound allows (rule 11): not its failure. Undone, it runs again first in
-                // the next segment, with the attempt's lock timeout; what it sent is recorded
-                // once this segment ends, so its next run does not send it again.
-                env.metrics.shared_write_wait(&claim.event.event_type);
-                tracing::debug!(error = %error, "lock wait bounded in a shared segment; run again in the next");
-                self.on_side.extend(sent);
+            Ok(Err(error)) if touched && self.locks_since.is_some() => {
+                // A later handler of a segment that shares writes failed after using the
+                // transaction (rule 11): its lock waits were bounded, and a handler may wrap
+                // the lock timeout into an error of its own, so no failure here is counted.
+                // Undone, it runs again first in the next segment, with the attempt's lock
+                // timeout, where a failure of its own is counted; its time is not the batch's,
+                // and what it sent is recorded once this segment ends, not sent again.
                 undo(tx, touched, own).await?;
+                env.metrics.shared_write_wait(&claim.event.event_type);
+                tracing::debug!(error = %error, "failed in a shared segment; run again first in the next");
+                self.on_side.extend(sent);
+                self.handler_time = time_before;
                 self.ran -= 1;
                 self.steps[i] = Step::Waiting;
                 Ok(Kept {

@@ -75,7 +75,7 @@ impl Batch<'_> {
     }
 
     /// Whether member `i`'s handler declares it runs without the transaction.
-    fn runs_without_tx(&self, i: usize) -> bool {
+    pub(super) fn runs_without_tx(&self, i: usize) -> bool {
         self.env
             .handlers
             .get(&self.members[i].claim.event.event_type)

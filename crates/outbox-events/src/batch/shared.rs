@@ -14,11 +14,17 @@ use outbox_persistence::Attempt;
 
 use super::{Batch, Stop};
 
+/// The most writing handlers one shared segment keeps: each runs under a savepoint of its own
+/// and may take savepoints itself (a create action takes one per create), and a transaction
+/// past PostgreSQL's per-backend cache of 64 subtransactions slows every snapshot on the
+/// server. 16 writers with one savepoint each, plus the segment's, stay under it.
+pub(super) const SHARED_WRITERS_MAX: usize = 16;
+
 impl Batch<'_> {
     /// A handler that started at `started` kept effects through `ctx.tx()`: whether later
-    /// handlers may join the segment (writes shared, a backend with row locks, the window of
-    /// the segment's first writer not over). The first time, the rest of the transaction's
-    /// lock waits are bounded.
+    /// handlers may join the segment (writes shared, a backend with row locks, fewer than
+    /// [`SHARED_WRITERS_MAX`] writers in it, the window of the segment's first writer not
+    /// over). The first time, the rest of the transaction's lock waits are bounded.
     pub(super) async fn share_locks(
         &mut self,
         tx: &mut dyn Attempt,
@@ -30,6 +36,10 @@ impl Batch<'_> {
         };
         if self.env.repo.serializes_writers() {
             // SQLite: the attempt holds the one write lock; rule 2 as it is.
+            return Ok(false);
+        }
+        self.segment_writers += 1;
+        if self.segment_writers >= SHARED_WRITERS_MAX {
             return Ok(false);
         }
         if self.locks_since.is_none() {
