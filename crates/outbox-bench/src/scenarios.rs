@@ -240,8 +240,9 @@ pub(crate) struct Drained {
     pub(crate) per_statement: f64,
     /// When the rows ended, from the dispatcher's start.
     pub(crate) timeline: bench::Timeline,
-    /// Handlers whose lock wait reached a shared segment's bound (`WorkerConfig::shared_writes`).
-    pub(crate) shared_write_waits: u64,
+    /// Later handlers of a shared segment that failed and ran again in the next segment
+    /// (`WorkerConfig::shared_writes`).
+    pub(crate) shared_write_reruns: u64,
 }
 
 /// [`drain`] with a configuration of the caller's, and asynchronous claims or not (see
@@ -257,7 +258,7 @@ pub(crate) async fn drain_with(
     let since = run.started;
     let m = run.handle.metrics();
     let per_statement = m.claimed as f64 / m.claim_statements.max(1) as f64;
-    let shared_write_waits = m.shared_write_waits;
+    let shared_write_reruns = m.shared_write_reruns;
     run.stop().await?;
     let pool = db.connect(1).await?;
     let figures = bench::latency(pg(&pool)?, Keys::All, since).await?;
@@ -269,7 +270,7 @@ pub(crate) async fn drain_with(
         violations,
         per_statement,
         timeline,
-        shared_write_waits,
+        shared_write_reruns,
     })
 }
 

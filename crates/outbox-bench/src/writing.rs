@@ -298,8 +298,8 @@ async fn writing_drain(
                 d.violations,
                 variant.claims_note(d.per_statement),
                 shared.map_or(String::new(), |_| format!(
-                    "; {} lock waits bounded (run again in the next segment)",
-                    d.shared_write_waits
+                    "; {} run again in the next segment (a bounded lock wait or a failure)",
+                    d.shared_write_reruns
                 ))
             ),
             ..Row::default()

@@ -452,7 +452,7 @@ impl<'a> Batch<'a> {
             let started = Instant::now();
             let kept = self.event(tx, i).instrument(span).await?;
             if kept.again {
-                // Its lock wait reached the shared segment's bound: it runs first in the next.
+                // It failed as a later handler of a shared segment: it runs first in the next.
                 return Ok(Segment::Effects);
             }
             self.hold_back_record(i);

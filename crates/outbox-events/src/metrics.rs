@@ -33,9 +33,10 @@ pub mod names {
     pub const ATTEMPTS: &str = "outbox_attempts_total";
     /// Counter, `event_type`: failures that were lock timeouts.
     pub const LOCK_TIMEOUTS: &str = "outbox_lock_timeouts_total";
-    /// Counter, `event_type`: handlers of a batch's segment that shares writes whose lock wait
-    /// reached its bound, run again first in the next segment (not failures).
-    pub const SHARED_WRITE_WAITS: &str = "outbox_shared_write_waits_total";
+    /// Counter, `event_type`: later handlers of a batch's segment that shares writes that failed
+    /// after using the transaction (a lock wait that reached its bound, or an error of their
+    /// own), run again first in the next segment, where a failure counts (not failures).
+    pub const SHARED_WRITE_RERUNS: &str = "outbox_shared_write_reruns_total";
     /// Counter, `event_type`: failures recorded on the detached path (the attempt transaction
     /// died).
     pub const DETACHED_BOOKKEEPING: &str = "outbox_detached_bookkeeping_total";
@@ -91,7 +92,7 @@ pub struct Metrics {
     released: AtomicU64,
     not_run: AtomicU64,
     batches: AtomicU64,
-    shared_write_waits: AtomicU64,
+    shared_write_reruns: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -129,9 +130,10 @@ pub struct MetricsSnapshot {
     /// Attempt transactions that ran more than one event (see `docs/state-machine.md`,
     /// "Batched attempts").
     pub batches: u64,
-    /// Handlers of a segment that shares writes whose lock wait reached its bound: rolled
-    /// back and run again first in the next segment, not counted (`WorkerConfig::shared_writes`).
-    pub shared_write_waits: u64,
+    /// Later handlers of a segment that shares writes that failed after using the transaction
+    /// (a lock wait that reached its bound, or an error of their own): rolled back and run
+    /// again first in the next segment, not counted (`WorkerConfig::shared_writes`).
+    pub shared_write_reruns: u64,
 }
 
 /// How an attempt ended, as the metrics label it.
@@ -249,10 +251,10 @@ impl Metrics {
         bump(&self.batches);
     }
 
-    /// A handler of a segment that shares writes reached its lock-wait bound.
-    pub(crate) fn shared_write_wait(&self, event_type: &str) {
-        bump(&self.shared_write_waits);
-        counter!(names::SHARED_WRITE_WAITS, "event_type" => event_type.to_owned()).increment(1);
+    /// A later handler of a segment that shares writes failed and runs again in the next.
+    pub(crate) fn shared_write_rerun(&self, event_type: &str) {
+        bump(&self.shared_write_reruns);
+        counter!(names::SHARED_WRITE_RERUNS, "event_type" => event_type.to_owned()).increment(1);
     }
 
     /// A failure of `event_type` was recorded on the detached path.
@@ -278,7 +280,7 @@ impl Metrics {
             released: load(&self.released),
             not_run: load(&self.not_run),
             batches: load(&self.batches),
-            shared_write_waits: load(&self.shared_write_waits),
+            shared_write_reruns: load(&self.shared_write_reruns),
         }
     }
 }

@@ -90,23 +90,7 @@ impl Batch<'_> {
                 })
             }
             Ok(Err(error)) if touched && self.locks_since.is_some() => {
-                // A later handler of a segment that shares writes failed after using the
-                // transaction (rule 11): its lock waits were bounded, and a handler may wrap
-                // the lock timeout into an error of its own, so no failure here is counted.
-                // Undone, it runs again first in the next segment, with the attempt's lock
-                // timeout, where a failure of its own is counted; its time is not the batch's,
-                // and what it sent is recorded once this segment ends, not sent again.
-                undo(tx, touched, own).await?;
-                env.metrics.shared_write_wait(&claim.event.event_type);
-                tracing::debug!(error = %error, "failed in a shared segment; run again first in the next");
-                self.on_side.extend(sent);
-                self.handler_time = time_before;
-                self.ran -= 1;
-                self.steps[i] = Step::Waiting;
-                Ok(Kept {
-                    again: true,
-                    ..Kept::default()
-                })
+                self.again(tx, i, &error, sent, time_before).await
             }
             Ok(Err(error)) => {
                 if error.is_lock_timeout() {
@@ -123,6 +107,34 @@ impl Batch<'_> {
                 Ok(Kept::default())
             }
         }
+    }
+
+    /// Event `i` failed as a later handler of a segment that shares writes, after using the
+    /// transaction (rule 11): its lock waits were bounded, and a handler may wrap the bound's
+    /// lock timeout into an error of its own, so no such failure is counted. Undone, it runs
+    /// again first in the next segment, with the attempt's lock timeout, where a failure of its
+    /// own is counted; its time is not the batch's, and what it sent is recorded once this
+    /// segment ends (or with a segment that dies), so it is not sent again.
+    async fn again(
+        &mut self,
+        tx: &mut dyn Attempt,
+        i: usize,
+        error: &HandlerError,
+        sent: Vec<EffectRecord>,
+        time_before: std::time::Duration,
+    ) -> Result<Kept, Stop> {
+        self.on_side.extend(sent);
+        undo(tx, true, true).await?;
+        let event_type = &self.members[i].claim.event.event_type;
+        self.env.metrics.shared_write_rerun(event_type);
+        tracing::debug!(error = %error, "failed in a shared segment; run again first in the next");
+        self.handler_time = time_before;
+        self.ran -= 1;
+        self.steps[i] = Step::Waiting;
+        Ok(Kept {
+            again: true,
+            ..Kept::default()
+        })
     }
 
     /// Runs event `i`'s handler: its result (or why it did not end), whether it used the

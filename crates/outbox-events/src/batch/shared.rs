@@ -2,7 +2,8 @@
 //! `WorkerConfig::shared_writes` sets a window): on PostgreSQL, a handler that kept effects
 //! through `ctx.tx()` no longer ends its segment while the window opened by the segment's first
 //! such handler lasts. Every later handler of the segment then waits at most
-//! `WorkerConfig::shared_writes_lock_wait` for any lock; one that reaches it is rolled back
+//! `WorkerConfig::shared_writes_lock_wait` for any lock; one that fails after using the
+//! transaction (its wait reached the bound, whatever error it was wrapped in) is rolled back
 //! and runs first in the next segment, uncounted. So the transaction waits for a lock beside
 //! another handler's locks only that long, and only within the window, well before an
 //! application transaction that waits for those locks runs its deadlock check
@@ -17,7 +18,8 @@ use super::{Batch, Stop};
 /// The most writing handlers one shared segment keeps: each runs under a savepoint of its own
 /// and may take savepoints itself (a create action takes one per create), and a transaction
 /// past PostgreSQL's per-backend cache of 64 subtransactions slows every snapshot on the
-/// server. 16 writers with one savepoint each, plus the segment's, stay under it.
+/// server. 16 writers, each under its savepoint with one of its own, stay under it (handlers
+/// that take more savepoints each can pass it: a cap, not a guarantee).
 pub(super) const SHARED_WRITERS_MAX: usize = 16;
 
 impl Batch<'_> {
