@@ -157,11 +157,12 @@ pub struct WorkerConfig {
     /// (docs/state-machine.md, "Batched attempts", rule 11). Off, a handler that used
     /// `ctx.tx()` ends its segment, so a transaction never holds two handlers' locks (rule 2).
     /// With a window, later handlers join a segment that holds a writing handler's locks
-    /// until this long after that handler started, each with its lock waits bounded by
-    /// [`WorkerConfig::shared_writes_lock_wait`] (one that hits the bound runs again first in
-    /// the next segment, uncounted). The trade: an application transaction that waits for a
-    /// row such a handler wrote waits up to the window (and the last joined handler's time)
-    /// longer. At most [`MAX_SHARED_WRITES_WINDOW`].
+    /// until this long after that handler started (at most 16 writers), each with its lock
+    /// waits bounded by [`WorkerConfig::shared_writes_lock_wait`] (one that fails after using
+    /// the transaction, the bound's lock timeout or not, runs again first in the next segment,
+    /// uncounted). The trade: an application transaction that waits for a row such a handler
+    /// wrote waits up to the window (and the last joined handler's time) longer, and rule 11
+    /// names a rare deadlock residue. At most [`MAX_SHARED_WRITES_WINDOW`].
     pub shared_writes: Option<Duration>,
 }
 
