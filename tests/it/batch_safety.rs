@@ -109,13 +109,23 @@ impl Handler for Acting {
             self.go_on.notified().await;
         }
         match what.as_str() {
-            "touch" | "hold_touch" | "touch_wrapped" => {
+            "touch" | "hold_touch" | "touch_wrapped" | "touch_unbounded" => {
                 // On PostgreSQL the row keeps the transaction that wrote it, and the handler
                 // notes it: the tests read which handlers shared a transaction.
                 // `touch_wrapped` hides a database error's kind in a message of its own, as
                 // handlers do.
                 let tx = ctx.tx();
                 if matches!(tx, Tx::Postgres(_)) {
+                    if what == "touch_unbounded" {
+                        // A handler that sets its own lock timeout for the rest of the
+                        // transaction, as a careless one might.
+                        with_tx!(&mut *tx, |conn| statement::query(
+                            "SET LOCAL lock_timeout = '10s'"
+                        )
+                        .execute(conn)
+                        .await
+                        .map(|_| ()))?;
+                    }
                     let written = with_tx!(tx, |conn| {
                         statement::query_scalar(
                         "UPDATE app_row SET seen = seen + 1, writer = txid_current() WHERE id = $1
@@ -350,10 +360,16 @@ async fn writers_share_a_segment_and_a_bounded_wait_runs_again(db: TestDb) {
     .await
     .map(|_| ()))
     .unwrap();
-    // Row 3's handler wraps its lock timeout in an error of its own: still run again, uncounted.
+    // Row 2's handler sets its own lock timeout (10 s) for the rest of the transaction: row 3's
+    // savepoint bounds its waits again. Row 3's handler wraps its lock timeout in an error of
+    // its own: still run again, uncounted.
     let events: Vec<NewEvent> = (1..=6)
         .map(|row| {
-            let what = if row == 3 { "touch_wrapped" } else { "touch" };
+            let what = match row {
+                2 => "touch_unbounded",
+                3 => "touch_wrapped",
+                _ => "touch",
+            };
             event(&format!("S{row}"), what, row)
         })
         .collect();

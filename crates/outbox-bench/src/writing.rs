@@ -3,9 +3,10 @@
 //! through `ctx.tx()`; the other runs a create action's find-or-create (crate `create-action`,
 //! an autonumbered object keyed by the event's record and a snapshot field: every event creates
 //! its own row, drawing the gap-free autonumber). A handler that keeps effects in the attempt
-//! transaction ends its batch's segment (docs/state-machine.md, "Batched attempts", rule 2: a
-//! transaction holds at most one handler's effects), so these drains measure what that
-//! lock-footprint rule costs. The application rows are read back afterwards: the upserts count
+//! transaction ends its batch's segment by default (docs/state-machine.md, "Batched attempts",
+//! rule 2: a transaction holds at most one handler's effects), so these drains measure what that
+//! lock-footprint rule costs; each also runs with shared writes (rule 11, opt-in), which buy
+//! part of it back. The application rows are read back afterwards: the upserts count
 //! each event exactly once; the creates hold one row per event, numbered 1 to N without a gap.
 
 use std::sync::Arc;

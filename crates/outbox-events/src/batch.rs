@@ -457,7 +457,7 @@ impl<'a> Batch<'a> {
             }
             self.hold_back_record(i);
             self.segment_effects |= kept.effects;
-            if kept.locking && !self.share_locks(tx, started).await? {
+            if kept.locking && !self.share_locks(started) {
                 return Ok(Segment::Effects);
             }
         }

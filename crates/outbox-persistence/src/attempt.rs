@@ -193,9 +193,23 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
         self.simple(ROLLBACK_TO_EVENT_SAVEPOINT).await
     }
 
-    async fn bound_lock_waits(&mut self, bound: Option<Duration>) -> Result<()> {
+    async fn bounded_savepoint(&mut self, bound: Duration) -> Result<()> {
         let (tx, writes) = self.open()?;
-        if let Some(sql) = writes.lock_waits_sql(bound) {
+        let Some(bound) = writes.lock_waits_sql(Some(bound)) else {
+            return self.simple(SET_EVENT_SAVEPOINT).await;
+        };
+        // The bound before the savepoint: a rollback to it keeps the bound.
+        let sql = format!("{bound}; {SET_EVENT_SAVEPOINT}");
+        with_tx!(tx, |conn| sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(conn)
+            .await
+            .map(|_| ()))?;
+        Ok(())
+    }
+
+    async fn unbound_lock_waits(&mut self) -> Result<()> {
+        let (tx, writes) = self.open()?;
+        if let Some(sql) = writes.lock_waits_sql(None) {
             with_tx!(tx, |conn| sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
                 .execute(conn)
                 .await

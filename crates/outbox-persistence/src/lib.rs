@@ -468,12 +468,12 @@ pub trait Attempt: Send {
     /// effects are undone, the earlier ones' stay.
     async fn rollback_to_event_savepoint(&mut self) -> Result<()>;
 
-    /// Bounds the rest of the transaction's lock waits by `bound` (`None`: the attempt's lock
-    /// timeout again), for a batch's shared writes (docs/state-machine.md, "Batched attempts",
-    /// rule 11). Nothing on SQLite, whose attempt holds the one write lock.
-    async fn bound_lock_waits(&mut self, _bound: Option<std::time::Duration>) -> Result<()> {
-        Ok(())
-    }
+    /// [`Attempt::savepoint`] for a later handler of shared writes (docs/state-machine.md,
+    /// "Batched attempts", rule 11): lock waits bounded by `bound` first, in one round trip.
+    async fn bounded_savepoint(&mut self, bound: std::time::Duration) -> Result<()>;
+
+    /// The attempt's lock timeout again, after a shared segment's bounded handlers.
+    async fn unbound_lock_waits(&mut self) -> Result<()>;
 
     /// Back to `pending` in this transaction, `RetryCount` unchanged, fenced: a batch's event
     /// not counted (it did not run, or its handler succeeded and its `processed` write failed).

@@ -50,7 +50,14 @@ impl Batch<'_> {
         let Member { claim, beat, .. } = self.members[i];
         let own = self.segment_effects;
         if own {
-            tx.savepoint().await.map_err(|e| {
+            // A later handler of a segment that shares writes waits for locks no longer than
+            // the bound, set again for each (a handler before it may have set its own).
+            let bound = self.env.config.shared_writes_lock_wait();
+            let savepoint = match bound {
+                Some(bound) if self.locks_since.is_some() => tx.bounded_savepoint(bound).await,
+                _ => tx.savepoint().await,
+            };
+            savepoint.map_err(|e| {
                 Stop::Died(format!(
                     "setting an event's savepoint failed: {}",
                     e.chain()

@@ -2,7 +2,9 @@
 //! `WorkerConfig::shared_writes` sets a window): on PostgreSQL, a handler that kept effects
 //! through `ctx.tx()` no longer ends its segment while the window opened by the segment's first
 //! such handler lasts. Every later handler of the segment then waits at most
-//! `WorkerConfig::shared_writes_lock_wait` for any lock; one that fails after using the
+//! `WorkerConfig::shared_writes_lock_wait` for any lock (set again by each one's savepoint, so a
+//! handler's own `SET LOCAL lock_timeout` lasts for its own statements only); one that fails
+//! after using the
 //! transaction (its wait reached the bound, whatever error it was wrapped in) is rolled back
 //! and runs first in the next segment, uncounted. So the transaction waits for a lock beside
 //! another handler's locks only that long, and only within the window, well before an
@@ -26,39 +28,27 @@ impl Batch<'_> {
     /// A handler that started at `started` kept effects through `ctx.tx()`: whether later
     /// handlers may join the segment (writes shared, a backend with row locks, fewer than
     /// [`SHARED_WRITERS_MAX`] writers in it, the window of the segment's first writer not
-    /// over). The first time, the rest of the transaction's lock waits are bounded.
-    pub(super) async fn share_locks(
-        &mut self,
-        tx: &mut dyn Attempt,
-        started: Instant,
-    ) -> Result<bool, Stop> {
-        let config = &self.env.config;
-        let Some(window) = config.shared_writes else {
-            return Ok(false);
+    /// over). From then on each later handler's savepoint bounds its lock waits.
+    pub(super) fn share_locks(&mut self, started: Instant) -> bool {
+        let Some(window) = self.env.config.shared_writes else {
+            return false;
         };
         if self.env.repo.serializes_writers() {
             // SQLite: the attempt holds the one write lock; rule 2 as it is.
-            return Ok(false);
+            return false;
         }
         self.segment_writers += 1;
         if self.segment_writers >= SHARED_WRITERS_MAX {
-            return Ok(false);
+            return false;
         }
         if self.locks_since.is_none() {
             if started.elapsed() >= window {
-                return Ok(false);
+                return false;
             }
-            tx.bound_lock_waits(config.shared_writes_lock_wait())
-                .await
-                .map_err(|e| {
-                    Stop::Died(format!(
-                        "bounding the shared segment's lock waits failed: {}",
-                        e.chain()
-                    ))
-                })?;
+            // Each later handler's savepoint bounds its lock waits (`bounded_savepoint`).
             self.locks_since = Some(started);
         }
-        Ok(!self.window_closed())
+        !self.window_closed()
     }
 
     /// Whether the segment holds a writer's locks and its window is over: no handler joins it.
@@ -74,7 +64,7 @@ impl Batch<'_> {
     /// a handler's would turn into the segment given back).
     pub(super) async fn settle_segment(&mut self, tx: &mut dyn Attempt) -> Result<(), Stop> {
         if self.locks_since.take().is_some() {
-            tx.bound_lock_waits(None).await.map_err(|e| {
+            tx.unbound_lock_waits().await.map_err(|e| {
                 Stop::Died(format!(
                     "restoring the segment's lock timeout failed: {}",
                     e.chain()
