@@ -335,7 +335,7 @@ async fn applications_beside_workers(
 /// Rule 11, one interleaving: with writes shared, writing handlers of one batch commit
 /// together, and a later handler whose lock wait reaches the bound (its statement fails) is
 /// rolled back and runs first in the next segment, uncounted, even when it wraps the error in
-/// a message of its own. An application transaction holds row 3 for 1 s while one worker runs
+/// a message of its own. An application transaction holds row 3 while one worker runs
 /// six events (rows 1 to 6, one record each) in a batch: rows 1 and 2 are written by one
 /// transaction; event 3 waits 5 ms for its row, runs again in a segment of its own (it waited
 /// past the 250 ms window there), and rows 4 to 6 share the next.
@@ -374,8 +374,17 @@ async fn writers_share_a_segment_and_a_bounded_wait_runs_again(db: TestDb) {
         })
         .collect();
     enqueue(&repo, &events).await;
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    // Held until event 3 has met the bound and been rolled back (the metric says so), then
+    // past the 250 ms window, so that its run again waits longer than the window.
+    let bounced = tokio::time::timeout(Duration::from_secs(20), async {
+        while handle.metrics().shared_write_reruns == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
     application.commit().await.unwrap();
+    bounced.expect("event 3's lock wait was bounded while the application held its row");
     drain(&repo, Duration::from_secs(20)).await;
     let metrics = handle.shutdown().await.metrics;
     let mut w = Vec::new();

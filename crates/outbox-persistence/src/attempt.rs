@@ -140,8 +140,9 @@ pub(crate) struct OpenAttempt<W> {
 impl<W: AttemptWrites> OpenAttempt<W> {
     /// Runs `sql` as a simple query in the open transaction: nothing prepared (behind a
     /// transaction pooler a named statement would be left on the server connection).
-    async fn simple(&mut self, sql: &'static str) -> Result<()> {
+    async fn simple(&mut self, sql: impl Into<String>) -> Result<()> {
         let (tx, _) = self.open()?;
+        let sql = sqlx::AssertSqlSafe(sql.into());
         with_tx!(tx, |conn| sqlx::raw_sql(sql)
             .execute(conn)
             .await
@@ -194,28 +195,20 @@ impl<W: AttemptWrites> Attempt for OpenAttempt<W> {
     }
 
     async fn bounded_savepoint(&mut self, bound: Duration) -> Result<()> {
-        let (tx, writes) = self.open()?;
-        let Some(bound) = writes.lock_waits_sql(Some(bound)) else {
-            return self.simple(SET_EVENT_SAVEPOINT).await;
-        };
-        // The bound before the savepoint: a rollback to it keeps the bound.
-        let sql = format!("{bound}; {SET_EVENT_SAVEPOINT}");
-        with_tx!(tx, |conn| sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-            .execute(conn)
-            .await
-            .map(|_| ()))?;
-        Ok(())
+        let (_, writes) = self.open()?;
+        match writes.lock_waits_sql(Some(bound)) {
+            // The bound before the savepoint: a rollback to it keeps the bound.
+            Some(bound) => self.simple(format!("{bound}; {SET_EVENT_SAVEPOINT}")).await,
+            None => self.simple(SET_EVENT_SAVEPOINT).await,
+        }
     }
 
     async fn unbound_lock_waits(&mut self) -> Result<()> {
-        let (tx, writes) = self.open()?;
-        if let Some(sql) = writes.lock_waits_sql(None) {
-            with_tx!(tx, |conn| sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-                .execute(conn)
-                .await
-                .map(|_| ()))?;
+        let (_, writes) = self.open()?;
+        match writes.lock_waits_sql(None) {
+            Some(sql) => self.simple(sql).await,
+            None => Ok(()),
         }
-        Ok(())
     }
 
     async fn release(&mut self, fence: Fence, error: &str) -> Result<FenceOutcome> {
