@@ -5,7 +5,8 @@
 //! (hyper, HTTP/1): it acknowledges every request with 200 and keeps when it got it and the
 //! delivery's `outbox-sequence`, so the figures are the receiver's clock minus `CreatedDate`,
 //! and per-record order is checked from what it received. `OUTBOX_BENCH_WEBHOOK_BUDGET_MS`
-//! sets the drains' batch budget (the default's, 10 ms, otherwise).
+//! sets the workers' batch budget, in the drains and at the offered rate (the default's,
+//! 10 ms, otherwise).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -179,6 +180,19 @@ async fn webhook_handlers(
     Ok((handlers, hooks))
 }
 
+/// The workers' configuration: [`WORKERS`] pull workers, with the batch budget
+/// `OUTBOX_BENCH_WEBHOOK_BUDGET_MS` names (the default's otherwise).
+fn worker_config() -> outbox_events::WorkerConfig {
+    let worker = config(DispatchMode::Pull, WORKERS);
+    match std::env::var("OUTBOX_BENCH_WEBHOOK_BUDGET_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        Some(ms) => worker.with_batches(32, Duration::from_millis(ms)),
+        None => worker,
+    }
+}
+
 /// Drains `n` backlog events with `handlers` until `done`; the rate from the dispatcher's
 /// start to the last processed row (or the last acknowledgement).
 async fn drain_until(
@@ -187,13 +201,7 @@ async fn drain_until(
     rows: u64,
     done: impl Fn() -> bool,
 ) -> Result<(Figures, chrono::DateTime<Utc>)> {
-    let mut worker = config(DispatchMode::Pull, WORKERS);
-    if let Some(ms) = std::env::var("OUTBOX_BENCH_WEBHOOK_BUDGET_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        worker = worker.with_batches(32, Duration::from_millis(ms));
-    }
+    let worker = worker_config();
     let run = start(db, worker, handlers).await?;
     let since = run.started;
     run.wait_for(rows).await?;
@@ -232,7 +240,7 @@ pub(crate) async fn webhooks(db: &BenchDb, sizes: &Sizes, report: &mut Report) -
 
     reset(db).await?;
     let receiver = Receiver::start().await?;
-    let worker = config(DispatchMode::Pull, WORKERS);
+    let worker = worker_config();
     let (handlers, hooks) = webhook_handlers(db, &receiver, &worker).await?;
     enqueue(
         &pool.repository(),
@@ -328,7 +336,7 @@ async fn offered_latency(
     receiver: &Receiver,
 ) -> Result<(f64, f64, usize, usize, String)> {
     reset(db).await?;
-    let worker = config(DispatchMode::Pull, WORKERS);
+    let worker = worker_config();
     let (handlers, hooks) = webhook_handlers(db, receiver, &worker).await?;
     let run = start(db, worker, handlers).await?;
     let pool = db.connect(2).await?;
