@@ -17,7 +17,9 @@ use sqlx::Row;
 use crate::{Error, EventId, Result, Tx};
 
 mod attempts;
-pub use attempts::{AttemptsOf, clip_body, delivery_attempts, record_delivery_attempt};
+pub use attempts::{
+    AttemptsOf, clip_body, delivery_attempts, record_delivery_attempt, record_delivery_attempts,
+};
 
 /// The event type of an endpoint's deliveries.
 pub fn delivery_event_type(endpoint: &str) -> String {

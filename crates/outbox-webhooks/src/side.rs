@@ -221,18 +221,34 @@ async fn write(
     batch: &[SideWrite],
     disable_after: i32,
 ) -> outbox_events::persistence::Result<bool> {
+    // The attempts first, in the order they were made, in one statement (on PostgreSQL): the
+    // log names its endpoint by name, so this locks no endpoint row.
+    let attempts: Vec<DeliveryAttempt> = batch
+        .iter()
+        .filter_map(|w| match w {
+            SideWrite::Attempt(attempt, _) => Some(attempt.clone()),
+            SideWrite::Disable { .. } => None,
+        })
+        .collect();
     // Endpoint rows are written in name order: two processes' batches never wait for each
     // other in a cycle (the order of one endpoint's attempts is kept).
     let mut batch: Vec<&SideWrite> = batch.iter().collect();
     batch.sort_by(|a, b| a.endpoint().cmp(b.endpoint()));
     let mut tx = repo.begin().await?;
+    webhooks::record_delivery_attempts(&mut tx, &attempts).await?;
     let mut disabled = false;
+    // The endpoint whose failures this batch cleared last, with nothing written for it since:
+    // its next successes would clear nothing (one statement per endpoint for a healthy batch).
+    let mut cleared: Option<&str> = None;
     for write in batch {
         match write {
             SideWrite::Attempt(attempt, delivered) => {
-                webhooks::record_delivery_attempt(&mut tx, attempt).await?;
+                if *delivered && cleared == Some(attempt.endpoint.as_str()) {
+                    continue;
+                }
                 let failures =
                     webhooks::note_delivery(&mut tx, &attempt.endpoint, *delivered).await?;
+                cleared = delivered.then_some(attempt.endpoint.as_str());
                 if !delivered && failures >= disable_after {
                     let reason = format!("{failures} failed attempts in a row");
                     if webhooks::set_endpoint_enabled(
@@ -250,6 +266,7 @@ async fn write(
                 }
             }
             SideWrite::Disable { endpoint, reason } => {
+                cleared = None;
                 if webhooks::set_endpoint_enabled(
                     &mut tx,
                     endpoint,

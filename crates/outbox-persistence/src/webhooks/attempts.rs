@@ -63,6 +63,51 @@ pub async fn record_delivery_attempt(tx: &mut Tx, attempt: &DeliveryAttempt) -> 
     Ok(())
 }
 
+/// Keeps several attempts, in their order ([`delivery_attempts`] reads them newest first),
+/// each as [`record_delivery_attempt`] keeps one: nothing for one whose outbox row is gone. On
+/// PostgreSQL in one statement (the webhooks' side writer keeps a batch's attempts with it);
+/// on SQLite one after another.
+pub async fn record_delivery_attempts(tx: &mut Tx, attempts: &[DeliveryAttempt]) -> Result<()> {
+    match tx {
+        Tx::Postgres(pg) if attempts.len() > 1 => {
+            let clipped = |f: fn(&DeliveryAttempt) -> &Option<String>| -> Vec<Option<String>> {
+                attempts
+                    .iter()
+                    .map(|a| f(a).as_deref().map(clip_body))
+                    .collect()
+            };
+            crate::statement::query(
+                "INSERT INTO _System_OutboxWebhookAttempt
+                   (Endpoint, EventId, SourceEventId, Attempt, StatusCode, LatencyMs, ResponseBody, Error)
+                 SELECT a.Endpoint, a.EventId, a.SourceEventId, a.Attempt, a.StatusCode, a.LatencyMs,
+                        a.ResponseBody, a.Error
+                 FROM unnest($1::text[], $2::uuid[], $3::uuid[], $4::integer[], $5::integer[],
+                             $6::integer[], $7::text[], $8::text[]) WITH ORDINALITY
+                      AS a (Endpoint, EventId, SourceEventId, Attempt, StatusCode, LatencyMs,
+                            ResponseBody, Error, N)
+                 WHERE EXISTS (SELECT 1 FROM _System_OutboxEvent e WHERE e.Id = a.EventId)
+                 ORDER BY a.N",
+            )
+            .bind(attempts.iter().map(|a| a.endpoint.clone()).collect::<Vec<_>>())
+            .bind(attempts.iter().map(|a| a.event_id).collect::<Vec<_>>())
+            .bind(attempts.iter().map(|a| a.source_event_id).collect::<Vec<_>>())
+            .bind(attempts.iter().map(|a| a.attempt).collect::<Vec<_>>())
+            .bind(attempts.iter().map(|a| a.status_code).collect::<Vec<_>>())
+            .bind(attempts.iter().map(|a| a.latency_ms).collect::<Vec<_>>())
+            .bind(clipped(|a| &a.response_body))
+            .bind(clipped(|a| &a.error))
+            .execute(&mut **pg)
+            .await?;
+        }
+        _ => {
+            for attempt in attempts {
+                record_delivery_attempt(tx, attempt).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Which attempts [`delivery_attempts`] reads.
 #[derive(Debug, Clone)]
 pub enum AttemptsOf {
