@@ -289,3 +289,92 @@ async fn write(
     }
     Ok(disabled)
 }
+
+#[cfg(test)]
+mod tests {
+    use outbox_events::persistence::webhooks::{NewEndpoint, SecretText, add_endpoint, endpoint};
+    use outbox_tests::{TestDb, backend_tests};
+
+    use super::*;
+
+    fn sent(endpoint: &str, delivered: bool) -> SideWrite {
+        SideWrite::Attempt(
+            DeliveryAttempt {
+                endpoint: endpoint.into(),
+                // No outbox row: the log skips it, the endpoint's count does not.
+                event_id: uuid::Uuid::now_v7(),
+                source_event_id: uuid::Uuid::now_v7(),
+                attempt: 1,
+                at: None,
+                status_code: Some(if delivered { 200 } else { 500 }),
+                latency_ms: 1,
+                response_body: None,
+                error: None,
+            },
+            delivered,
+        )
+    }
+
+    /// The failures in a row of each endpoint, and whether it is enabled.
+    async fn counts(repo: &Arc<dyn OutboxRepository>) -> Vec<(i32, bool)> {
+        let mut tx = repo.begin().await.unwrap();
+        let mut out = Vec::new();
+        for name in ["a", "b"] {
+            let e = endpoint(&mut tx, name).await.unwrap().unwrap();
+            out.push((e.consecutive_failures, e.enabled));
+        }
+        tx.rollback().await.unwrap();
+        out
+    }
+
+    /// A batch's successes after a success of the same endpoint write nothing; any failure or
+    /// disable in between makes the next success clear again. Counted as if every write ran.
+    async fn a_batch_counts_failures_as_every_write_would(db: TestDb) {
+        let repo = db.repository();
+        let mut tx = repo.begin().await.unwrap();
+        for name in ["a", "b"] {
+            let new = NewEndpoint {
+                name: name.into(),
+                url: "https://example.com/in".into(),
+                event_types: vec!["lead.updated".into()],
+                secret: SecretText("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into()),
+            };
+            assert!(add_endpoint(&mut tx, &new, "test").await.unwrap());
+        }
+        tx.commit().await.unwrap();
+        let batch = [
+            sent("a", true),
+            sent("b", false),
+            sent("a", false),
+            sent("a", true),
+            sent("b", true),
+            sent("a", true),
+            sent("b", true),
+            sent("a", false),
+            sent("b", false),
+            sent("a", false),
+        ];
+        assert!(!write(&repo, &batch, 3).await.unwrap());
+        assert_eq!(counts(&repo).await, vec![(2, true), (1, true)]);
+        let disable = SideWrite::Disable {
+            endpoint: "b".into(),
+            reason: "test".into(),
+        };
+        let batch = [
+            sent("a", true),
+            sent("a", true),
+            sent("b", true),
+            sent("b", false),
+            disable,
+            sent("b", false),
+            sent("a", false),
+            sent("a", false),
+            sent("a", false),
+        ];
+        assert!(write(&repo, &batch, 3).await.unwrap(), "a disabled");
+        // A disable starts its count again: `a` at 0 once its third failure disabled it.
+        assert_eq!(counts(&repo).await, vec![(0, false), (1, false)]);
+    }
+
+    backend_tests!(a_batch_counts_failures_as_every_write_would);
+}

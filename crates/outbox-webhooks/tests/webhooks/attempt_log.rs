@@ -37,6 +37,7 @@ async fn a_batch_of_attempts_is_kept_in_order_without_pruned_rows(db: TestDb) {
     let mut failed = attempt(rows[1], 2, None);
     // A receiver may answer anything: a NUL and more than is kept.
     failed.error = Some(format!("timed out\0{}", "x".repeat(2 * RESPONSE_BODY_KEPT)));
+    failed.response_body = Some("y".repeat(2 * RESPONSE_BODY_KEPT));
     let batch = vec![
         attempt(rows[0], 1, Some(200)),
         // Its outbox row is gone (pruned since the attempt): nothing is kept for it.
@@ -69,7 +70,7 @@ async fn a_batch_of_attempts_is_kept_in_order_without_pruned_rows(db: TestDb) {
     assert_eq!(
         seen,
         vec![
-            (rows[1], 2, None, 12, None),
+            (rows[1], 2, None, 12, Some("y".repeat(RESPONSE_BODY_KEPT))),
             (rows[1], 1, Some(503), 11, Some("answer 503".into())),
             (rows[0], 1, Some(200), 11, Some("answer 200".into())),
         ],
