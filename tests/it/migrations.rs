@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use outbox_events::{DispatchMode, Dispatcher, Handlers, WorkerConfig};
 use outbox_persistence::{Database, MIGRATIONS_TABLE};
 use outbox_tests::{Backend, TestDb};
 use sqlx::migrate::Migrator;
@@ -110,6 +111,43 @@ async fn earlier_records_are_adopted(backend: Backend) {
     adopt(backend).await;
 }
 
+/// A dispatcher started through the library, in either mode, on a database without this
+/// build's migrations says which are missing and what applies them, and starts nothing: every
+/// claim would fail otherwise, with nothing saying why. So does one that lacks only the newest.
+async fn a_dispatcher_refuses_a_database_without_its_migrations(backend: Backend) {
+    let Some(test) = TestDb::unmigrated(backend).await else {
+        return;
+    };
+    let newest = test.db.migrator().iter().map(|m| m.version).max().unwrap();
+    let refused = async |missing: &str| {
+        for mode in [DispatchMode::Legacy, DispatchMode::Pull] {
+            let started = Dispatcher::new(
+                test.repository(),
+                Handlers::new(),
+                WorkerConfig::default().with_mode(mode),
+            )
+            .start()
+            .await;
+            let Err(e) = started else {
+                panic!("{mode:?}: started without migrations {missing}");
+            };
+            assert!(
+                matches!(e, outbox_persistence::Error::NotMigrated { .. })
+                    && e.to_string().contains(missing)
+                    && e.to_string().contains("Database::migrate"),
+                "{mode:?}: {e}"
+            );
+        }
+    };
+    refused("[1, 2, 3").await;
+    test.db.migrate().await.unwrap();
+    test.execute(&format!(
+        "DELETE FROM {MIGRATIONS_TABLE} WHERE version = {newest}"
+    ))
+    .await;
+    refused(&format!("[{newest}]")).await;
+}
+
 /// Each listed `async fn name(backend)` as a test on SQLite and one on PostgreSQL.
 macro_rules! on_both {
     ($($name:ident),+ $(,)?) => {
@@ -136,4 +174,5 @@ on_both!(
     application_migrations_first,
     outbox_migrations_first,
     earlier_records_are_adopted,
+    a_dispatcher_refuses_a_database_without_its_migrations,
 );

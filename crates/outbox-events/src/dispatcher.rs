@@ -77,6 +77,11 @@ impl Dispatcher {
     /// name; the legacy dispatcher otherwise (fail closed). The decision and its reasons are
     /// logged.
     ///
+    /// First, in either mode, the database's outbox migrations are checked against this
+    /// build's ([`OutboxRepository::check_schema`]): missing ones or unknown ones are returned
+    /// as [`outbox_persistence::Error::NotMigrated`] / `SchemaTooNew`, and nothing starts; a
+    /// check that fails otherwise (a role that may not read the migrations' table) is logged.
+    ///
     /// The gate reads the database. A database that is briefly away while the service starts
     /// (restarting, a connection cut, a lock timeout) does not fail the start: the decision is
     /// tried again with backoff while less than [`DECIDE_RETRY_FOR`] has passed (a try under

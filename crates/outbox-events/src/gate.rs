@@ -56,6 +56,28 @@ pub struct ModeDecision {
     pub gate_skipped: Option<String>,
 }
 
+/// Refuses to start on a database without this build's outbox migrations, or with migrations
+/// it does not know ([`outbox_persistence::Error::NotMigrated`] / `SchemaTooNew`, which say
+/// what to do), as `Database::check_schema` and the `outbox` binary do: every claim would
+/// fail on the first and nothing would say why. A database that is away is an error for
+/// [`crate::Dispatcher::decide`] to ride out; a check that fails otherwise (a role that may not
+/// read the migrations' table) is logged, and the start goes on.
+async fn schema_ready(repo: &dyn OutboxRepository) -> Result<(), outbox_persistence::Error> {
+    use outbox_persistence::Error;
+    match repo.check_schema().await {
+        Ok(()) => Ok(()),
+        Err(e @ (Error::NotMigrated { .. } | Error::SchemaTooNew { .. })) => {
+            tracing::error!(error = %e, "the outbox schema does not match this build: starting nothing");
+            Err(e)
+        }
+        Err(e) if e.is_transient() => Err(e),
+        Err(e) => {
+            tracing::warn!(error = %e.chain(), "could not read the outbox's applied migrations; starting without checking them");
+            Ok(())
+        }
+    }
+}
+
 impl ModeDecision {
     /// Filled in by `start_decided` right after the workers start.
     pub(crate) fn placeholder() -> Self {
@@ -76,6 +98,7 @@ impl ModeDecision {
         config: &crate::WorkerConfig,
         required: bool,
     ) -> Result<Self, outbox_persistence::Error> {
+        schema_ready(repo.as_ref()).await?;
         // A handler registered through the effect ledger fails every event without its table,
         // in whichever mode it runs (the legacy path runs the same handlers): refused before
         // anything starts.

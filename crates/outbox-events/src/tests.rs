@@ -803,6 +803,7 @@ async fn the_metrics_facade_counts_by_event_type_and_outcome_never_by_key() {
 #[tokio::test(start_paused = true)]
 async fn decide_rides_out_a_database_that_is_briefly_away() {
     let mut repo = MockOutboxRepository::new();
+    repo.expect_check_schema().returning(|| Ok(()));
     let mut seq = mockall::Sequence::new();
     repo.expect_count_missing_record_keys()
         .times(1)
@@ -826,6 +827,7 @@ async fn decide_rides_out_a_database_that_is_briefly_away() {
     assert_eq!(decision.mode, crate::DispatchMode::Pull);
 
     let mut repo = MockOutboxRepository::new();
+    repo.expect_check_schema().returning(|| Ok(()));
     repo.expect_count_missing_record_keys()
         .times(1)
         .returning(|| Err(Error::Database(sqlx::Error::RowNotFound)));
@@ -835,6 +837,7 @@ async fn decide_rides_out_a_database_that_is_briefly_away() {
 
     // Still away after `DECIDE_RETRY_FOR`: the error is returned.
     let mut repo = MockOutboxRepository::new();
+    repo.expect_check_schema().returning(|| Ok(()));
     repo.expect_count_missing_record_keys()
         .returning(|| Err(Error::Unavailable(sqlx::Error::PoolTimedOut)));
     let repo: Arc<dyn outbox_persistence::OutboxRepository> = Arc::new(repo);
@@ -846,6 +849,59 @@ async fn decide_rides_out_a_database_that_is_briefly_away() {
     ));
     assert!(started.elapsed() <= crate::DECIDE_RETRY_FOR);
     assert!(started.elapsed() >= crate::DECIDE_RETRY_FOR - Duration::from_secs(6));
+}
+
+/// A database without this build's migrations, or with ones it does not know, starts nothing
+/// and says so, before the gate reads anything; one that is away at the check is waited for;
+/// a check that fails otherwise (a role that may not read the migrations' table) is logged and
+/// the decision goes on.
+#[tokio::test(start_paused = true)]
+async fn decide_refuses_a_schema_that_does_not_match_the_build() {
+    let pull = config().with_mode(crate::DispatchMode::Pull);
+    let decide = |check: fn() -> Result<(), Error>, gate_reads: usize| {
+        let mut repo = MockOutboxRepository::new();
+        repo.expect_check_schema().times(1).returning(check);
+        repo.expect_count_missing_record_keys()
+            .times(gate_reads)
+            .returning(|| Ok(0));
+        let repo: Arc<dyn outbox_persistence::OutboxRepository> = Arc::new(repo);
+        crate::Dispatcher::new(repo, Handlers::new(), pull.clone())
+    };
+    let missing = decide(|| Err(Error::NotMigrated { missing: vec![24] }), 0);
+    let Err(e) = missing.decide().await else {
+        panic!("decided on a database without migration 24");
+    };
+    assert!(
+        e.to_string().contains("[24]") && e.to_string().contains("migrate"),
+        "{e}"
+    );
+    let newer = decide(|| Err(Error::SchemaTooNew { unknown: vec![99] }), 0);
+    assert!(matches!(
+        newer.decide().await,
+        Err(Error::SchemaTooNew { .. })
+    ));
+    let unreadable = decide(|| Err(Error::Database(sqlx::Error::RowNotFound)), 1);
+    assert_eq!(
+        unreadable.decide().await.unwrap().mode,
+        crate::DispatchMode::Pull
+    );
+
+    let mut repo = MockOutboxRepository::new();
+    let mut seq = mockall::Sequence::new();
+    repo.expect_check_schema()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|| Err(Error::Unavailable(sqlx::Error::PoolTimedOut)));
+    repo.expect_check_schema()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|| Ok(()));
+    repo.expect_count_missing_record_keys()
+        .times(1)
+        .returning(|| Ok(0));
+    let repo: Arc<dyn outbox_persistence::OutboxRepository> = Arc::new(repo);
+    let away = crate::Dispatcher::new(repo, Handlers::new(), pull);
+    assert_eq!(away.decide().await.unwrap().mode, crate::DispatchMode::Pull);
 }
 
 /// `n` first-attempt claims of distinct records, claimed together (a batch's).

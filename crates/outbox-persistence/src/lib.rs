@@ -308,16 +308,14 @@ pub trait OutboxRepository: Send + Sync + 'static {
         Ok(outcomes)
     }
 
-    /// Records completed external effects in the effect ledger, in a transaction of its own
-    /// (their attempt's rolled back while the worker lives). Kept rows stay; not fenced: a
-    /// ledger row states that an effect ran, whoever holds the claim now.
+    /// Records completed external effects in the ledger, on a transaction of its own (their
+    /// attempt's rolled back while the worker lives); kept rows stay; not fenced (they ran).
     async fn record_effects(&self, effects: &[EffectRecord]) -> Result<()> {
         effects::record_on_own_tx(self.begin().await?, effects).await
     }
 
     /// The effects the ledger records for `event_ids` ([`effects_of`]: oldest first, at most
-    /// [`EFFECTS_SHOWN`], none without the ledger's table), read in a transaction rolled back
-    /// after.
+    /// [`EFFECTS_SHOWN`], none without the ledger's table), read in a rolled-back transaction.
     async fn effects_of(&self, event_ids: &[EventId]) -> Result<Vec<RecordedEffect>> {
         let mut tx = self.begin().await?;
         let effects = effects::effects_of(&mut tx, event_ids).await?;
@@ -325,6 +323,8 @@ pub trait OutboxRepository: Send + Sync + 'static {
         Ok(effects)
     }
 
+    /// [`Database::check_schema`] on this repository's database (checked before a start).
+    async fn check_schema(&self) -> Result<()>;
     /// Whether the effect ledger's table is migrated on this database (the gate checks it).
     async fn effect_ledger_ready(&self) -> Result<bool> {
         effects::ledger_ready(self.begin().await?).await

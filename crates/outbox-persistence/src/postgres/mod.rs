@@ -221,6 +221,12 @@ impl OutboxRepository for PgOutbox {
         "postgres"
     }
 
+    async fn check_schema(&self) -> Result<()> {
+        crate::Database::Postgres(self.pool.clone())
+            .check_schema()
+            .await
+    }
+
     async fn begin(&self) -> Result<Tx> {
         // The application's transaction: READ COMMITTED whatever the database's default (the
         // enqueue trigger's key lock raises a serialization failure at REPEATABLE READ when a

@@ -194,6 +194,12 @@ impl OutboxRepository for SqliteOutbox {
         "sqlite"
     }
 
+    async fn check_schema(&self) -> Result<()> {
+        crate::Database::Sqlite(self.pool.clone())
+            .check_schema()
+            .await
+    }
+
     async fn begin(&self) -> Result<Tx> {
         Ok(Tx::Sqlite(self.pool.begin_with("BEGIN IMMEDIATE").await?))
     }
