@@ -114,21 +114,25 @@ async fn earlier_records_are_adopted(backend: Backend) {
 /// A dispatcher started through the library, in either mode, on a database without this
 /// build's migrations says which are missing and what applies them, and starts nothing: every
 /// claim would fail otherwise, with nothing saying why. So does one that lacks only the newest.
+/// A newer schema (a rolling deploy) starts, and so does an outbox table with no migration
+/// recorded (applied by a tool of the application's own).
 async fn a_dispatcher_refuses_a_database_without_its_migrations(backend: Backend) {
     let Some(test) = TestDb::unmigrated(backend).await else {
         return;
     };
     let newest = test.db.migrator().iter().map(|m| m.version).max().unwrap();
+    let start = async |mode: DispatchMode| {
+        Dispatcher::new(
+            test.repository(),
+            Handlers::new(),
+            WorkerConfig::default().with_mode(mode),
+        )
+        .start()
+        .await
+    };
     let refused = async |missing: &str| {
         for mode in [DispatchMode::Legacy, DispatchMode::Pull] {
-            let started = Dispatcher::new(
-                test.repository(),
-                Handlers::new(),
-                WorkerConfig::default().with_mode(mode),
-            )
-            .start()
-            .await;
-            let Err(e) = started else {
+            let Err(e) = start(mode).await else {
                 panic!("{mode:?}: started without migrations {missing}");
             };
             assert!(
@@ -139,13 +143,32 @@ async fn a_dispatcher_refuses_a_database_without_its_migrations(backend: Backend
             );
         }
     };
+    let starts = async |why: &str| {
+        for mode in [DispatchMode::Legacy, DispatchMode::Pull] {
+            let handle = start(mode)
+                .await
+                .unwrap_or_else(|e| panic!("{why}, {mode:?}: {e}"));
+            assert_eq!(handle.decision().mode, mode, "{why}");
+            handle.shutdown().await;
+        }
+    };
     refused("[1, 2, 3").await;
     test.db.migrate().await.unwrap();
     test.execute(&format!(
-        "DELETE FROM {MIGRATIONS_TABLE} WHERE version = {newest}"
+        "INSERT INTO {MIGRATIONS_TABLE} (version, description, success, checksum, execution_time)
+         SELECT 99999, 'a newer build', success, checksum, execution_time
+         FROM {MIGRATIONS_TABLE} WHERE version = {newest}"
+    ))
+    .await;
+    starts("a newer build's migration").await;
+    test.execute(&format!(
+        "DELETE FROM {MIGRATIONS_TABLE} WHERE version IN (99999, {newest})"
     ))
     .await;
     refused(&format!("[{newest}]")).await;
+    test.execute(&format!("DELETE FROM {MIGRATIONS_TABLE}"))
+        .await;
+    starts("no migration recorded beside the outbox's table").await;
 }
 
 /// Each listed `async fn name(backend)` as a test on SQLite and one on PostgreSQL.

@@ -29,7 +29,8 @@ pub const DECIDE_RETRY_FOR: Duration = Duration::from_secs(30);
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartError {
-    /// The rollout gate's inputs could not be read (see [`Dispatcher::decide`]).
+    /// The rollout gate's inputs could not be read, or the schema lacks this build's
+    /// migrations (see [`Dispatcher::decide`]).
     #[error(transparent)]
     Database(#[from] outbox_persistence::Error),
     /// The rollout gate refused pull mode; the decision holds its reasons
@@ -78,9 +79,10 @@ impl Dispatcher {
     /// logged.
     ///
     /// First, in either mode, the database's outbox migrations are checked against this
-    /// build's ([`OutboxRepository::check_schema`]): missing ones or unknown ones are returned
-    /// as [`outbox_persistence::Error::NotMigrated`] / `SchemaTooNew`, and nothing starts; a
-    /// check that fails otherwise (a role that may not read the migrations' table) is logged.
+    /// build's ([`OutboxRepository::check_schema`]): a database that lacks some is returned as
+    /// [`outbox_persistence::Error::NotMigrated`] (naming them) and nothing starts; a newer
+    /// schema (a rolling deploy), or a check that fails or takes over 5 s, is logged and the
+    /// start goes on.
     ///
     /// The gate reads the database. A database that is briefly away while the service starts
     /// (restarting, a connection cut, a lock timeout) does not fail the start: the decision is

@@ -56,23 +56,38 @@ pub struct ModeDecision {
     pub gate_skipped: Option<String>,
 }
 
-/// Refuses to start on a database without this build's outbox migrations, or with migrations
-/// it does not know ([`outbox_persistence::Error::NotMigrated`] / `SchemaTooNew`, which say
-/// what to do), as `Database::check_schema` and the `outbox` binary do: every claim would
-/// fail on the first and nothing would say why. A database that is away is an error for
-/// [`crate::Dispatcher::decide`] to ride out; a check that fails otherwise (a role that may not
-/// read the migrations' table) is logged, and the start goes on.
+/// How long a start waits for the schema's check before it goes on without it.
+const SCHEMA_CHECK_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Refuses to start on a database that lacks outbox migrations this build needs
+/// ([`outbox_persistence::Error::NotMigrated`], which names them and what applies them), as
+/// `Database::check_schema` and the `outbox` binary do: every claim would fail, and nothing
+/// would say why. A database whose outbox table exists with no outbox migration recorded (a
+/// tool of the application's own applied them) passes. Everything else starts, logged: a
+/// newer schema (a newer build migrated it: the outbox's migrations keep the previous
+/// release's binaries working during a rolling deploy, docs/schema.md), a check that fails (a
+/// role that may not read the migrations' table) or does not answer within
+/// [`SCHEMA_CHECK_FOR`] (a database away: the gate's reads and the workers ride it out).
 async fn schema_ready(repo: &dyn OutboxRepository) -> Result<(), outbox_persistence::Error> {
     use outbox_persistence::Error;
-    match repo.check_schema().await {
-        Ok(()) => Ok(()),
-        Err(e @ (Error::NotMigrated { .. } | Error::SchemaTooNew { .. })) => {
-            tracing::error!(error = %e, "the outbox schema does not match this build: starting nothing");
+    match tokio::time::timeout(SCHEMA_CHECK_FOR, repo.check_schema()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e @ Error::NotMigrated { .. })) => {
+            tracing::error!(error = %e, "the outbox schema lacks this build's migrations: starting nothing");
             Err(e)
         }
-        Err(e) if e.is_transient() => Err(e),
-        Err(e) => {
+        Ok(Err(e @ Error::SchemaTooNew { .. })) => {
+            tracing::warn!(error = %e, "starting on a schema a newer build migrated (a rolling deploy)");
+            Ok(())
+        }
+        Ok(Err(e)) => {
             tracing::warn!(error = %e.chain(), "could not read the outbox's applied migrations; starting without checking them");
+            Ok(())
+        }
+        Err(_) => {
+            tracing::warn!(
+                "the outbox's applied migrations could not be read in time; starting without checking them"
+            );
             Ok(())
         }
     }

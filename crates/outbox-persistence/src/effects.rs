@@ -236,6 +236,27 @@ pub async fn ledger_table_exists(tx: &mut Tx) -> Result<bool> {
     Ok(exists)
 }
 
+/// Whether the outbox's table exists (`Database::check_schema_for_workers`).
+pub(crate) async fn outbox_table_exists(tx: &mut Tx) -> Result<bool> {
+    let exists = match tx {
+        Tx::Postgres(tx) => {
+            crate::statement::query_scalar("SELECT to_regclass('_system_outboxevent') IS NOT NULL")
+                .fetch_one(&mut **tx)
+                .await?
+        }
+        Tx::Sqlite(tx) => {
+            crate::statement::query_scalar::<_, i64>(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table'
+                 AND name = '_System_OutboxEvent' COLLATE NOCASE",
+            )
+            .fetch_one(&mut **tx)
+            .await?
+                == 1
+        }
+    };
+    Ok(exists)
+}
+
 /// Records `effects` in `tx` and commits it (`OutboxRepository::record_effects`).
 pub(crate) async fn record_on_own_tx(mut tx: Tx, effects: &[EffectRecord]) -> Result<()> {
     record_effects_in(&mut tx, effects).await?;

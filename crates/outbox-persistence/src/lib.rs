@@ -323,7 +323,7 @@ pub trait OutboxRepository: Send + Sync + 'static {
         Ok(effects)
     }
 
-    /// [`Database::check_schema`] on this repository's database (checked before a start).
+    /// The schema's verdict for a dispatcher's start (`Database::check_schema_for_workers`).
     async fn check_schema(&self) -> Result<()>;
     /// Whether the effect ledger's table is migrated on this database (the gate checks it).
     async fn effect_ledger_ready(&self) -> Result<bool> {

@@ -223,7 +223,7 @@ impl OutboxRepository for PgOutbox {
 
     async fn check_schema(&self) -> Result<()> {
         crate::Database::Postgres(self.pool.clone())
-            .check_schema()
+            .check_schema_for_workers(self)
             .await
     }
 

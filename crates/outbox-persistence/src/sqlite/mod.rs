@@ -196,7 +196,7 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn check_schema(&self) -> Result<()> {
         crate::Database::Sqlite(self.pool.clone())
-            .check_schema()
+            .check_schema_for_workers(self)
             .await
     }
 
