@@ -68,20 +68,28 @@ const SCHEMA_CHECK_FOR: std::time::Duration = std::time::Duration::from_secs(5);
 /// release's binaries working during a rolling deploy, docs/schema.md), a check that fails (a
 /// role that may not read the migrations' table) or does not answer within
 /// [`SCHEMA_CHECK_FOR`] (a database away: the gate's reads and the workers ride it out).
-async fn schema_ready(repo: &dyn OutboxRepository) -> Result<(), outbox_persistence::Error> {
+async fn schema_ready(repo: &Arc<dyn OutboxRepository>) -> Result<(), outbox_persistence::Error> {
     use outbox_persistence::Error;
-    match tokio::time::timeout(SCHEMA_CHECK_FOR, repo.check_schema()).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e @ Error::NotMigrated { .. })) => {
+    // On a task of its own, left to finish when the wait ends: a transaction dropped while its
+    // `BEGIN` waits for the server could go back to the pool still open (sqlx 0.9.0).
+    let repo = repo.clone();
+    let check = tokio::spawn(async move { repo.check_schema().await });
+    match tokio::time::timeout(SCHEMA_CHECK_FOR, check).await {
+        Ok(Ok(Ok(()))) => Ok(()),
+        Ok(Ok(Err(e @ Error::NotMigrated { .. }))) => {
             tracing::error!(error = %e, "the outbox schema lacks this build's migrations: starting nothing");
             Err(e)
         }
-        Ok(Err(e @ Error::SchemaTooNew { .. })) => {
+        Ok(Ok(Err(e @ Error::SchemaTooNew { .. }))) => {
             tracing::warn!(error = %e, "starting on a schema a newer build migrated (a rolling deploy)");
             Ok(())
         }
-        Ok(Err(e)) => {
+        Ok(Ok(Err(e))) => {
             tracing::warn!(error = %e.chain(), "could not read the outbox's applied migrations; starting without checking them");
+            Ok(())
+        }
+        Ok(Err(panicked)) => {
+            tracing::warn!(error = %panicked, "the outbox's schema check panicked; starting without it");
             Ok(())
         }
         Err(_) => {
@@ -113,7 +121,7 @@ impl ModeDecision {
         config: &crate::WorkerConfig,
         required: bool,
     ) -> Result<Self, outbox_persistence::Error> {
-        schema_ready(repo.as_ref()).await?;
+        schema_ready(repo).await?;
         // A handler registered through the effect ledger fails every event without its table,
         // in whichever mode it runs (the legacy path runs the same handlers): refused before
         // anything starts.
