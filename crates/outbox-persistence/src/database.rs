@@ -279,7 +279,7 @@ impl Database {
                 if missing.len() == self.migrator().iter().count() =>
             {
                 let mut tx = repo.begin().await?;
-                let exists = crate::effects::outbox_table_exists(&mut tx).await?;
+                let exists = crate::tx::table_exists(&mut tx, "_system_outboxevent").await?;
                 tx.rollback().await?;
                 if exists {
                     Ok(())

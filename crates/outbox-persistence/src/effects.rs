@@ -217,44 +217,7 @@ pub async fn record_effects_in(tx: &mut Tx, effects: &[EffectRecord]) -> Result<
 
 /// Whether the ledger's table is there (the outbox's migrations that carry it applied).
 pub async fn ledger_table_exists(tx: &mut Tx) -> Result<bool> {
-    let exists = match tx {
-        Tx::Postgres(tx) => {
-            crate::statement::query_scalar("SELECT to_regclass('_system_outboxeffect') IS NOT NULL")
-                .fetch_one(&mut **tx)
-                .await?
-        }
-        Tx::Sqlite(tx) => {
-            crate::statement::query_scalar::<_, i64>(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'table'
-                 AND name = '_System_OutboxEffect' COLLATE NOCASE",
-            )
-            .fetch_one(&mut **tx)
-            .await?
-                == 1
-        }
-    };
-    Ok(exists)
-}
-
-/// Whether the outbox's table exists (`Database::check_schema_for_workers`).
-pub(crate) async fn outbox_table_exists(tx: &mut Tx) -> Result<bool> {
-    let exists = match tx {
-        Tx::Postgres(tx) => {
-            crate::statement::query_scalar("SELECT to_regclass('_system_outboxevent') IS NOT NULL")
-                .fetch_one(&mut **tx)
-                .await?
-        }
-        Tx::Sqlite(tx) => {
-            crate::statement::query_scalar::<_, i64>(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'table'
-                 AND name = '_System_OutboxEvent' COLLATE NOCASE",
-            )
-            .fetch_one(&mut **tx)
-            .await?
-                == 1
-        }
-    };
-    Ok(exists)
+    crate::tx::table_exists(tx, "_system_outboxeffect").await
 }
 
 /// Records `effects` in `tx` and commits it (`OutboxRepository::record_effects`).

@@ -60,3 +60,27 @@ impl Tx {
         }
     }
 }
+
+/// Whether the table `name` (lower case, as PostgreSQL folds an unquoted name) exists, read in
+/// `tx` (on PostgreSQL on its search path).
+pub(crate) async fn table_exists(tx: &mut Tx, name: &str) -> crate::Result<bool> {
+    let exists = match tx {
+        Tx::Postgres(tx) => {
+            crate::statement::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(name)
+                .fetch_one(&mut **tx)
+                .await?
+        }
+        Tx::Sqlite(tx) => {
+            crate::statement::query_scalar::<_, i64>(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table'
+                 AND name = $1 COLLATE NOCASE",
+            )
+            .bind(name)
+            .fetch_one(&mut **tx)
+            .await?
+                == 1
+        }
+    };
+    Ok(exists)
+}
