@@ -115,7 +115,8 @@ async fn earlier_records_are_adopted(backend: Backend) {
 /// build's migrations says which are missing and what applies them, and starts nothing: every
 /// claim would fail otherwise, with nothing saying why. So does one that lacks only the newest.
 /// A newer schema (a rolling deploy) starts, and so does an outbox table with no migration
-/// recorded (applied by a tool of the application's own).
+/// recorded (applied by a tool of the application's own); one whose newest migration is recorded
+/// as failed does not, even beside a newer build's.
 async fn a_dispatcher_refuses_a_database_without_its_migrations(backend: Backend) {
     let Some(test) = TestDb::unmigrated(backend).await else {
         return;
@@ -161,6 +162,18 @@ async fn a_dispatcher_refuses_a_database_without_its_migrations(backend: Backend
     ))
     .await;
     starts("a newer build's migration").await;
+    // The newest recorded as failed (sqlx's `success = false`) beside the newer build's: not
+    // applied, and missing comes before too new.
+    test.execute(&format!(
+        "UPDATE {MIGRATIONS_TABLE} SET success = FALSE WHERE version = {newest}"
+    ))
+    .await;
+    refused(&format!("[{newest}]")).await;
+    let strict = test.db.check_schema().await;
+    assert!(
+        matches!(strict, Err(outbox_persistence::Error::NotMigrated { .. })),
+        "{strict:?}"
+    );
     test.execute(&format!(
         "DELETE FROM {MIGRATIONS_TABLE} WHERE version IN (99999, {newest})"
     ))

@@ -361,6 +361,46 @@ async fn concurrent_claim_next_respects_keys(db: TestDb) {
 
 /// A live heartbeat keeps a slow claim; a stopped one makes the row reclaimable (its dead
 /// attempt counted), and the fenced-out worker can write nothing afterwards.
+/// A lost claim's attempt fails inside its begin's one round trip (the fence check follows
+/// `BEGIN` in one string), and its connection goes back to the pool out of the transaction: on
+/// a pool of one connection, the next attempts begin, and the holder's attempt writes and
+/// commits. A fence a microsecond off is lost: the check compares the exact value.
+async fn a_lost_claims_begin_leaves_its_connection_idle(db: TestDb) {
+    let config = outbox_persistence::ConnectConfig {
+        max_connections: 1,
+        ..outbox_persistence::ConnectConfig::default()
+    };
+    let one = Database::connect(&db.url, config).await.unwrap();
+    let repo = one.repository();
+    let ids = enqueue(&repo, &[NewEvent::new("t", lead("lost-begin"))]).await;
+    let claim = repo
+        .claim_next(policy(), &Scope::All)
+        .await
+        .unwrap()
+        .unwrap();
+    for off in [-1, 1, -1] {
+        let lost = Fence {
+            id: claim.fence.id,
+            last_written: claim.fence.last_written + chrono::TimeDelta::microseconds(off),
+        };
+        let begun = repo.begin_attempt(secs(5), lost).await.unwrap();
+        assert!(begun.is_none(), "a handler never starts on a lost claim");
+    }
+    let mut attempt = repo
+        .begin_attempt(secs(5), claim.fence)
+        .await
+        .unwrap()
+        .expect("the holder's claim holds");
+    assert_eq!(
+        attempt.mark_processed(claim.fence).await.unwrap(),
+        FenceOutcome::Written
+    );
+    attempt.commit().await.unwrap();
+    let row = db.repository().get_event(ids[0]).await.unwrap().unwrap();
+    assert_eq!(row.status, EventStatus::Processed);
+    one.close().await;
+}
+
 async fn heartbeat_fences(db: TestDb) {
     let repo = db.repository();
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("hb"))]).await;
@@ -1248,6 +1288,7 @@ backend_tests!(
     claim_race_has_one_winner,
     concurrent_claim_next_respects_keys,
     heartbeat_fences,
+    a_lost_claims_begin_leaves_its_connection_idle,
     heartbeat_many_beats_each_claim,
     mark_processed_many_writes_each_fenced_claim,
     begin_check_holds_back_the_members_after_a_foreign_row,

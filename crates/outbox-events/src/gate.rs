@@ -70,8 +70,10 @@ const SCHEMA_CHECK_FOR: std::time::Duration = std::time::Duration::from_secs(5);
 /// [`SCHEMA_CHECK_FOR`] (a database away: the gate's reads and the workers ride it out).
 async fn schema_ready(repo: &Arc<dyn OutboxRepository>) -> Result<(), outbox_persistence::Error> {
     use outbox_persistence::Error;
-    // On a task of its own, left to finish when the wait ends: a transaction dropped while its
-    // `BEGIN` waits for the server could go back to the pool still open (sqlx 0.9.0).
+    // On a task of its own, left to finish when the wait ends (and a panic in it is caught):
+    // the check's transactions always end as they would unbounded. sqlx 0.9.0 returned a
+    // transaction dropped while its `BEGIN` waited to the pool still open; the workspace
+    // requires 0.9.1, which fixed that, and the task costs nothing.
     let repo = repo.clone();
     let check = tokio::spawn(async move { repo.check_schema().await });
     match tokio::time::timeout(SCHEMA_CHECK_FOR, check).await {

@@ -292,12 +292,19 @@ impl Database {
     }
 
     /// Checks that the database has exactly the migrations this binary knows: fails with
-    /// [`Error::NotMigrated`] or [`Error::SchemaTooNew`] otherwise.
+    /// [`Error::NotMigrated`] when one is missing (or recorded as failed), else with
+    /// [`Error::SchemaTooNew`] when the database has versions this binary does not know.
     pub async fn check_schema(&self) -> Result<()> {
         let known: BTreeSet<i64> = self.migrator().iter().map(|m| m.version).collect();
         let applied: Vec<i64> = match self {
             Database::Postgres(pool) => match applied_postgres(pool).await? {
-                Some(applied) => applied.into_iter().map(|(v, _, _)| v).collect(),
+                // A version recorded with `success = false` (sqlx's record of a migration that
+                // failed outside a transaction) is not applied, as on SQLite.
+                Some(applied) => applied
+                    .into_iter()
+                    .filter(|(_, _, success)| *success)
+                    .map(|(v, _, _)| v)
+                    .collect(),
                 None => {
                     return Err(Error::NotMigrated {
                         missing: known.into_iter().collect(),
@@ -324,13 +331,15 @@ impl Database {
             }
         };
         let applied: BTreeSet<i64> = applied.into_iter().collect();
-        let unknown: Vec<i64> = applied.difference(&known).copied().collect();
-        if !unknown.is_empty() {
-            return Err(Error::SchemaTooNew { unknown });
-        }
+        // Missing versions first: this build's statements may need them whatever else a
+        // newer build recorded, and a dispatcher's start refuses only this verdict.
         let missing: Vec<i64> = known.difference(&applied).copied().collect();
         if !missing.is_empty() {
             return Err(Error::NotMigrated { missing });
+        }
+        let unknown: Vec<i64> = applied.difference(&known).copied().collect();
+        if !unknown.is_empty() {
+            return Err(Error::SchemaTooNew { unknown });
         }
         Ok(())
     }

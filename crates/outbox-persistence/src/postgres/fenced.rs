@@ -38,8 +38,18 @@ SELECT EXISTS (SELECT 1 FROM _System_OutboxEvent
 /// shift, the ids, their fences in the same order.
 const HEARTBEAT_MANY: &str = "SELECT * FROM _System_OutboxBeatMany($1, $2, $3)";
 
-/// Raises [`CLAIM_LOST_SQLSTATE`] unless the row is still `processing` under the fence.
-const CHECK_FENCE: &str = "SELECT _System_OutboxCheckFence($1, $2)";
+/// `; SELECT _System_OutboxCheckFence(…)` for `fence`, to follow an attempt's `BEGIN` in its
+/// one simple-query string (no parameters there): raises [`CLAIM_LOST_SQLSTATE`] unless the row
+/// is still `processing` under the fence. The values are a UUID and a timestamp the outbox
+/// formats itself, in UTC to the microsecond (PostgreSQL's precision, which the fence was read
+/// at); one round trip less per one-event attempt than a statement of its own.
+fn check_fence_sql(fence: Fence) -> String {
+    format!(
+        "; SELECT _System_OutboxCheckFence('{}'::uuid, '{}'::timestamptz)",
+        fence.id,
+        fence.last_written.format("%Y-%m-%d %H:%M:%S%.6f+00")
+    )
+}
 
 /// A batch's fence check (`_System_OutboxLostFences`, migration 0012): the ids (`$1`) that may
 /// not run now: their row is no longer `processing` under its fence (`$2`, in the same order),
@@ -325,22 +335,27 @@ impl PgOutbox {
     /// Begins an attempt transaction as the attempt needs it whatever the session's defaults
     /// (READ COMMITTED, the attempt's lock timeout, the outbox's statement timeout, no
     /// idle-in-transaction timeout: a handler may run longer than the server's while the
-    /// heartbeat keeps its claim) and sets the post-claim savepoint, in one round trip. The
-    /// fence check that follows cannot precede BEGIN in this string: it would start the
-    /// transaction at the session's default level, which BEGIN can no longer change.
+    /// heartbeat keeps its claim), sets the post-claim savepoint and, given a `fence`, checks
+    /// it ([`check_fence_sql`]), in one round trip. The fence check cannot precede BEGIN in
+    /// this string: it would start the transaction at the session's default level, which
+    /// BEGIN can no longer change. A string that fails after its BEGIN leaves a `ROLLBACK`
+    /// queued on the connection (sqlx 0.9.1's begin guard), so the pool gets it back idle.
     async fn begin_attempt_tx(
         &self,
         lock_timeout: Duration,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        fence: Option<Fence>,
+    ) -> std::result::Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
         let begin = begin_sql(Begin {
             may_idle: true,
             lock_timeout,
             ..self.begin_spec(false)
         });
-        Ok(self
-            .pool
-            .begin_with(sqlx::AssertSqlSafe(format!("{begin}; {SET_SAVEPOINT}")))
-            .await?)
+        let check = fence.map(check_fence_sql).unwrap_or_default();
+        self.pool
+            .begin_with(sqlx::AssertSqlSafe(format!(
+                "{begin}; {SET_SAVEPOINT}{check}"
+            )))
+            .await
     }
 
     fn attempt_writes(&self, lock_timeout: Duration) -> PgAttemptWrites {
@@ -356,22 +371,15 @@ impl PgOutbox {
         lock_timeout: Duration,
         fence: Fence,
     ) -> Result<Option<Box<dyn Attempt>>> {
-        // `_System_OutboxCheckFence` raises CLAIM_LOST_SQLSTATE when the claim was taken over
-        // meanwhile, so no handler runs for a lost claim.
-        let mut tx = self.begin_attempt_tx(lock_timeout).await?;
-        let checked = sqlx::query(CHECK_FENCE)
-            .persistent(self.cached())
-            .bind(fence.id)
-            .bind(fence.last_written)
-            .execute(&mut *tx)
-            .await;
-        match checked {
-            Ok(_) => {
+        // `_System_OutboxCheckFence`, in the begin's string, raises CLAIM_LOST_SQLSTATE when
+        // the claim was taken over meanwhile, so no handler runs for a lost claim; the
+        // transaction is rolled back on the connection's next use.
+        match self.begin_attempt_tx(lock_timeout, Some(fence)).await {
+            Ok(tx) => {
                 let writes = self.attempt_writes(lock_timeout);
                 Ok(Some(Box::new(OpenAttempt::new(Tx::Postgres(tx), writes))))
             }
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(CLAIM_LOST_SQLSTATE) => {
-                tx.rollback().await?;
                 Ok(None)
             }
             Err(e) => Err(e.into()),
@@ -385,7 +393,7 @@ impl PgOutbox {
         lock_timeout: Duration,
         fences: Vec<Fence>,
     ) -> Result<(Box<dyn Attempt>, Vec<EventId>)> {
-        let mut tx = self.begin_attempt_tx(lock_timeout).await?;
+        let mut tx = self.begin_attempt_tx(lock_timeout, None).await?;
         let ids: Vec<EventId> = fences.iter().map(|f| f.id).collect();
         let written: Vec<DateTime<Utc>> = fences.iter().map(|f| f.last_written).collect();
         let lost: Vec<EventId> = sqlx::query_scalar(LOST_FENCES)

@@ -81,8 +81,17 @@ pub(crate) fn server_refusal(e: sqlx::Error) -> Error {
 /// when the table does not exist.
 pub(crate) async fn applied_postgres(pool: &PgPool) -> Result<Option<Vec<(i64, Vec<u8>, bool)>>> {
     let cached = pool_caches_statements(pool);
+    // Bounded like the outbox's other reads whatever the database's defaults: a lock held on
+    // the records' table (a migration's DDL) or a stalled server ends in an error.
+    let begin = crate::postgres::begin_sql(crate::postgres::Begin {
+        read_only: true,
+        lock_timeout: crate::DEFAULT_LOCK_TIMEOUT,
+        statement_timeout: crate::postgres::DEFAULT_STATEMENT_TIMEOUT,
+        may_idle: false,
+        async_commit: false,
+    });
     let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED, READ ONLY")
+        .begin_with(sqlx::AssertSqlSafe(begin))
         .await
         .map_err(server_refusal)?;
     let applied = read_applied(&mut tx, cached).await?;
