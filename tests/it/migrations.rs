@@ -163,15 +163,26 @@ async fn a_dispatcher_refuses_a_database_without_its_migrations(backend: Backend
     .await;
     starts("a newer build's migration").await;
     // The newest recorded as failed (sqlx's `success = false`) beside the newer build's: not
-    // applied, and missing comes before too new.
+    // applied, and missing comes before too new at a start.
     test.execute(&format!(
         "UPDATE {MIGRATIONS_TABLE} SET success = FALSE WHERE version = {newest}"
     ))
     .await;
     refused(&format!("[{newest}]")).await;
+    // `Database::check_schema` (the binary's, before `outbox migrate`) names the newer build's
+    // version first: the migrator would refuse the database for it.
     let strict = test.db.check_schema().await;
     assert!(
-        matches!(strict, Err(outbox_persistence::Error::NotMigrated { .. })),
+        matches!(&strict, Err(outbox_persistence::Error::SchemaTooNew { unknown }) if unknown == &[99999]),
+        "{strict:?}"
+    );
+    test.execute(&format!(
+        "DELETE FROM {MIGRATIONS_TABLE} WHERE version = 99999"
+    ))
+    .await;
+    let strict = test.db.check_schema().await;
+    assert!(
+        matches!(&strict, Err(outbox_persistence::Error::NotMigrated { missing }) if missing == &[newest]),
         "{strict:?}"
     );
     test.execute(&format!(

@@ -359,8 +359,6 @@ async fn concurrent_claim_next_respects_keys(db: TestDb) {
     );
 }
 
-/// A live heartbeat keeps a slow claim; a stopped one makes the row reclaimable (its dead
-/// attempt counted), and the fenced-out worker can write nothing afterwards.
 /// A lost claim's attempt fails inside its begin's one round trip (the fence check follows
 /// `BEGIN` in one string), and its connection goes back to the pool out of the transaction: on
 /// a pool of one connection, the next attempts begin, and the holder's attempt writes and
@@ -401,6 +399,8 @@ async fn a_lost_claims_begin_leaves_its_connection_idle(db: TestDb) {
     one.close().await;
 }
 
+/// A live heartbeat keeps a slow claim; a stopped one makes the row reclaimable (its dead
+/// attempt counted), and the fenced-out worker can write nothing afterwards.
 async fn heartbeat_fences(db: TestDb) {
     let repo = db.repository();
     let ids = enqueue(&repo, &[NewEvent::new("t", lead("hb"))]).await;

@@ -114,3 +114,105 @@ async fn postgres_enqueue_wake_ups_are_debounced() {
     insert(&mut plain, 31).await;
     assert_eq!(received(&mut listener, Duration::from_secs(2)).await, 1);
 }
+
+struct Count(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+#[outbox_events::async_trait]
+impl outbox_events::Handler for Count {
+    async fn handle(
+        &self,
+        _: &outbox_events::OutboxEvent,
+        _: &mut outbox_events::AttemptContext<'_>,
+    ) -> Result<(), outbox_events::HandlerError> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// The backends listening on the outbox's channel.
+async fn listening(db: &TestDb) -> Vec<i32> {
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()
+           AND query LIKE 'LISTEN \"outbox_event\"%' AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap()
+}
+
+/// A pull dispatcher's listener whose backend the server ends (a DBA, an idle timeout, a
+/// failover) listens again on a new one, and an enqueue then wakes a worker at once, not at its
+/// poll interval (a minute here). sqlx 0.9.1's eager reconnect is off (it retries some I/O
+/// errors without a pause); the outbox's own loop reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_whose_backend_ends_listens_again() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let repo = db.repository();
+    let handled = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let handlers = outbox_events::Handlers::new().register("t", Count(handled.clone()));
+    let config = outbox_events::WorkerConfig::default()
+        .with_mode(outbox_events::DispatchMode::Pull)
+        .with_poll_interval(Duration::from_secs(60));
+    let handle = outbox_events::Dispatcher::new(repo.clone(), handlers, config)
+        .start()
+        .await
+        .unwrap();
+    let wait_for = async |what: &str, done: &dyn Fn() -> bool| {
+        let start = std::time::Instant::now();
+        while !done() {
+            assert!(start.elapsed() < Duration::from_secs(10), "{what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let mut first = Vec::new();
+    for _ in 0..200 {
+        first = listening(&db).await;
+        if !first.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(first.len(), 1, "one listener: {first:?}");
+    let mut admin = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(first[0])
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let mut again = Vec::new();
+    for _ in 0..200 {
+        again = listening(&db).await;
+        if again.iter().any(|pid| !first.contains(pid)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        again.iter().any(|pid| !first.contains(pid)),
+        "no new listener 10 s after the cut: {again:?}"
+    );
+    // The workers' first poll after the wake-up of the cut has passed: only a notification
+    // wakes them before a minute.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(
+        &mut tx,
+        &[outbox_events::NewEvent::new(
+            "t",
+            r#"{"object":"Lead","record_id":"L1"}"#,
+        )],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let counted = handled.clone();
+    wait_for(
+        "the enqueue after the cut was not handled within 10 s (the poll interval is 60 s)",
+        &move || counted.load(std::sync::atomic::Ordering::SeqCst) == 1,
+    )
+    .await;
+    handle.shutdown().await;
+}

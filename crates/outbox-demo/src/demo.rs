@@ -195,7 +195,9 @@ pub async fn run_demo(url: Option<&str>, args: DemoArgs) -> Result<ExitCode> {
     })
 }
 
-/// Connects to `url`, migrates, and refuses a database with unfinished events.
+/// Connects to `url`, migrates, and refuses a database that holds outbox events: the
+/// verification reads every row of the database (a second run on the same database found
+/// twice the processed rows and retries it seeded, and failed with nothing wrong).
 async fn open_fresh(url: &str, config: &WorkerConfig, json: bool) -> Result<Database> {
     let db = db::connect(Some(url), connect_config(config)).await?;
     if !json {
@@ -208,9 +210,10 @@ async fn open_fresh(url: &str, config: &WorkerConfig, json: bool) -> Result<Data
     db.migrate().await.context("migrating")?;
     db::check_schema(&db).await?;
     let before = stats(&db.repository()).await?;
-    if before.pending + before.processing > 0 {
+    let held = before.pending + before.processing + before.processed + before.failed;
+    if held > 0 {
         anyhow::bail!(
-            "the database already holds {} unfinished events; run the demo on a fresh database (omit --database-url for a new SQLite file)",
+            "the database already holds {held} outbox events ({} unfinished), and the demo verifies every row of its database; run it on a fresh database (omit --database-url for a new SQLite file)",
             before.pending + before.processing
         );
     }

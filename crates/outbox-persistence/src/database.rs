@@ -267,49 +267,62 @@ impl Database {
     }
 
     /// [`Database::check_schema`] as a dispatcher's start reads it
-    /// (`OutboxRepository::check_schema`, over `repo` on this database): the same verdict,
-    /// except that a database whose outbox table exists while no outbox migration is recorded
-    /// passes (its SQL applied by a tool of the application's own, see [`Database::migrator`]).
+    /// (`OutboxRepository::check_schema`, over `repo` on this database): missing versions come
+    /// first ([`Error::NotMigrated`], even beside versions a newer build recorded: this build's
+    /// statements may need them), then [`Error::SchemaTooNew`]; and a database whose outbox
+    /// table exists while no outbox migration is recorded passes (its SQL applied by a tool of
+    /// the application's own, see [`Database::migrator`]).
     pub(crate) async fn check_schema_for_workers(
         &self,
         repo: &dyn crate::OutboxRepository,
     ) -> Result<()> {
-        match self.check_schema().await {
-            Err(Error::NotMigrated { missing })
-                if missing.len() == self.migrator().iter().count() =>
-            {
-                let mut tx = repo.begin().await?;
-                let exists = crate::tx::table_exists(&mut tx, "_system_outboxevent").await?;
-                tx.rollback().await?;
-                if exists {
-                    Ok(())
-                } else {
-                    Err(Error::NotMigrated { missing })
-                }
+        let (missing, unknown) = self.schema_versions().await?;
+        if missing.len() == self.migrator().iter().count() {
+            let mut tx = repo.begin().await?;
+            let exists = crate::tx::table_exists(&mut tx, "_system_outboxevent").await?;
+            tx.rollback().await?;
+            if exists {
+                return Ok(());
             }
-            verdict => verdict,
         }
+        if !missing.is_empty() {
+            return Err(Error::NotMigrated { missing });
+        }
+        if !unknown.is_empty() {
+            return Err(Error::SchemaTooNew { unknown });
+        }
+        Ok(())
     }
 
     /// Checks that the database has exactly the migrations this binary knows: fails with
-    /// [`Error::NotMigrated`] when one is missing (or recorded as failed), else with
-    /// [`Error::SchemaTooNew`] when the database has versions this binary does not know.
+    /// [`Error::SchemaTooNew`] when it has versions this binary does not know (a newer build
+    /// migrated it: the migrator would refuse it too), else with [`Error::NotMigrated`] when
+    /// one is missing or recorded as failed.
     pub async fn check_schema(&self) -> Result<()> {
+        let (missing, unknown) = self.schema_versions().await?;
+        if !unknown.is_empty() {
+            return Err(Error::SchemaTooNew { unknown });
+        }
+        if !missing.is_empty() {
+            return Err(Error::NotMigrated { missing });
+        }
+        Ok(())
+    }
+
+    /// The versions this binary knows that the database has not applied (all of them without
+    /// the migrations' table; a version recorded with `success = false`, sqlx's record of a
+    /// migration that failed outside a transaction, is not applied), and those it applied that
+    /// this binary does not know.
+    async fn schema_versions(&self) -> Result<(Vec<i64>, Vec<i64>)> {
         let known: BTreeSet<i64> = self.migrator().iter().map(|m| m.version).collect();
         let applied: Vec<i64> = match self {
             Database::Postgres(pool) => match applied_postgres(pool).await? {
-                // A version recorded with `success = false` (sqlx's record of a migration that
-                // failed outside a transaction) is not applied, as on SQLite.
                 Some(applied) => applied
                     .into_iter()
                     .filter(|(_, _, success)| *success)
                     .map(|(v, _, _)| v)
                     .collect(),
-                None => {
-                    return Err(Error::NotMigrated {
-                        missing: known.into_iter().collect(),
-                    });
-                }
+                None => return Ok((known.into_iter().collect(), Vec::new())),
             },
             Database::Sqlite(pool) => {
                 let exists: bool = sqlx::query_scalar(
@@ -319,9 +332,7 @@ impl Database {
                 .fetch_one(pool)
                 .await?;
                 if !exists {
-                    return Err(Error::NotMigrated {
-                        missing: known.into_iter().collect(),
-                    });
+                    return Ok((known.into_iter().collect(), Vec::new()));
                 }
                 sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
                     "SELECT version FROM {MIGRATIONS_TABLE} WHERE success"
@@ -331,17 +342,9 @@ impl Database {
             }
         };
         let applied: BTreeSet<i64> = applied.into_iter().collect();
-        // Missing versions first: this build's statements may need them whatever else a
-        // newer build recorded, and a dispatcher's start refuses only this verdict.
-        let missing: Vec<i64> = known.difference(&applied).copied().collect();
-        if !missing.is_empty() {
-            return Err(Error::NotMigrated { missing });
-        }
-        let unknown: Vec<i64> = applied.difference(&known).copied().collect();
-        if !unknown.is_empty() {
-            return Err(Error::SchemaTooNew { unknown });
-        }
-        Ok(())
+        let missing = known.difference(&applied).copied().collect();
+        let unknown = applied.difference(&known).copied().collect();
+        Ok((missing, unknown))
     }
 
     /// The outbox repository over this pool.

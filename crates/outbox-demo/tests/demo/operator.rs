@@ -417,7 +417,30 @@ async fn verify_fails_on_a_lost_claim(db: TestDb) {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `outbox demo` on a database that already holds outbox events, all of them processed,
+/// refuses before it seeds anything: its verification reads every row of its database, and a
+/// second run on one database counted the first run's rows as its own (2026-12-07: twice the
+/// processed rows, its retry audit failed with nothing wrong).
+async fn demo_refuses_a_database_with_events(db: TestDb) {
+    let o = outbox(&db.url, &["migrate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = outbox(&db.url, &["seed", "--events", "20", "--records", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    db.execute("UPDATE _System_OutboxEvent SET Status = 'processed'")
+        .await;
+    let o = outbox(&db.url, &[]);
+    assert!(!o.status.success(), "the demo ran: {}", stdout(&o));
+    assert!(
+        stderr(&o).contains("already holds 20 outbox events (0 unfinished)"),
+        "{}",
+        stderr(&o)
+    );
+    let rows = db.count("SELECT count(*) FROM _System_OutboxEvent").await;
+    assert_eq!(rows, 20, "the demo seeded nothing");
+}
+
 backend_tests!(
+    demo_refuses_a_database_with_events,
     poison_event_ends_failed,
     verify_fails_on_a_lost_claim,
     seed_work_verify,

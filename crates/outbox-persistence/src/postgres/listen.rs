@@ -61,6 +61,11 @@ async fn listen(pool: PgPool, source: Source, wake: std::sync::Weak<Wake>) {
                 Source::Pool => PgListener::connect_with(&pool).await?,
                 Source::Url(url) => PgListener::connect(url).await?,
             };
+            // A lost connection ends `try_recv` with `Ok(None)` and the next call reconnects
+            // once, its error ending this listener (below: a new one a second later). sqlx
+            // 0.9.1's eager reconnect retries an I/O error other than a refused connection
+            // (a reset, an unreachable host) at once, in a loop without a pause.
+            l.eager_reconnect(false);
             l.listen(NOTIFY_CHANNEL).await?;
             Ok::<_, sqlx::Error>(l)
         };

@@ -86,7 +86,7 @@ pub(crate) async fn applied_postgres(pool: &PgPool) -> Result<Option<Vec<(i64, V
     let begin = crate::postgres::begin_sql(crate::postgres::Begin {
         read_only: true,
         lock_timeout: crate::DEFAULT_LOCK_TIMEOUT,
-        statement_timeout: crate::postgres::DEFAULT_STATEMENT_TIMEOUT,
+        statement_timeout: crate::postgres::settings_of(pool).statement_timeout(),
         may_idle: false,
         async_commit: false,
     });

@@ -222,16 +222,16 @@ fn check_endpoint(log: &[Value], endpoint: &str, events: &[(String, String)]) ->
     acked.len() - ids.len()
 }
 
+/// The two tests of this file do not run beside each other: each measures latencies on a
+/// two-core machine, and the chaos run's processes, kills and cuts beside the hanging
+/// endpoint's run doubled its healthy deliveries' wait (8.3 s against its 6 s bound in a full
+/// `cargo xtask test`, 2026-12-07; 3.5 s alone).
+static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The chaos run twice with one schedule, with and without an endpoint that hangs for the
 /// whole run: each time every event reaches both live endpoints, verified, in order per
 /// record, redeliveries under one `webhook-id`; and the healthy endpoint's p99 is no worse for
 /// the dead one.
-/// The two tests of this file do not run beside each other: each measures latencies on a
-/// two-core machine, and the chaos run's processes, kills and cuts beside the hanging
-/// endpoint's run doubled its healthy deliveries' wait (8.3 s against its 6 s bound in a full
-/// `cargo xtask test`, 2026-12-07; under 3 s alone).
-static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_every_event_reaches_every_live_endpoint_once_or_more_in_order() {
     if let Ok(url) = std::env::var(WORKER_ENV) {
