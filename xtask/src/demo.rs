@@ -68,7 +68,11 @@ pub fn demo() -> Result<()> {
     let release = Release::build(&[OUTBOX, DEMO])?;
     let outbox = release.path(OUTBOX);
     let outbox = outbox.to_string_lossy();
-    Cmd::program(&outbox, &["demo"]).run()?;
+    // A new SQLite file named here, not the demo's default: that default reads `DATABASE_URL`
+    // first, and a developer who exported it would run this step on that database.
+    let sqlite = std::env::temp_dir().join(format!("outbox-xtask-demo-{}.db", std::process::id()));
+    let sqlite_url = format!("sqlite://{}", sqlite.display());
+    Cmd::program(&outbox, &["demo", "--database-url", &sqlite_url]).run()?;
     let admin = postgres::database_url();
     postgres::require(&admin, "the demo's second run")?;
     let name = format!("outbox_demo_{}", std::process::id());

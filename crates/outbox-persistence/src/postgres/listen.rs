@@ -19,7 +19,7 @@ use super::{NOTIFY_CHANNEL, PgOutbox, Pooler};
 /// What the listener shares with the repository's clones.
 #[derive(Debug, Default)]
 pub(super) struct Wake {
-    /// Notified on every notification, and when the listener loses its connection.
+    /// Notified on every notification, and once each time a listener starts listening.
     pub(super) notify: Notify,
     listener: OnceCell<()>,
 }
@@ -53,7 +53,16 @@ enum Source {
     Url(String),
 }
 
-/// Listens until the repository is dropped or the pool closed, reconnecting every second.
+/// Listens until the repository is dropped or the pool closed. A lost connection ends the
+/// listener; a new one listens after a pause (a second when the last one failed to connect or
+/// lived less than a second, so that a server or proxy that drops it at once is no loop), and
+/// the workers are woken once it listens: what was enqueued while nobody listened is claimed
+/// then, and until then the idle workers poll on their own backoff.
+///
+/// sqlx 0.9.1's `PgListener` reconnects by itself: eagerly, retrying an I/O error other than
+/// a refused connection at once and without a pause; or lazily, answering `Ok(None)` at every
+/// call while the reconnect fails. Either would be a loop without a pause here, so the
+/// listener is dropped at its first `Ok(None)` or error and this loop reconnects.
 async fn listen(pool: PgPool, source: Source, wake: std::sync::Weak<Wake>) {
     loop {
         let listener = async {
@@ -61,10 +70,6 @@ async fn listen(pool: PgPool, source: Source, wake: std::sync::Weak<Wake>) {
                 Source::Pool => PgListener::connect_with(&pool).await?,
                 Source::Url(url) => PgListener::connect(url).await?,
             };
-            // A lost connection ends `try_recv` with `Ok(None)` and the next call reconnects
-            // once, its error ending this listener (below: a new one a second later). sqlx
-            // 0.9.1's eager reconnect retries an I/O error other than a refused connection
-            // (a reset, an unreachable host) at once, in a loop without a pause.
             l.eager_reconnect(false);
             l.listen(NOTIFY_CHANNEL).await?;
             Ok::<_, sqlx::Error>(l)
@@ -80,20 +85,28 @@ async fn listen(pool: PgPool, source: Source, wake: std::sync::Weak<Wake>) {
                 continue;
             }
         };
+        let listening = std::time::Instant::now();
+        let Some(woken) = wake.upgrade() else { return };
+        woken.notify.notify_waiters();
+        drop(woken);
         loop {
             let received = listener.try_recv().await;
             let Some(wake) = wake.upgrade() else { return };
-            // A lost connection also wakes the workers: they poll once and fall back to their
-            // poll interval while the listener reconnects.
-            wake.notify.notify_waiters();
             match received {
-                Ok(Some(_)) => {}
-                Ok(None) => {}
-                Err(_) => break,
+                Ok(Some(_)) => wake.notify.notify_waiters(),
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "outbox listener lost its connection");
+                    break;
+                }
             }
         }
+        drop(listener);
         if pool.is_closed() {
             return;
+        }
+        if listening.elapsed() < Duration::from_secs(1) {
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
 }
