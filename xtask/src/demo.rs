@@ -72,7 +72,20 @@ pub fn demo() -> Result<()> {
     // first, and a developer who exported it would run this step on that database.
     let sqlite = std::env::temp_dir().join(format!("outbox-xtask-demo-{}.db", std::process::id()));
     let sqlite_url = format!("sqlite://{}", sqlite.display());
-    Cmd::program(&outbox, &["demo", "--database-url", &sqlite_url]).run()?;
+    let ran = Cmd::program(&outbox, &["demo", "--database-url", &sqlite_url]).run();
+    for suffix in [
+        "",
+        "-wal",
+        "-shm",
+        "-mailbox.db",
+        "-mailbox.db-wal",
+        "-mailbox.db-shm",
+    ] {
+        let mut path = sqlite.clone().into_os_string();
+        path.push(suffix);
+        let _ = std::fs::remove_file(path);
+    }
+    ran?;
     let admin = postgres::database_url();
     postgres::require(&admin, "the demo's second run")?;
     let name = format!("outbox_demo_{}", std::process::id());
