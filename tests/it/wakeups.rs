@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use outbox_persistence::OutboxRepository as _;
 use outbox_tests::TestDb;
 use sqlx::postgres::PgListener;
 use sqlx::{Connection as _, PgConnection};
@@ -183,10 +184,9 @@ async fn a_listener_whose_backend_ends_listens_again() {
         again.iter().any(|pid| !first.contains(pid)),
         "no new listener 10 s after the cut: {again:?}"
     );
-    // The new listener wakes the worker once as it starts (it finds nothing): let that pass
-    // (a notification that arrives while the worker's claim runs would be missed: it waits for
-    // one only between claims).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // At once: the new listener has just woken the worker (its claim finds nothing), and a
+    // notification that arrives while that claim runs ends the worker's wait after it (the
+    // repository's wake mark), where it was missed before.
     let mut tx = repo.begin().await.unwrap();
     repo.enqueue(
         &mut tx,
@@ -207,4 +207,126 @@ async fn a_listener_whose_backend_ends_listens_again() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     handle.shutdown().await;
+}
+
+outbox_tests::backend_tests!(a_wake_up_during_a_claim_is_not_lost);
+
+/// A wake-up that comes while a worker does not wait (its claim runs, and that claim's
+/// snapshot may predate the row) ends the wait after it: the worker reads the repository's
+/// wake mark before its claim and waits since it. On PostgreSQL the wake-up is the committed
+/// enqueue's notification, on SQLite the in-process enqueue. Before the mark, the wait began
+/// after the wake-up and slept its whole timeout (up to the poll interval).
+async fn a_wake_up_during_a_claim_is_not_lost(db: TestDb) {
+    let repo = db.repository();
+    if repo.backend_name() == "postgres" {
+        // The first wait starts the listener, which wakes the workers once it listens.
+        let mark = repo.wake_mark();
+        let started = std::time::Instant::now();
+        repo.wait_for_work_since(mark, Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the listener's start woke no one"
+        );
+    }
+    let before = repo.wake_mark();
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(
+        &mut tx,
+        &[outbox_events::NewEvent::new(
+            "t",
+            r#"{"object":"Lead","record_id":"L1"}"#,
+        )],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    // The wake-up lands while nobody waits, as during a claim.
+    let started = std::time::Instant::now();
+    while repo.wake_mark() == before {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the enqueue's wake-up never came"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let waited = std::time::Instant::now();
+    repo.wait_for_work_since(before, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(
+        waited.elapsed() < Duration::from_secs(1),
+        "a wait since a mark read before the wake-up slept {:?}",
+        waited.elapsed()
+    );
+    // A mark read after it waits for the next one.
+    let after = repo.wake_mark();
+    let waited = std::time::Instant::now();
+    repo.wait_for_work_since(after, Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert!(waited.elapsed() >= Duration::from_millis(300));
+}
+
+/// Polls `listening` until no backend listens, for up to 5 s.
+async fn no_listener_within_5s(db: &TestDb, what: &str) {
+    let started = std::time::Instant::now();
+    loop {
+        let left = listening(db).await;
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{what}: a listener still holds its session 5 s later: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A repository's listener ends with it. Dropped while its pool stays open (a service that
+/// builds a new repository for each dispatcher it starts over one pool), it gives its `LISTEN`
+/// session up at once: before, it noticed only at the next notification, and each repository
+/// kept a connection. With a direct `LISTEN` URL, a closed pool ends the listener too (before,
+/// never).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_ends_with_its_repository_and_its_pool() {
+    use outbox_persistence::postgres::{PgOutbox, PgSettings};
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let started = |repo: PgOutbox| async move {
+        let mark = repo.wake_mark();
+        repo.wait_for_work_since(mark, Duration::from_secs(10))
+            .await
+            .unwrap();
+        repo
+    };
+
+    let pool = db.pg().expect("a PostgreSQL pool").clone();
+    let repo = started(PgOutbox::new(pool.clone())).await;
+    let clone = repo.clone();
+    assert_eq!(listening(&db).await.len(), 1);
+    drop(repo);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(listening(&db).await.len(), 1, "a clone still listens");
+    drop(clone);
+    no_listener_within_5s(&db, "the repository dropped").await;
+    assert!(!pool.is_closed());
+
+    let own = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let settings = PgSettings {
+        listen_url: Some(db.url.clone()),
+        ..PgSettings::default()
+    };
+    let repo = started(PgOutbox::new(own.clone()).with_settings(settings)).await;
+    assert_eq!(listening(&db).await.len(), 1);
+    own.close().await;
+    no_listener_within_5s(&db, "the pool closed").await;
+    drop(repo);
 }

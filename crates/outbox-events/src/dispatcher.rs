@@ -267,6 +267,8 @@ async fn pull_worker(
         // The workers that ask at the same moment share one claim statement (`Claims`).
         let want = sizer.want(&env.config);
         let scope = env.paused.narrow(&scope, &stop).await;
+        // Read before the claim: a wake-up while it runs ends the idle wait after it.
+        let since = env.repo.wake_mark();
         match claims
             .claim(env.repo.as_ref(), &env.metrics, policy(&env), &scope, want)
             .await
@@ -286,7 +288,7 @@ async fn pull_worker(
             }
             Reply::Nothing => {
                 drop(permit);
-                idle(&env, &stop, idle_wait).await;
+                idle(&env, &stop, since, idle_wait).await;
                 idle_wait = (idle_wait * 2).min(env.config.poll_interval);
             }
             Reply::Failed(error) => {

@@ -35,6 +35,7 @@ pub(crate) async fn run(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Sc
     let mut error_backoff = std::time::Duration::from_millis(100);
     while !stop.is_cancelled() {
         let scope = env.paused.narrow(&scope, &stop).await;
+        let since = env.repo.wake_mark();
         let batch = match env
             .repo
             .get_pending_events(policy(&env), &scope, env.config.legacy_batch_size)
@@ -49,7 +50,7 @@ pub(crate) async fn run(env: Arc<AttemptEnv>, stop: CancellationToken, scope: Sc
         };
         error_backoff = std::time::Duration::from_millis(100);
         if batch.is_empty() {
-            idle(&env, &stop, idle_wait).await;
+            idle(&env, &stop, since, idle_wait).await;
             idle_wait = (idle_wait * 2).min(env.config.poll_interval);
             continue;
         }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox_persistence::ClaimPolicy;
+use outbox_persistence::{ClaimPolicy, WakeMark};
 use tokio_util::sync::CancellationToken;
 
 use crate::env::AttemptEnv;
@@ -19,11 +19,17 @@ pub(crate) fn policy(env: &AttemptEnv) -> ClaimPolicy {
     env.config.claim_policy()
 }
 
-/// Waits for work or for `stop`, whichever comes first.
-pub(crate) async fn idle(env: &AttemptEnv, stop: &CancellationToken, wait: Duration) {
+/// Waits for work or for `stop`, whichever comes first. `since` was read before the claim that
+/// found nothing: a wake-up during that claim ends the wait at once.
+pub(crate) async fn idle(
+    env: &AttemptEnv,
+    stop: &CancellationToken,
+    since: WakeMark,
+    wait: Duration,
+) {
     tokio::select! {
         _ = stop.cancelled() => {}
-        result = env.repo.wait_for_work(wait) => {
+        result = env.repo.wait_for_work_since(since, wait) => {
             if let Err(e) = result {
                 tracing::debug!(error = %e.chain(), "waiting for work failed");
                 tokio::select! {

@@ -29,6 +29,7 @@ mod error;
 mod heads;
 mod keys;
 mod listing;
+mod macros;
 mod model;
 mod pause;
 pub mod postgres;
@@ -40,6 +41,7 @@ pub use stats::ESTIMATE_PROCESSED_ABOVE;
 #[cfg(feature = "test-support")]
 pub mod test_support;
 mod tx;
+mod wakeups;
 pub mod webhooks;
 
 use std::time::Duration;
@@ -73,6 +75,7 @@ pub use listing::{EventFilter, EventRow};
 pub use model::*;
 pub use pause::{AuditEntry, PausedType};
 pub use tx::Tx;
+pub use wakeups::WakeMark;
 
 pub(crate) use backfill::{UNKEYED_PAGE_ROWS, classify_backfill, derivable_keys};
 /// The payload's envelope (`object`, `record_id`, `snapshot`) that the `RecordKey` is derived
@@ -420,8 +423,26 @@ pub trait OutboxRepository: Send + Sync + 'static {
     async fn blocked_keys(&self, policy: ClaimPolicy, limit: u32) -> Result<Vec<BlockedKey>>;
 
     /// Waits until an enqueue may have happened (PostgreSQL `LISTEN/NOTIFY`) or `timeout`
-    /// passed. Backends without notifications just wait `timeout`.
+    /// passed. Backends without notifications just wait `timeout`. A wake-up that comes while
+    /// the caller is not waiting (during its claim) is not seen: a worker uses
+    /// [`OutboxRepository::wake_mark`] and [`OutboxRepository::wait_for_work_since`].
     async fn wait_for_work(&self, timeout: Duration) -> Result<()>;
+
+    /// Where this repository's wake-ups stand: read it before a claim, and pass it to
+    /// [`OutboxRepository::wait_for_work_since`] when the claim found nothing. Both backends
+    /// count their wake-ups (PostgreSQL's notifications, SQLite's in-process enqueues); the
+    /// default, for a repository without them, never moves.
+    fn wake_mark(&self) -> WakeMark {
+        WakeMark::default()
+    }
+
+    /// [`OutboxRepository::wait_for_work`], except that it returns at once when a wake-up came
+    /// after `since` was read (while the caller's claim ran, whose snapshot may predate the
+    /// woken row's commit).
+    async fn wait_for_work_since(&self, since: WakeMark, timeout: Duration) -> Result<()> {
+        let _ = since;
+        self.wait_for_work(timeout).await
+    }
 
     /// Retention: deletes one batch of terminal rows that `policy` lets go (at most
     /// `batch_size` `processed` rows, then at most `batch_size` `failed` rows, each batch in
@@ -509,80 +530,6 @@ pub trait Attempt: Send {
     /// Rolls the attempt back (abandoned: the claim stays for its holder or for stale
     /// reclaim).
     async fn rollback(&mut self) -> Result<()>;
-}
-
-/// Runs `body` with `$conn` bound to the connection of a [`Tx`], on either backend. Write the
-/// SQL once with `$1`-style parameters (both backends accept them) when it is portable:
-///
-/// ```text
-/// let n = outbox_persistence::with_tx!(ctx.tx(), |conn| {
-///     sqlx::query("UPDATE Account SET Name = $1 WHERE Id = $2")
-///         .bind(name).bind(id).execute(conn).await.map(|r| r.rows_affected())
-/// })?;
-/// ```
-#[macro_export]
-macro_rules! with_tx {
-    ($tx:expr, |$conn:ident| $body:expr) => {
-        match $tx {
-            $crate::Tx::Postgres(tx) => {
-                let $conn: &mut $crate::sqlx::PgConnection = &mut **tx;
-                $body
-            }
-            $crate::Tx::Sqlite(tx) => {
-                let $conn: &mut $crate::sqlx::SqliteConnection = &mut **tx;
-                $body
-            }
-        }
-    };
-}
-
-/// Runs `body` (an expression that evaluates to a `Result<T, sqlx::Error>`, using `$conn`
-/// once as its executor) on a connection of a [`Database`]: on PostgreSQL inside a READ
-/// COMMITTED transaction of its own, committed when `body` succeeded (so it is safe behind a
-/// transaction pooler, where a statement outside a transaction block is not), on SQLite on the
-/// pool. Evaluates to `body`'s result. Use it with [`statement`]'s constructors.
-#[macro_export]
-macro_rules! with_conn {
-    ($db:expr, |$conn:ident| $body:expr) => {
-        match $db {
-            $crate::Database::Postgres(p) => {
-                match p.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await {
-                    Err(e) => Err(e),
-                    Ok(mut tx) => {
-                        let result = {
-                            let $conn: &mut $crate::sqlx::PgConnection = &mut *tx;
-                            $body
-                        };
-                        match result {
-                            Ok(value) => tx.commit().await.map(|()| value),
-                            Err(e) => Err(e),
-                        }
-                    }
-                }
-            }
-            $crate::Database::Sqlite(p) => {
-                let $conn: &$crate::sqlx::SqlitePool = p;
-                $body
-            }
-        }
-    };
-}
-
-/// Runs `body` with `$pool` bound to the pool of a [`Database`], on either backend.
-#[macro_export]
-macro_rules! with_pool {
-    ($db:expr, |$pool:ident| $body:expr) => {
-        match $db {
-            $crate::Database::Postgres(p) => {
-                let $pool: &$crate::sqlx::PgPool = p;
-                $body
-            }
-            $crate::Database::Sqlite(p) => {
-                let $pool: &$crate::sqlx::SqlitePool = p;
-                $body
-            }
-        }
-    };
 }
 
 #[cfg(test)]

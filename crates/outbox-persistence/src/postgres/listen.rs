@@ -7,21 +7,36 @@
 //! direct URL of the server), and without one there is no listener: idle workers poll at
 //! their poll interval.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use tokio::sync::{Notify, OnceCell};
+use tokio::sync::{OnceCell, watch};
 
 use super::{NOTIFY_CHANNEL, PgOutbox, Pooler};
+use crate::WakeMark;
+use crate::wakeups::WakeUps;
 
 /// What the listener shares with the repository's clones.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Wake {
-    /// Notified on every notification, and once each time a listener starts listening.
-    pub(super) notify: Notify,
+    /// Signalled on every notification, and once each time a listener starts listening.
+    pub(super) wakes: WakeUps,
     listener: OnceCell<()>,
+    /// Dropped with the repository's last clone: its receiver in the listener task ends the
+    /// task (and frees its connection) at once, not at the next notification.
+    alive: watch::Sender<()>,
+}
+
+impl Default for Wake {
+    fn default() -> Self {
+        Self {
+            wakes: WakeUps::default(),
+            listener: OnceCell::new(),
+            alive: watch::Sender::new(()),
+        }
+    }
 }
 
 impl PgOutbox {
@@ -33,15 +48,29 @@ impl PgOutbox {
             (None, Pooler::Direct) => Source::Pool,
             (None, _) => return false,
         };
-        let pool = self.pool.clone();
+        let ends = Ends {
+            pool: self.pool.clone(),
+            alive: self.wake.alive.subscribe(),
+        };
         let wake = Arc::downgrade(&self.wake);
         self.wake
             .listener
             .get_or_init(|| async move {
-                tokio::spawn(listen(pool, source, wake));
+                tokio::spawn(listen(source, wake, ends));
             })
             .await;
         true
+    }
+
+    /// Waits for a notification (one since `since`, when given, ends it at once) or
+    /// `timeout`; behind a transaction pooler without a direct `LISTEN` URL, sleeps `timeout`
+    /// (the caller polls).
+    pub(super) async fn wait_for_work_after(&self, since: Option<WakeMark>, timeout: Duration) {
+        if self.start_listener().await {
+            self.wake.wakes.wait(since, timeout).await;
+        } else {
+            tokio::time::sleep(timeout).await;
+        }
     }
 }
 
@@ -53,19 +82,41 @@ enum Source {
     Url(String),
 }
 
-/// Listens until the repository is dropped or the pool closed. A lost connection ends the
-/// listener; a new one listens after a pause (a second when the last one failed to connect or
-/// lived less than a second, so that a server or proxy that drops it at once is no loop), and
-/// the workers are woken once it listens: what was enqueued while nobody listened is claimed
-/// then, and until then the idle workers poll on their own backoff.
+/// What ends the listener task: the repository dropped (its last clone) or the pool closed.
+struct Ends {
+    pool: PgPool,
+    alive: watch::Receiver<()>,
+}
+
+impl Ends {
+    /// Runs `step` unless the listener's end comes first (then `None`).
+    async fn unless_ended<T>(&mut self, step: impl Future<Output = T>) -> Option<T> {
+        let closed = self.pool.close_event();
+        tokio::select! {
+            // Nothing is ever sent: `changed` returns only when the sender is dropped.
+            _ = self.alive.changed() => None,
+            _ = closed => None,
+            out = step => Some(out),
+        }
+    }
+}
+
+/// Listens until the repository is dropped or the pool closed (either ends it at once, also
+/// while it waits for a notification or reconnects). A lost connection ends the listener; a
+/// new one listens after a pause (a second when the last one failed to connect or lived less
+/// than a second, so that a server or proxy that drops it at once is no loop), and the workers
+/// are woken once it listens: what was enqueued while nobody listened is claimed then, and
+/// until then the idle workers poll on their own backoff.
 ///
 /// sqlx 0.9.1's `PgListener` reconnects by itself: eagerly, retrying an I/O error other than
 /// a refused connection at once and without a pause; or lazily, answering `Ok(None)` at every
 /// call while the reconnect fails. Either would be a loop without a pause here, so the
 /// listener is dropped at its first `Ok(None)` or error and this loop reconnects.
-async fn listen(pool: PgPool, source: Source, wake: std::sync::Weak<Wake>) {
+async fn listen(source: Source, wake: Weak<Wake>, mut ends: Ends) {
+    let pause = Duration::from_secs(1);
     loop {
-        let listener = async {
+        let pool = ends.pool.clone();
+        let connect = async {
             let mut l = match &source {
                 Source::Pool => PgListener::connect_with(&pool).await?,
                 Source::Url(url) => PgListener::connect(url).await?,
@@ -74,26 +125,28 @@ async fn listen(pool: PgPool, source: Source, wake: std::sync::Weak<Wake>) {
             l.listen(NOTIFY_CHANNEL).await?;
             Ok::<_, sqlx::Error>(l)
         };
-        let mut listener = match listener.await {
-            Ok(l) => l,
-            Err(e) => {
+        let mut listener = match ends.unless_ended(connect).await {
+            None => return,
+            Some(Ok(l)) => l,
+            Some(Err(e)) => {
                 tracing::debug!(error = %e, "outbox listener cannot connect; retrying");
-                if wake.strong_count() == 0 || pool.is_closed() {
+                if ends.unless_ended(tokio::time::sleep(pause)).await.is_none() {
                     return;
                 }
-                tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             }
         };
         let listening = std::time::Instant::now();
         let Some(woken) = wake.upgrade() else { return };
-        woken.notify.notify_waiters();
+        woken.wakes.wake();
         drop(woken);
         loop {
-            let received = listener.try_recv().await;
+            let Some(received) = ends.unless_ended(listener.try_recv()).await else {
+                return;
+            };
             let Some(wake) = wake.upgrade() else { return };
             match received {
-                Ok(Some(_)) => wake.notify.notify_waiters(),
+                Ok(Some(_)) => wake.wakes.wake(),
                 Ok(None) => break,
                 Err(e) => {
                     tracing::debug!(error = %e, "outbox listener lost its connection");
@@ -102,11 +155,10 @@ async fn listen(pool: PgPool, source: Source, wake: std::sync::Weak<Wake>) {
             }
         }
         drop(listener);
-        if pool.is_closed() {
+        if listening.elapsed() < pause
+            && ends.unless_ended(tokio::time::sleep(pause)).await.is_none()
+        {
             return;
-        }
-        if listening.elapsed() < Duration::from_secs(1) {
-            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
 }

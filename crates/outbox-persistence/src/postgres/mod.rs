@@ -413,12 +413,16 @@ impl OutboxRepository for PgOutbox {
     }
 
     async fn wait_for_work(&self, timeout: Duration) -> Result<()> {
-        if self.start_listener().await {
-            let _ = tokio::time::timeout(timeout, self.wake.notify.notified()).await;
-        } else {
-            // Behind a transaction pooler without a direct LISTEN URL: poll.
-            tokio::time::sleep(timeout).await;
-        }
+        self.wait_for_work_after(None, timeout).await;
+        Ok(())
+    }
+
+    fn wake_mark(&self) -> crate::WakeMark {
+        self.wake.wakes.mark()
+    }
+
+    async fn wait_for_work_since(&self, since: crate::WakeMark, timeout: Duration) -> Result<()> {
+        self.wait_for_work_after(Some(since), timeout).await;
         Ok(())
     }
 }

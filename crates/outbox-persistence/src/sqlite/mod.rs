@@ -38,7 +38,6 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{SqliteConnection, SqlitePool};
-use tokio::sync::Notify;
 
 pub use enqueue::enqueue;
 pub(crate) use time::parse_id;
@@ -58,7 +57,7 @@ use liveness::Liveness;
 #[derive(Debug, Clone)]
 pub struct SqliteOutbox {
     pool: SqlitePool,
-    enqueued: Arc<Notify>,
+    enqueued: Arc<crate::wakeups::WakeUps>,
     shift: ClockShift,
     liveness: Arc<Mutex<Liveness>>,
     /// This process's outbox writers on the file queue here (see `gate`).
@@ -206,7 +205,7 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn enqueue(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<Vec<EventId>> {
         let ids = enqueue::enqueue_shifted(tx.sqlite()?, events, &self.shift).await?;
-        self.enqueued.notify_waiters();
+        self.enqueued.wake();
         Ok(ids)
     }
 
@@ -388,7 +387,16 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn wait_for_work(&self, timeout: Duration) -> Result<()> {
         // In-process enqueues wake the workers; other processes are seen at the next poll.
-        let _ = tokio::time::timeout(timeout, self.enqueued.notified()).await;
+        self.enqueued.wait(None, timeout).await;
+        Ok(())
+    }
+
+    fn wake_mark(&self) -> crate::WakeMark {
+        self.enqueued.mark()
+    }
+
+    async fn wait_for_work_since(&self, since: crate::WakeMark, timeout: Duration) -> Result<()> {
+        self.enqueued.wait(Some(since), timeout).await;
         Ok(())
     }
 }
