@@ -249,7 +249,7 @@ fn spawn_background(tracker: &TaskTracker, env: &Arc<AttemptEnv>, stop: &Cancell
     }
 }
 
-async fn pull_worker(
+pub(crate) async fn pull_worker(
     env: Arc<AttemptEnv>,
     claims: Arc<Claims>,
     stop: CancellationToken,

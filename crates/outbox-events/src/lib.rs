@@ -134,6 +134,10 @@ pub mod mock {
     //! more simply without mocks, through [`AttemptContext::new`](crate::AttemptContext::new) on
     //! such a transaction (see its example). `examples/contact-service/src/tests.rs` has both,
     //! and a failure's expectations in order (`Sequence`).
+    //!
+    //! A dispatcher's idle workers over the mock call `wake_mark` before each claim and
+    //! `wait_for_work_since(mark, timeout)` when it found nothing (not `wait_for_work`);
+    //! `WakeMark::from(n)` makes a mark that moved.
 
     pub use outbox_persistence::mockall::{self, Sequence, predicate};
     pub use outbox_persistence::{MockAttempt, MockOutboxRepository};

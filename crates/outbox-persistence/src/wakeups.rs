@@ -16,6 +16,13 @@ use tokio::sync::Notify;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WakeMark(u64);
 
+impl From<u64> for WakeMark {
+    /// A mark at `count` wake-ups: for repositories of one's own and for mocks.
+    fn from(count: u64) -> Self {
+        Self(count)
+    }
+}
+
 /// The signals and their waiters.
 #[derive(Debug, Default)]
 pub(crate) struct WakeUps {

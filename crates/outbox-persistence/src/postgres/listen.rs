@@ -92,6 +92,10 @@ impl Ends {
     /// Runs `step` unless the listener's end comes first (then `None`).
     async fn unless_ended<T>(&mut self, step: impl Future<Output = T>) -> Option<T> {
         let closed = self.pool.close_event();
+        // `close_event` reads the flag before it registers: a close between the two is seen here.
+        if self.pool.is_closed() {
+            return None;
+        }
         tokio::select! {
             // Nothing is ever sent: `changed` returns only when the sender is dropped.
             _ = self.alive.changed() => None,
