@@ -330,3 +330,55 @@ async fn a_listener_ends_with_its_repository_and_its_pool() {
     no_listener_within_5s(&db, "the pool closed").await;
     drop(repo);
 }
+
+/// A repository whose listener ran in a runtime that has ended (built and first waited on in
+/// one runtime, a setup step's or another test's, then used in this one) starts a new listener
+/// in the runtime that waits: its start wakes the waiter, and it listens. Before, the ended
+/// task was never replaced and the workers polled for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_whose_runtime_ended_listens_again() {
+    use outbox_persistence::postgres::{PgOutbox, PgSettings};
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let url = db.url.clone();
+    // The first runtime: a lazy pool (no connection of it outlives the runtime) and a direct
+    // LISTEN URL, so that the listener's session is its own.
+    let repo = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .connect_lazy(&url)
+                .unwrap();
+            let settings = PgSettings {
+                listen_url: Some(url.clone()),
+                ..PgSettings::default()
+            };
+            let repo = PgOutbox::new(pool).with_settings(settings);
+            let mark = repo.wake_mark();
+            repo.wait_for_work_since(mark, Duration::from_secs(10))
+                .await
+                .unwrap();
+            repo
+        })
+    })
+    .join()
+    .unwrap();
+    no_listener_within_5s(&db, "the first runtime ended").await;
+
+    let mark = repo.wake_mark();
+    let started = std::time::Instant::now();
+    repo.wait_for_work_since(mark, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "no new listener woke the wait: it slept {:?}",
+        started.elapsed()
+    );
+    assert_eq!(listening(&db).await.len(), 1, "the new listener listens");
+}

@@ -7,12 +7,13 @@
 //! direct URL of the server), and without one there is no listener: idle workers poll at
 //! their poll interval.
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use tokio::sync::{OnceCell, watch};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use super::{NOTIFY_CHANNEL, PgOutbox, Pooler};
 use crate::WakeMark;
@@ -23,7 +24,9 @@ use crate::wakeups::WakeUps;
 pub(super) struct Wake {
     /// Signalled on every notification, and once each time a listener starts listening.
     pub(super) wakes: WakeUps,
-    listener: OnceCell<()>,
+    /// The listener task, started by the first wait (and again by a wait after it ended
+    /// with the runtime that ran it).
+    listener: Mutex<Option<JoinHandle<()>>>,
     /// Dropped with the repository's last clone: its receiver in the listener task ends the
     /// task (and frees its connection) at once, not at the next notification.
     alive: watch::Sender<()>,
@@ -33,32 +36,35 @@ impl Default for Wake {
     fn default() -> Self {
         Self {
             wakes: WakeUps::default(),
-            listener: OnceCell::new(),
+            listener: Mutex::new(None),
             alive: watch::Sender::new(()),
         }
     }
 }
 
 impl PgOutbox {
-    /// Starts the listener task once. Returns false when wake-ups are not available (behind a
-    /// transaction pooler without a direct `LISTEN` URL): the caller polls.
-    pub(super) async fn start_listener(&self) -> bool {
+    /// Starts the listener task unless it runs. Returns false when wake-ups are not available
+    /// (behind a transaction pooler without a direct `LISTEN` URL): the caller polls.
+    ///
+    /// The task ends only with the repository or its pool, or with the runtime that runs it: a
+    /// repository built and first waited on in one runtime (a test's, a setup step's) and then
+    /// used in another starts a new task in the new one, where before its workers fell back to
+    /// polling for good.
+    pub(super) fn start_listener(&self) -> bool {
         let source = match (&self.settings.listen_url, self.settings.pooler) {
             (Some(url), _) => Source::Url(url.clone()),
             (None, Pooler::Direct) => Source::Pool,
             (None, _) => return false,
         };
-        let ends = Ends {
-            pool: self.pool.clone(),
-            alive: self.wake.alive.subscribe(),
-        };
-        let wake = Arc::downgrade(&self.wake);
-        self.wake
-            .listener
-            .get_or_init(|| async move {
-                tokio::spawn(listen(source, wake, ends));
-            })
-            .await;
+        let mut task = self.wake.listener.lock().unwrap_or_else(|e| e.into_inner());
+        if task.as_ref().is_none_or(JoinHandle::is_finished) && !self.pool.is_closed() {
+            let ends = Ends {
+                pool: self.pool.clone(),
+                alive: self.wake.alive.subscribe(),
+            };
+            let wake = Arc::downgrade(&self.wake);
+            *task = Some(tokio::spawn(listen(source, wake, ends)));
+        }
         true
     }
 
@@ -66,7 +72,7 @@ impl PgOutbox {
     /// `timeout`; behind a transaction pooler without a direct `LISTEN` URL, sleeps `timeout`
     /// (the caller polls).
     pub(super) async fn wait_for_work_after(&self, since: Option<WakeMark>, timeout: Duration) {
-        if self.start_listener().await {
+        if self.start_listener() {
             self.wake.wakes.wait(since, timeout).await;
         } else {
             tokio::time::sleep(timeout).await;
