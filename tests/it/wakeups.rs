@@ -130,6 +130,21 @@ impl outbox_events::Handler for Count {
     }
 }
 
+/// Enqueues one event of type `t` for `Lead` `L1` through the library, committed.
+async fn enqueue_one(repo: &dyn outbox_persistence::OutboxRepository) {
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(
+        &mut tx,
+        &[outbox_events::NewEvent::new(
+            "t",
+            r#"{"object":"Lead","record_id":"L1"}"#,
+        )],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+}
+
 /// The backends listening on the outbox's channel.
 async fn listening(db: &TestDb) -> Vec<i32> {
     let mut conn = PgConnection::connect(&db.url).await.unwrap();
@@ -187,17 +202,7 @@ async fn a_listener_whose_backend_ends_listens_again() {
     // At once: the new listener has just woken the worker (its claim finds nothing), and a
     // notification that arrives while that claim runs ends the worker's wait after it (the
     // repository's wake mark), where it was missed before.
-    let mut tx = repo.begin().await.unwrap();
-    repo.enqueue(
-        &mut tx,
-        &[outbox_events::NewEvent::new(
-            "t",
-            r#"{"object":"Lead","record_id":"L1"}"#,
-        )],
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
+    enqueue_one(repo.as_ref()).await;
     let start = std::time::Instant::now();
     while handled.load(std::sync::atomic::Ordering::SeqCst) == 0 {
         assert!(
@@ -231,17 +236,7 @@ async fn a_wake_up_during_a_claim_is_not_lost(db: TestDb) {
         );
     }
     let before = repo.wake_mark();
-    let mut tx = repo.begin().await.unwrap();
-    repo.enqueue(
-        &mut tx,
-        &[outbox_events::NewEvent::new(
-            "t",
-            r#"{"object":"Lead","record_id":"L1"}"#,
-        )],
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
+    enqueue_one(repo.as_ref()).await;
     // The wake-up lands while nobody waits, as during a claim.
     let started = std::time::Instant::now();
     while repo.wake_mark() == before {
