@@ -168,6 +168,9 @@ async fn a_failing_endpoint_or_record_holds_back_no_one(db: TestDb) {
     for name in ["dead", "healthy"] {
         assert_eq!(order_violations(&acknowledged(&log, name)), 0, "{name}");
     }
+    // The attempt log is written beside the attempts: read it once what was queued is written
+    // (on SQLite, under four workers' writes, it may lag behind them).
+    hooks.flush().await;
     let attempts = hooks.attempts("dead", 1000).await.unwrap();
     assert!(
         attempts
