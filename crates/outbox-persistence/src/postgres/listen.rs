@@ -51,13 +51,15 @@ impl PgOutbox {
     /// used in another starts a new task in the new one, where before its workers fell back to
     /// polling for good.
     pub(super) fn start_listener(&self) -> bool {
-        let source = match (&self.settings.listen_url, self.settings.pooler) {
-            (Some(url), _) => Source::Url(url.clone()),
-            (None, Pooler::Direct) => Source::Pool,
-            (None, _) => return false,
-        };
+        if self.settings.listen_url.is_none() && self.settings.pooler != Pooler::Direct {
+            return false;
+        }
         let mut task = self.wake.listener.lock().unwrap_or_else(|e| e.into_inner());
         if task.as_ref().is_none_or(JoinHandle::is_finished) && !self.pool.is_closed() {
+            let source = match &self.settings.listen_url {
+                Some(url) => Source::Url(url.clone()),
+                None => Source::Pool,
+            };
             let ends = Ends {
                 pool: self.pool.clone(),
                 alive: self.wake.alive.subscribe(),
