@@ -7,7 +7,6 @@
 
 use std::time::Duration;
 
-use outbox_persistence::OutboxRepository as _;
 use outbox_tests::TestDb;
 use sqlx::postgres::PgListener;
 use sqlx::{Connection as _, PgConnection};
@@ -224,16 +223,7 @@ outbox_tests::backend_tests!(a_wake_up_during_a_claim_is_not_lost);
 async fn a_wake_up_during_a_claim_is_not_lost(db: TestDb) {
     let repo = db.repository();
     if repo.backend_name() == "postgres" {
-        // The first wait starts the listener, which wakes the workers once it listens.
-        let mark = repo.wake_mark();
-        let started = std::time::Instant::now();
-        repo.wait_for_work_since(mark, Duration::from_secs(10))
-            .await
-            .unwrap();
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the listener's start woke no one"
-        );
+        listener_started(repo.as_ref()).await;
     }
     let before = repo.wake_mark();
     enqueue_one(repo.as_ref()).await;
@@ -264,6 +254,21 @@ async fn a_wake_up_during_a_claim_is_not_lost(db: TestDb) {
     assert!(waited.elapsed() >= Duration::from_millis(300));
 }
 
+/// Waits (up to 10 s) for the wake-up a new listener gives as it starts listening, which the
+/// first wait on a PostgreSQL repository starts; fails when it did not come within 5 s.
+async fn listener_started(repo: &dyn outbox_persistence::OutboxRepository) {
+    let mark = repo.wake_mark();
+    let started = std::time::Instant::now();
+    repo.wait_for_work_since(mark, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "no listener started: the wait slept {:?}",
+        started.elapsed()
+    );
+}
+
 /// Polls `listening` until no backend listens, for up to 5 s.
 async fn no_listener_within_5s(db: &TestDb, what: &str) {
     let started = std::time::Instant::now();
@@ -291,16 +296,9 @@ async fn a_listener_ends_with_its_repository_and_its_pool() {
     let Some(db) = TestDb::postgres().await else {
         return;
     };
-    let started = |repo: PgOutbox| async move {
-        let mark = repo.wake_mark();
-        repo.wait_for_work_since(mark, Duration::from_secs(10))
-            .await
-            .unwrap();
-        repo
-    };
-
     let pool = db.pg().expect("a PostgreSQL pool").clone();
-    let repo = started(PgOutbox::new(pool.clone())).await;
+    let repo = PgOutbox::new(pool.clone());
+    listener_started(&repo).await;
     let clone = repo.clone();
     assert_eq!(listening(&db).await.len(), 1);
     drop(repo);
@@ -319,7 +317,8 @@ async fn a_listener_ends_with_its_repository_and_its_pool() {
         listen_url: Some(db.url.clone()),
         ..PgSettings::default()
     };
-    let repo = started(PgOutbox::new(own.clone()).with_settings(settings)).await;
+    let repo = PgOutbox::new(own.clone()).with_settings(settings);
+    listener_started(&repo).await;
     assert_eq!(listening(&db).await.len(), 1);
     own.close().await;
     no_listener_within_5s(&db, "the pool closed").await;
@@ -354,10 +353,7 @@ async fn a_listener_whose_runtime_ended_listens_again() {
                 ..PgSettings::default()
             };
             let repo = PgOutbox::new(pool).with_settings(settings);
-            let mark = repo.wake_mark();
-            repo.wait_for_work_since(mark, Duration::from_secs(10))
-                .await
-                .unwrap();
+            listener_started(&repo).await;
             repo
         })
     })
@@ -365,15 +361,6 @@ async fn a_listener_whose_runtime_ended_listens_again() {
     .unwrap();
     no_listener_within_5s(&db, "the first runtime ended").await;
 
-    let mark = repo.wake_mark();
-    let started = std::time::Instant::now();
-    repo.wait_for_work_since(mark, Duration::from_secs(30))
-        .await
-        .unwrap();
-    assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "no new listener woke the wait: it slept {:?}",
-        started.elapsed()
-    );
+    listener_started(&repo).await;
     assert_eq!(listening(&db).await.len(), 1, "the new listener listens");
 }

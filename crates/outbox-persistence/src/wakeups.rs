@@ -43,12 +43,12 @@ impl WakeUps {
     }
 
     /// Waits for a wake-up or `timeout`; returns at once when one came after `since` was read.
-    pub(crate) async fn wait(&self, since: Option<WakeMark>, timeout: Duration) {
+    pub(crate) async fn wait(&self, since: WakeMark, timeout: Duration) {
         let notified = self.notify.notified();
         tokio::pin!(notified);
         // Registered before the count is read: a wake-up between the two is not lost.
         notified.as_mut().enable();
-        if since.is_some_and(|mark| mark != self.mark()) {
+        if since != self.mark() {
             return;
         }
         let _ = tokio::time::timeout(timeout, notified).await;
@@ -67,11 +67,11 @@ mod tests {
         let before = wakes.mark();
         wakes.wake();
         let started = tokio::time::Instant::now();
-        wakes.wait(Some(before), Duration::from_secs(60)).await;
+        wakes.wait(before, Duration::from_secs(60)).await;
         assert_eq!(started.elapsed(), Duration::ZERO);
 
         let after = wakes.mark();
-        wakes.wait(Some(after), Duration::from_secs(60)).await;
+        wakes.wait(after, Duration::from_secs(60)).await;
         assert_eq!(started.elapsed(), Duration::from_secs(60));
     }
 
@@ -84,7 +84,7 @@ mod tests {
             let wakes = wakes.clone();
             async move {
                 let started = tokio::time::Instant::now();
-                wakes.wait(Some(mark), Duration::from_secs(60)).await;
+                wakes.wait(mark, Duration::from_secs(60)).await;
                 started.elapsed()
             }
         });

@@ -7,7 +7,7 @@
 //! direct URL of the server), and without one there is no listener: idle workers poll at
 //! their poll interval.
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -22,8 +22,9 @@ use crate::wakeups::WakeUps;
 /// What the listener shares with the repository's clones.
 #[derive(Debug)]
 pub(super) struct Wake {
-    /// Signalled on every notification, and once each time a listener starts listening.
-    pub(super) wakes: WakeUps,
+    /// Signalled on every notification, and once each time a listener starts listening (the
+    /// listener task holds them too).
+    pub(super) wakes: Arc<WakeUps>,
     /// The listener task, started by the first wait (and again by a wait after it ended
     /// with the runtime that ran it).
     listener: Mutex<Option<JoinHandle<()>>>,
@@ -35,7 +36,7 @@ pub(super) struct Wake {
 impl Default for Wake {
     fn default() -> Self {
         Self {
-            wakes: WakeUps::default(),
+            wakes: Arc::default(),
             listener: Mutex::new(None),
             alive: watch::Sender::new(()),
         }
@@ -64,16 +65,14 @@ impl PgOutbox {
                 pool: self.pool.clone(),
                 alive: self.wake.alive.subscribe(),
             };
-            let wake = Arc::downgrade(&self.wake);
-            *task = Some(tokio::spawn(listen(source, wake, ends)));
+            *task = Some(tokio::spawn(listen(source, self.wake.wakes.clone(), ends)));
         }
         true
     }
 
-    /// Waits for a notification (one since `since`, when given, ends it at once) or
-    /// `timeout`; behind a transaction pooler without a direct `LISTEN` URL, sleeps `timeout`
-    /// (the caller polls).
-    pub(super) async fn wait_for_work_after(&self, since: Option<WakeMark>, timeout: Duration) {
+    /// Waits for a notification (one since `since` ends it at once) or `timeout`; behind a
+    /// transaction pooler without a direct `LISTEN` URL, sleeps `timeout` (the caller polls).
+    pub(super) async fn wait_for_work_after(&self, since: WakeMark, timeout: Duration) {
         if self.start_listener() {
             self.wake.wakes.wait(since, timeout).await;
         } else {
@@ -124,7 +123,7 @@ impl Ends {
 /// a refused connection at once and without a pause; or lazily, answering `Ok(None)` at every
 /// call while the reconnect fails. Either would be a loop without a pause here, so the
 /// listener is dropped at its first `Ok(None)` or error and this loop reconnects.
-async fn listen(source: Source, wake: Weak<Wake>, mut ends: Ends) {
+async fn listen(source: Source, wakes: Arc<WakeUps>, mut ends: Ends) {
     let pause = Duration::from_secs(1);
     loop {
         let pool = ends.pool.clone();
@@ -149,16 +148,13 @@ async fn listen(source: Source, wake: Weak<Wake>, mut ends: Ends) {
             }
         };
         let listening = std::time::Instant::now();
-        let Some(woken) = wake.upgrade() else { return };
-        woken.wakes.wake();
-        drop(woken);
+        wakes.wake();
         loop {
             let Some(received) = ends.unless_ended(listener.try_recv()).await else {
                 return;
             };
-            let Some(wake) = wake.upgrade() else { return };
             match received {
-                Ok(Some(_)) => wake.wakes.wake(),
+                Ok(Some(_)) => wakes.wake(),
                 Ok(None) => break,
                 Err(e) => {
                     tracing::debug!(error = %e, "outbox listener lost its connection");

@@ -413,8 +413,7 @@ impl OutboxRepository for PgOutbox {
     }
 
     async fn wait_for_work(&self, timeout: Duration) -> Result<()> {
-        self.wait_for_work_after(None, timeout).await;
-        Ok(())
+        self.wait_for_work_since(self.wake_mark(), timeout).await
     }
 
     fn wake_mark(&self) -> crate::WakeMark {
@@ -422,7 +421,7 @@ impl OutboxRepository for PgOutbox {
     }
 
     async fn wait_for_work_since(&self, since: crate::WakeMark, timeout: Duration) -> Result<()> {
-        self.wait_for_work_after(Some(since), timeout).await;
+        self.wait_for_work_after(since, timeout).await;
         Ok(())
     }
 }

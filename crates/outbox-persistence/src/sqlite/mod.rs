@@ -387,8 +387,7 @@ impl OutboxRepository for SqliteOutbox {
 
     async fn wait_for_work(&self, timeout: Duration) -> Result<()> {
         // In-process enqueues wake the workers; other processes are seen at the next poll.
-        self.enqueued.wait(None, timeout).await;
-        Ok(())
+        self.wait_for_work_since(self.wake_mark(), timeout).await
     }
 
     fn wake_mark(&self) -> crate::WakeMark {
@@ -396,7 +395,7 @@ impl OutboxRepository for SqliteOutbox {
     }
 
     async fn wait_for_work_since(&self, since: crate::WakeMark, timeout: Duration) -> Result<()> {
-        self.enqueued.wait(Some(since), timeout).await;
+        self.enqueued.wait(since, timeout).await;
         Ok(())
     }
 }
