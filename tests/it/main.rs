@@ -21,6 +21,7 @@ mod repository;
 mod retention;
 mod rollup;
 mod side_by_side;
+mod snooze;
 mod stale_statistics;
 mod status;
 mod wakeups;

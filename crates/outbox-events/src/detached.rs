@@ -256,6 +256,13 @@ async fn landed_anyway(
         }
         // With this attempt's error: an exhausted stale reclaim also ends `failed` one count
         // on, but says the worker died.
+        // A snooze counts nothing: the row is `pending` with this attempt's count and message
+        // (a release or a give-back writes another message, a stale reclaim counts one more).
+        (Landed::Failure, FailureBookkeeping::Snooze { .. }) => {
+            row.status == EventStatus::Pending
+                && row.retry_count == ours
+                && row.last_error.as_deref() == Some(clip_error(&failure.message).as_str())
+        }
         (Landed::Failure, FailureBookkeeping::Fail) => {
             row.status == EventStatus::Failed
                 && row.retry_count == ours + 1
@@ -309,6 +316,11 @@ pub(crate) async fn detached(
                 FailureBookkeeping::Retry { extra_delay } => {
                     env.repo
                         .increment_retry(state.fence, extra_delay, &failure.message)
+                        .await
+                }
+                FailureBookkeeping::Snooze { delay } => {
+                    env.repo
+                        .snooze_claim(state.fence, delay, &failure.message)
                         .await
                 }
                 FailureBookkeeping::Fail => {

@@ -26,6 +26,9 @@ pub enum AttemptOutcome {
     Processed,
     /// Back to `pending` for another attempt.
     Retried,
+    /// Back to `pending`, not counted: the handler asked to run later
+    /// ([`crate::HandlerError::snooze`]).
+    Snoozed,
     /// `failed`: a permanent error or the last allowed attempt.
     Failed,
     /// The claim was no longer this worker's; nothing was written.
@@ -50,6 +53,7 @@ impl AttemptOutcome {
         match self {
             AttemptOutcome::Processed => "processed",
             AttemptOutcome::Retried => "retried",
+            AttemptOutcome::Snoozed => "snoozed",
             AttemptOutcome::Failed => "failed",
             AttemptOutcome::LostClaim => "lost_claim",
             AttemptOutcome::Cancelled => "cancelled",
@@ -111,12 +115,31 @@ impl AttemptEnv {
     /// The failure a handler's error records: retried (not sooner than the delay it asked
     /// for, [`crate::HandlerError::retry_in`]) or `failed`.
     pub(crate) fn handler_failure(&self, claim: &Claim, error: &crate::HandlerError) -> Failure {
+        if let crate::HandlerError::Snooze { delay, .. } = error {
+            return self.snooze(claim, *delay, error.to_string());
+        }
         self.failure_after(
             claim,
             error.is_retryable(),
             error.retry_delay(),
             error.to_string(),
         )
+    }
+
+    /// A snooze: uncounted, not eligible before `delay`. A row that failed before is eligible
+    /// only once its `LastModifiedDate` is older than the retry cutoff, so the base retry delay
+    /// is taken off its delay (the longer of the two is waited).
+    fn snooze(&self, claim: &Claim, delay: std::time::Duration, message: String) -> Failure {
+        let delay = if claim.event.retry_count > 0 {
+            delay.saturating_sub(self.config.retry_delay)
+        } else {
+            delay
+        };
+        Failure {
+            bookkeeping: FailureBookkeeping::Snooze { delay },
+            message,
+            effects: Vec::new(),
+        }
     }
 
     fn failure_after(
@@ -149,6 +172,7 @@ impl AttemptEnv {
 pub(crate) fn failure_outcome(failure: &Failure) -> AttemptOutcome {
     match failure.bookkeeping {
         FailureBookkeeping::Retry { .. } => AttemptOutcome::Retried,
+        FailureBookkeeping::Snooze { .. } => AttemptOutcome::Snoozed,
         FailureBookkeeping::Fail => AttemptOutcome::Failed,
     }
 }
@@ -159,6 +183,7 @@ impl From<&AttemptOutcome> for Ended {
         match outcome {
             O::Processed => Ended::Processed,
             O::Retried => Ended::Retried,
+            O::Snoozed => Ended::Snoozed,
             O::Failed => Ended::Failed,
             O::LostClaim => Ended::LostClaim,
             O::Cancelled => Ended::Cancelled,

@@ -59,6 +59,21 @@ pub enum HandlerError {
         /// Why it failed.
         message: String,
     },
+    /// Not a failure: run this event again, not sooner than `delay` from now, without counting
+    /// the attempt towards `MaxRetryAttempts` (Oban's snooze, River's `JobSnooze`). For a
+    /// handler that must wait for something outside the event: a quota spent, a receiver that
+    /// is busy. Its record's later events wait with it, as they wait for a retry; a handler
+    /// that snoozes for ever keeps its record waiting for ever (`outbox status --key` shows
+    /// the row `pending` with this message). Effects the handler ran through the ledger are
+    /// kept; its writes in the transaction are rolled back. Built by
+    /// [`HandlerError::snooze`].
+    #[error("snoozed for {}s: {message}", delay.as_secs_f64())]
+    Snooze {
+        /// The shortest wait before the next attempt.
+        delay: std::time::Duration,
+        /// Why it waits.
+        message: String,
+    },
     /// A database error from the handler's own statements; a lock timeout or a lost connection
     /// is retried like [`HandlerError::Retryable`].
     #[error("database: {}", .0.chain())]
@@ -126,10 +141,21 @@ impl HandlerError {
         }
     }
 
+    /// Run the event again not sooner than `delay` from now, uncounted: see
+    /// [`HandlerError::Snooze`].
+    pub fn snooze(delay: std::time::Duration, message: impl Into<String>) -> Self {
+        HandlerError::Snooze {
+            delay,
+            message: message.into(),
+        }
+    }
+
     /// The shortest wait before the next attempt the handler asked for, if any.
     pub fn retry_delay(&self) -> Option<std::time::Duration> {
         match self {
-            HandlerError::RetryIn { delay, .. } => Some(*delay),
+            HandlerError::RetryIn { delay, .. } | HandlerError::Snooze { delay, .. } => {
+                Some(*delay)
+            }
             _ => None,
         }
     }

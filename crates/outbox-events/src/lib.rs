@@ -112,8 +112,8 @@ pub mod mock {
     //! below); `heartbeat` and `note_alive` once the attempt outlasts a heartbeat interval
     //! (`WorkerConfig::heartbeat_interval`, 2 s by default) or its begin is retried;
     //! `get_event` before the outcome's fenced write when a heartbeat failed (a beat whose reply
-    //! was lost may have landed); and `get_event`, `increment_retry`, `update_status` or
-    //! `release_claim` on the detached paths below. Several claims run together (a dispatcher's
+    //! was lost may have landed); and `get_event`, `increment_retry`, `snooze_claim`,
+    //! `update_status` or `release_claim` on the detached paths below. Several claims run together (a dispatcher's
     //! batched attempts) need `begin_batch_attempt` instead, and the attempt's `savepoint` (after a handler that used
     //! the transaction) and `mark_processed_many` (the settle). What the attempt must expect for
     //! one claim, by the handler's result:
@@ -122,11 +122,12 @@ pub mod mock {
     //! |---|---|
     //! | `Ok(())` | `tx` (only if the handler writes), `mark_processed(fence)` returning `FenceOutcome::Written`, `commit` |
     //! | `Err(HandlerError::Retryable(_))` below `MaxRetryAttempts` | `rollback_to_savepoint`, `record_failure(fence, FailureBookkeeping::Retry { .. }, message)`, `commit` |
+    //! | `Err(HandlerError::Snooze { .. })`, whatever the count | `rollback_to_savepoint`, `record_failure(fence, FailureBookkeeping::Snooze { delay }, message)`, `commit` |
     //! | `Err(HandlerError::Permanent(_))`, or the last allowed failure | `rollback_to_savepoint`, `record_failure(fence, FailureBookkeeping::Fail, message)`, `commit` |
     //! | any, when the fenced write returns `FenceOutcome::Lost` | then `rollback` instead of `commit` (`AttemptOutcome::LostClaim`) |
     //!
     //! When `commit` fails, the bookkeeping goes to the repository on the side: `get_event`, then
-    //! `increment_retry` or `update_status` (see `docs/state-machine.md`, "The attempt", rule 6).
+    //! `increment_retry`, `snooze_claim` or `update_status` (see `docs/state-machine.md`, "The attempt", rule 6).
     //!
     //! `MockAttempt::tx` returns a `&mut Tx`, which must be a real transaction: a handler that
     //! writes is tested over mocks with `attempt.expect_tx().return_var(tx)`, `tx` from

@@ -83,6 +83,7 @@ pub struct Metrics {
     claim_statements: AtomicU64,
     processed: AtomicU64,
     retried: AtomicU64,
+    snoozed: AtomicU64,
     failed: AtomicU64,
     lost_claims: AtomicU64,
     stale_reclaims: AtomicU64,
@@ -107,6 +108,9 @@ pub struct MetricsSnapshot {
     pub processed: u64,
     /// Attempts that ended in a retry.
     pub retried: u64,
+    /// Attempts whose handler asked to run later (`HandlerError::snooze`): back to `pending`,
+    /// not counted towards `MaxRetryAttempts`.
+    pub snoozed: u64,
     /// Attempts that ended `failed`.
     pub failed: u64,
     /// Attempts abandoned because the claim was taken over or finished elsewhere.
@@ -141,6 +145,7 @@ pub struct MetricsSnapshot {
 pub(crate) enum Ended {
     Processed,
     Retried,
+    Snoozed,
     Failed,
     LostClaim,
     Cancelled,
@@ -154,6 +159,7 @@ impl Ended {
         match self {
             Ended::Processed => "processed",
             Ended::Retried => "retried",
+            Ended::Snoozed => "snoozed",
             Ended::Failed => "failed",
             Ended::LostClaim => "lost_claim",
             Ended::Cancelled => "cancelled",
@@ -197,6 +203,7 @@ impl Metrics {
         bump(match ended {
             Ended::Processed => &self.processed,
             Ended::Retried => &self.retried,
+            Ended::Snoozed => &self.snoozed,
             Ended::Failed => &self.failed,
             Ended::LostClaim => &self.lost_claims,
             Ended::Cancelled => &self.cancelled,
@@ -271,6 +278,7 @@ impl Metrics {
             claim_statements: load(&self.claim_statements),
             processed: load(&self.processed),
             retried: load(&self.retried),
+            snoozed: load(&self.snoozed),
             failed: load(&self.failed),
             lost_claims: load(&self.lost_claims),
             stale_reclaims: load(&self.stale_reclaims),

@@ -206,6 +206,45 @@ async fn handler_error_rolls_back_to_savepoint_and_retries() {
     assert_eq!(metrics.snapshot().retried, 1);
 }
 
+/// A snooze is written as one whatever the count (the last allowed attempt included), counts
+/// no failure, and waits its delay: less the base retry delay for a row that failed before,
+/// whose retry cutoff adds it back.
+#[tokio::test(start_paused = true)]
+async fn a_snooze_is_uncounted_even_at_the_last_attempt() {
+    let retry_delay = config().retry_delay;
+    for (count, delay) in [
+        (0, Duration::from_secs(30)),
+        (4, Duration::from_secs(30) - retry_delay),
+    ] {
+        let mut attempt = MockAttempt::new();
+        attempt
+            .expect_rollback_to_savepoint()
+            .times(1)
+            .returning(|| Ok(()));
+        attempt
+            .expect_record_failure()
+            .withf(move |_, bookkeeping, error| {
+                *bookkeeping == FailureBookkeeping::Snooze { delay } && error.contains("quota")
+            })
+            .times(1)
+            .returning(|_, _, _| Ok(FenceOutcome::Written));
+        attempt.expect_commit().times(1).returning(|| Ok(()));
+        let repo = repo_with(attempt, Arc::default());
+        let (outcome, metrics) = run(
+            repo,
+            handlers(Duration::ZERO, || {
+                Err(HandlerError::snooze(Duration::from_secs(30), "quota spent"))
+            }),
+            claim("t", count),
+            CancellationToken::new(),
+        )
+        .await;
+        assert_eq!(outcome, AttemptOutcome::Snoozed);
+        let m = metrics.snapshot();
+        assert_eq!((m.snoozed, m.retried, m.failed), (1, 0, 0));
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn lock_timeout_is_retried_and_counted() {
     let mut attempt = MockAttempt::new();

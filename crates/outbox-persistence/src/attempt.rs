@@ -42,6 +42,14 @@ pub(crate) enum FencedWrite<'a> {
         /// The error, clipped before it is stored.
         error: &'a str,
     },
+    /// Back to `pending` with `RetryCount` unchanged, not eligible before `delay` from now:
+    /// the handler asked to be run later (a snooze), which is not a failure.
+    Snooze {
+        /// How far ahead of now `LastModifiedDate` is set.
+        delay: Duration,
+        /// Why, clipped before it is stored in `LastError`.
+        error: &'a str,
+    },
     /// Back to `pending` with `RetryCount` unchanged: an attempt not counted, because what
     /// failed was the outbox's own write of its outcome, not its handler.
     Release {
@@ -56,6 +64,7 @@ impl<'a> FencedWrite<'a> {
         match bookkeeping {
             FailureBookkeeping::Retry { extra_delay } => FencedWrite::Retry { extra_delay, error },
             FailureBookkeeping::Fail => FencedWrite::Failed { error },
+            FailureBookkeeping::Snooze { delay } => FencedWrite::Snooze { delay, error },
         }
     }
 

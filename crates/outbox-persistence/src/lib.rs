@@ -295,6 +295,21 @@ pub trait OutboxRepository: Send + Sync + 'static {
         error: &str,
     ) -> Result<FenceOutcome>;
 
+    /// A snooze on a connection of its own (the detached bookkeeping path): back to `pending`
+    /// with `RetryCount` unchanged, `LastModifiedDate` now plus `delay` and `error` in
+    /// `LastError`, fenced ([`FailureBookkeeping::Snooze`]). The default, for a repository
+    /// written before snoozes, gives the claim back at once ([`OutboxRepository::release_claim`]):
+    /// uncounted as well, only sooner.
+    async fn snooze_claim(
+        &self,
+        fence: Fence,
+        delay: Duration,
+        error: &str,
+    ) -> Result<FenceOutcome> {
+        let _ = delay;
+        self.release_claim(fence, error).await
+    }
+
     /// Releases a claim without counting its attempt, on a connection of its own: back to
     /// `pending` with `RetryCount` unchanged and `error` in `LastError`, fenced. For an attempt
     /// whose handler succeeded but whose outcome the outbox could not write (a lock timeout, a

@@ -333,6 +333,14 @@ pub enum FailureBookkeeping {
     },
     /// `failed` with `RetryCount + 1`: a permanent error, or the last allowed attempt.
     Fail,
+    /// Back to `pending` with `RetryCount` unchanged: not a failure, the handler asked to be
+    /// run later (`HandlerError::snooze` in outbox-events). `LastModifiedDate` is set to now
+    /// plus `delay`, so the row is not eligible before then (a row that failed before waits
+    /// the retry cutoff beyond it too: the caller takes the base retry delay off).
+    Snooze {
+        /// How far ahead of now `LastModifiedDate` is set.
+        delay: Duration,
+    },
 }
 
 /// One page of a `RecordKey` backfill.

@@ -47,6 +47,12 @@ pub struct WebhookConfig {
     /// The workers' `MaxRetryAttempts` ([`WebhookConfig::for_workers`]): a delivery's failure
     /// that leaves it one attempt disables its endpoint instead of letting it end `failed`.
     pub max_attempts: i32,
+    /// A send that takes this long (answered, or still in flight) makes its endpoint slow: 5 s.
+    pub slow_after: Duration,
+    /// The sends a slow endpoint may have in flight from one process: 2 (at least 1). Its
+    /// other deliveries are snoozed, uncounted, until it answers fast again
+    /// (docs/webhooks.md, "Delivery semantics").
+    pub max_slow_sends: usize,
 }
 
 impl Default for WebhookConfig {
@@ -62,6 +68,8 @@ impl Default for WebhookConfig {
             addresses: AddressPolicy::default(),
             idle_per_host: 16,
             max_attempts: outbox_events::DEFAULT_MAX_RETRY_ATTEMPTS,
+            slow_after: Duration::from_secs(5),
+            max_slow_sends: 2,
         }
     }
 }
@@ -89,6 +97,14 @@ impl WebhookConfig {
     pub fn with_timeouts(mut self, connect: Duration, total: Duration) -> Self {
         self.connect_timeout = connect;
         self.total_timeout = total;
+        self
+    }
+
+    /// Replaces what makes an endpoint slow (a send that takes `after`) and how many sends a
+    /// slow endpoint may have in flight from one process.
+    pub fn with_slow_endpoints(mut self, after: Duration, sends: usize) -> Self {
+        self.slow_after = after;
+        self.max_slow_sends = sends;
         self
     }
 

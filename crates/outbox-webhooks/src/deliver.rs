@@ -14,7 +14,7 @@ use outbox_events::{
 
 use crate::client::{Answer, Client, SendError};
 pub use crate::fanout::Delivery;
-use crate::probe::{Admission, Probes};
+use crate::probe::{Admission, Probes, SlowLimit};
 use crate::side::{SideWrite, SideWriter};
 use crate::{WebhookConfig, headers, signature, webhook_id};
 
@@ -78,12 +78,16 @@ impl WebhookDelivery {
             config.connect_timeout = config.connect_timeout.min(SQLITE_SEND_LIMIT);
             probe_spacing = Duration::from_secs(10);
         }
+        let slow = SlowLimit {
+            after: config.slow_after,
+            sends: config.max_slow_sends,
+        };
         Self {
             client: Client::new(config.clone()),
             side: SideWriter::new(repo.clone(), config.disable_after_failures),
             repo,
             config,
-            probes: Probes::new(probe_spacing),
+            probes: Probes::new(probe_spacing, slow),
             endpoints: crate::cache::Endpoints::default(),
         }
     }
@@ -215,6 +219,10 @@ impl WebhookDelivery {
 /// it due at once (`set_endpoint_enabled`).
 const PAUSED_WAIT: Duration = Duration::from_secs(3600);
 
+/// The wait of a delivery snoozed because its slow endpoint has its share of sends in flight
+/// (jittered by ±20%).
+const SLOW_WAIT: Duration = Duration::from_secs(1);
+
 /// -1.0..=1.0 from the delivery and its failure count: spread, and the same on every replay.
 fn jitter(id: EventId, failures: i32) -> f64 {
     let bits = id.as_u128() ^ (failures as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -263,7 +271,9 @@ impl Handler for WebhookDelivery {
                     ));
                 }
                 let started = Instant::now();
-                let answer = self.probed_send(&endpoint, &delivery, attempt).await;
+                let answer = self
+                    .probed_send(&endpoint, &delivery, event.id, attempt)
+                    .await?;
                 self.keep(event, &delivery, &endpoint.name, attempt, started, &answer);
                 self.judge(&endpoint.name, event.id, attempt, &answer)
                     .map(|()| answer.map(|a| a.status).unwrap_or_default())
@@ -285,30 +295,43 @@ impl WebhookDelivery {
     /// Sends, unless the endpoint gave no answer and another delivery of this process is
     /// probing it (`probe.rs`): then the delivery is not sent and fails like the send would
     /// have. It does not wait for that probe, also beside others of its batch: every worker
-    /// whose batch held a delivery to the endpoint would then wait for the one probe.
+    /// whose batch held a delivery to the endpoint would then wait for the one probe. A slow
+    /// endpoint with its share of sends in flight is not sent to either: the delivery is
+    /// snoozed (`Err`), not counted, and comes back about a second later.
     async fn probed_send(
         &self,
         endpoint: &webhooks::WebhookEndpoint,
         delivery: &Delivery,
+        id: EventId,
         attempt: i32,
-    ) -> Result<Answer, SendError> {
+    ) -> Result<Result<Answer, SendError>, HandlerError> {
         let failing = endpoint.consecutive_failures > 0;
         let _probe = match self.probes.admit(&endpoint.name, failing) {
             Admission::Send(probe) => probe,
             Admission::Hold(since) => {
-                return Err(SendError::Held(format!(
+                return Ok(Err(SendError::Held(format!(
                     "the endpoint has given this process no answer for {}s; one delivery at a time probes it",
                     since.elapsed().as_secs()
-                )));
+                ))));
+            }
+            Admission::Busy(sending, oldest) => {
+                return Err(HandlerError::snooze(
+                    SLOW_WAIT.mul_f64(1.0 + 0.2 * jitter(id, attempt)),
+                    format!(
+                        "not sent: the endpoint answers slowly and {sending} sends to it from this process are in flight (the oldest for {:.1}s)",
+                        oldest.as_secs_f64()
+                    ),
+                ));
             }
         };
+        let started = Instant::now();
         let answer = self.send(endpoint, delivery, attempt).await;
         match &answer {
-            Ok(_) => self.probes.answered(&endpoint.name),
+            Ok(_) => self.probes.answered(&endpoint.name, started.elapsed()),
             Err(e) if e.silent() => self.probes.silent(&endpoint.name),
             Err(_) => {}
         }
-        answer
+        Ok(answer)
     }
 
     /// Queues the attempt's record.

@@ -11,6 +11,13 @@
 //! (a second apart; ten where the attempt holds the database's one write lock during the send,
 //! SQLite, so that a hanging endpoint does not keep every writer waiting).
 //!
+//! An endpoint that answers, but slowly (a send took [`SlowLimit::after`] or longer, or one in
+//! flight has run that long), is held to [`SlowLimit::sends`] sends in flight from this process:
+//! the others are snoozed (not sent, not counted: a receiver that answers is not failing) and
+//! come back a second later, so a slow receiver takes a bounded share of the workers instead of
+//! every worker whose batch holds one of its many records' deliveries. Its first fast answer
+//! ends it.
+//!
 //! The state is per process and per endpoint, in memory. A process that has not sent to an
 //! endpoint yet takes the endpoint's failures in a row from the database (the other processes'
 //! attempts): when its last attempt failed, the first send is a probe too, so a restarted
@@ -26,6 +33,19 @@ pub(crate) enum Admission {
     Send(SendGuard),
     /// Do not send: the endpoint has given this process no answer since this instant.
     Hold(Instant),
+    /// Do not send yet, uncounted: the endpoint is slow and this many sends to it are in
+    /// flight from this process, the oldest for this long.
+    Busy(usize, Duration),
+}
+
+/// How many sends an endpoint that answers slowly may have in flight from one process.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SlowLimit {
+    /// A send that takes this long (answered, or still in flight) makes its endpoint slow.
+    pub(crate) after: Duration,
+    /// The sends a slow endpoint may have in flight (at least one, so that a send can find it
+    /// fast again).
+    pub(crate) sends: usize,
 }
 
 #[derive(Debug, Default)]
@@ -33,6 +53,17 @@ struct State {
     silent_since: Option<Instant>,
     probing: bool,
     last_probe: Option<Instant>,
+    /// This process's sends to it in flight: their guards' numbers and starts.
+    sending: Vec<(u64, Instant)>,
+    /// Its last answer took [`SlowLimit::after`] or longer.
+    slow: bool,
+}
+
+impl State {
+    /// Whether the endpoint is slow now: its last answer was, or a send in flight is.
+    fn slow(&self, after: Duration) -> bool {
+        self.slow || self.sending.iter().any(|(_, at)| at.elapsed() >= after)
+    }
 }
 
 /// The endpoints of one sender.
@@ -40,34 +71,44 @@ struct State {
 pub(crate) struct Probes {
     states: Arc<Mutex<HashMap<String, State>>>,
     spacing: Duration,
+    slow: SlowLimit,
+    /// The next guard's number.
+    next: Arc<std::sync::atomic::AtomicU64>,
 }
 
-/// One send in flight: the probe, when `probe`, which ends when it is dropped.
+/// One send in flight (the probe, when `probe`), which ends when it is dropped.
 pub(crate) struct SendGuard {
     probes: Probes,
     endpoint: String,
     probe: bool,
+    number: u64,
 }
 
 impl Drop for SendGuard {
     fn drop(&mut self) {
-        if !self.probe {
-            return;
-        }
         let mut states = self.probes.lock();
         if let Some(state) = states.get_mut(&self.endpoint) {
-            state.probing = false;
-            state.last_probe = Some(Instant::now());
+            state.sending.retain(|(n, _)| *n != self.number);
+            if self.probe {
+                state.probing = false;
+                state.last_probe = Some(Instant::now());
+            }
         }
     }
 }
 
 impl Probes {
-    /// Probes at least `spacing` apart (from the end of one to the start of the next).
-    pub(crate) fn new(spacing: Duration) -> Self {
+    /// Probes at least `spacing` apart (from the end of one to the start of the next); slow
+    /// endpoints held to `slow`.
+    pub(crate) fn new(spacing: Duration, slow: SlowLimit) -> Self {
         Self {
             states: Arc::default(),
             spacing,
+            slow: SlowLimit {
+                sends: slow.sends.max(1),
+                ..slow
+            },
+            next: Arc::default(),
         }
     }
 
@@ -91,19 +132,27 @@ impl Probes {
             Some(_) => true,
             None => false,
         };
+        if !probe && state.sending.len() >= self.slow.sends && state.slow(self.slow.after) {
+            let oldest = state.sending.iter().map(|(_, at)| at.elapsed()).max();
+            return Admission::Busy(state.sending.len(), oldest.unwrap_or_default());
+        }
         state.probing |= probe;
+        let number = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        state.sending.push((number, Instant::now()));
         Admission::Send(SendGuard {
             probes: self.clone(),
             endpoint: endpoint.to_string(),
             probe,
+            number,
         })
     }
 
-    /// `endpoint` answered a send (any status).
-    pub(crate) fn answered(&self, endpoint: &str) {
+    /// `endpoint` answered a send (any status) that took `took`.
+    pub(crate) fn answered(&self, endpoint: &str, took: Duration) {
         let mut states = self.lock();
         if let Some(state) = states.get_mut(endpoint) {
             state.silent_since = None;
+            state.slow = took >= self.slow.after;
         }
     }
 
@@ -131,9 +180,16 @@ mod tests {
         matches!(a, Admission::Hold(_))
     }
 
+    const UNLIMITED: SlowLimit = SlowLimit {
+        after: Duration::from_secs(3600),
+        sends: usize::MAX,
+    };
+
+    const FAST: Duration = Duration::from_millis(1);
+
     #[test]
     fn a_silent_endpoint_gets_one_send_at_a_time_until_it_answers() {
-        let p = Probes::new(Duration::ZERO);
+        let p = Probes::new(Duration::ZERO, UNLIMITED);
         assert!(sends(&p.admit("a", false)), "unknown endpoints are sent to");
         p.silent("a");
         let probe = p.admit("a", false);
@@ -143,18 +199,18 @@ mod tests {
         drop(probe);
         let probe = p.admit("a", false);
         assert!(probes(&probe), "the next probe goes once the last ended");
-        p.answered("a");
+        p.answered("a", FAST);
         drop(probe);
         assert!(sends(&p.admit("a", false)));
     }
 
     #[test]
     fn a_process_new_to_a_failing_endpoint_probes_first() {
-        let p = Probes::new(Duration::ZERO);
+        let p = Probes::new(Duration::ZERO, UNLIMITED);
         let probe = p.admit("a", true);
         assert!(probes(&probe));
         assert!(holds(&p.admit("a", true)));
-        p.answered("a");
+        p.answered("a", FAST);
         drop(probe);
         assert!(
             sends(&p.admit("a", true)),
@@ -169,14 +225,83 @@ mod tests {
 
     #[test]
     fn probes_are_spaced() {
-        let p = Probes::new(Duration::from_secs(60));
+        let p = Probes::new(Duration::from_secs(60), UNLIMITED);
         p.silent("a");
         drop(p.admit("a", false));
         assert!(
             holds(&p.admit("a", false)),
             "the next probe waits out the spacing"
         );
-        p.answered("a");
+        p.answered("a", FAST);
         assert!(sends(&p.admit("a", false)));
+    }
+
+    fn busy(a: &Admission) -> bool {
+        matches!(a, Admission::Busy(..))
+    }
+
+    #[test]
+    fn a_slow_endpoint_gets_a_bounded_number_of_sends_until_one_is_fast() {
+        let slow = SlowLimit {
+            after: Duration::from_secs(1),
+            sends: 2,
+        };
+        let p = Probes::new(Duration::ZERO, slow);
+        let first: Vec<Admission> = (0..5).map(|_| p.admit("a", false)).collect();
+        assert!(
+            first.iter().all(sends),
+            "an endpoint not known to be slow takes every send"
+        );
+        drop(first);
+        p.answered("a", Duration::from_secs(2));
+        let (one, two) = (p.admit("a", false), p.admit("a", false));
+        assert!(sends(&one) && sends(&two));
+        assert!(
+            busy(&p.admit("a", false)),
+            "a third send to a slow endpoint"
+        );
+        assert!(sends(&p.admit("b", false)), "another endpoint is not held");
+        drop(one);
+        let three = p.admit("a", false);
+        assert!(sends(&three), "a slot freed");
+        p.answered("a", FAST);
+        assert!(
+            sends(&p.admit("a", false)),
+            "a fast answer ends it, with two in flight"
+        );
+        drop((two, three));
+    }
+
+    #[test]
+    fn a_send_in_flight_for_long_makes_its_endpoint_slow() {
+        let slow = SlowLimit {
+            after: Duration::from_millis(20),
+            sends: 1,
+        };
+        let p = Probes::new(Duration::ZERO, slow);
+        let long = p.admit("a", false);
+        assert!(sends(&p.admit("a", false)), "not slow yet");
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(busy(&p.admit("a", false)));
+        drop(long);
+        assert!(
+            sends(&p.admit("a", false)),
+            "no send in flight: nothing holds it (it never answered slowly)"
+        );
+    }
+
+    #[test]
+    fn a_limit_of_zero_still_lets_one_send_go() {
+        let p = Probes::new(
+            Duration::ZERO,
+            SlowLimit {
+                after: Duration::ZERO,
+                sends: 0,
+            },
+        );
+        p.answered("a", FAST);
+        let one = p.admit("a", false);
+        assert!(sends(&one));
+        assert!(busy(&p.admit("a", false)));
     }
 }

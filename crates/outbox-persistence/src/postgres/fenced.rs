@@ -60,7 +60,8 @@ const LOST_FENCES: &str = "SELECT * FROM _System_OutboxLostFences($1, $2)";
 
 /// One claim's outcome, fenced (`_System_OutboxSettle`, migration 0012): the rows written (0 or
 /// 1). Parameters: the clock shift, the id, its fence, the error (`failed`, `retry`,
-/// `release`), the extra backoff (`retry`), the lock timeout, the outcome's name.
+/// `snooze`, `release`), the extra backoff (`retry`) or the snooze's delay (`snooze`,
+/// migration 0025), the lock timeout, the outcome's name.
 const SETTLE: &str = "SELECT _System_OutboxSettle($1, $2, $3, $4, $5, $6, $7)";
 
 /// `processed` for several claims (`_System_OutboxSettleMany`, migration 0012): the ids
@@ -95,6 +96,9 @@ async fn write_fenced<'c>(
         FencedWrite::Failed { error } => ("failed", Some(clip_error(error)), None),
         FencedWrite::Retry { extra_delay, error } => {
             ("retry", Some(clip_error(error)), Some(span(extra_delay)))
+        }
+        FencedWrite::Snooze { delay, error } => {
+            ("snooze", Some(clip_error(error)), Some(span(delay)))
         }
         FencedWrite::Release { error } => ("release", Some(clip_error(error)), None),
     };

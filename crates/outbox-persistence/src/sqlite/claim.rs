@@ -314,13 +314,15 @@ impl SqliteOutbox {
     ) -> Result<Vec<OutboxEvent>> {
         let mut conn = self.pool.acquire().await?;
         let stale = self.stale_ids(&mut conn, policy.stale_after, None).await?;
-        let retry_cutoff = format_ts(self.now() - chrono_span(policy.retry_delay));
+        let now = self.now();
+        let retry_cutoff = format_ts(now - chrono_span(policy.retry_delay));
         let rows = sqlx::query(ELIGIBLE)
             .bind(&stale)
             .bind(&retry_cutoff)
             .bind(i64::from(limit))
             .bind(json_list(scope.only()))
             .bind(json_list(scope.except()))
+            .bind(format_ts(now))
             .fetch_all(&mut *conn)
             .await?;
         // A row that cannot be read is failed by the claim that meets it; listing it here
@@ -492,11 +494,15 @@ impl SqliteOutbox {
                 // as many of those as claims, so `max` leaves room for the rest).
                 .bind(max as i64)
                 .bind(json_list(scope.only()))
-                .bind(json_list(scope.except())),
+                .bind(json_list(scope.except()))
+                .bind(format_ts(now)),
             Some(id) => sqlx::query(ELIGIBLE_BY_ID)
                 .bind(stale)
                 .bind(&retry_cutoff)
-                .bind(id.to_string()),
+                .bind(id.to_string())
+                .bind(None::<String>)
+                .bind(None::<String>)
+                .bind(format_ts(now)),
         };
         let rows = query.fetch_all(&mut *tx).await?;
         let mut failed_some = false;

@@ -34,6 +34,10 @@ UPDATE _System_OutboxEvent
 SET Status = 'pending', RetryCount = RetryCount + 1, LastModifiedDate = ?2, LastError = ?4
 WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
 
+const FENCED_SNOOZE: &str = "\
+UPDATE _System_OutboxEvent SET Status = 'pending', LastModifiedDate = ?2, LastError = ?4
+WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?3";
+
 const FENCED_RELEASE: &str = "\
 UPDATE _System_OutboxEvent
 SET Status = 'pending', LastModifiedDate = ?2,
@@ -64,6 +68,9 @@ async fn write_fenced<'c>(
         FencedWrite::Failed { error } => (FENCED_FAILED, now, Some(error)),
         FencedWrite::Retry { extra_delay, error } => {
             (FENCED_RETRY, now + chrono_span(extra_delay), Some(error))
+        }
+        FencedWrite::Snooze { delay, error } => {
+            (FENCED_SNOOZE, now + chrono_span(delay), Some(error))
         }
         FencedWrite::Release { error } => (FENCED_RELEASE, now, Some(error)),
     };

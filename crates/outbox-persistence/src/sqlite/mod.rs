@@ -297,6 +297,16 @@ impl OutboxRepository for SqliteOutbox {
         self.write_detached(fence, write).await
     }
 
+    async fn snooze_claim(
+        &self,
+        fence: Fence,
+        delay: Duration,
+        error: &str,
+    ) -> Result<FenceOutcome> {
+        let write = FencedWrite::Snooze { delay, error };
+        self.write_detached(fence, write).await
+    }
+
     async fn update_status(
         &self,
         fence: Fence,

@@ -18,13 +18,14 @@ WHERE
 
 /// The design's state rule for the candidate `e`, with a `processing` row stale exactly when
 /// its id is in `?1` (a JSON array of the ids this repository observed silent for
-/// `stale_after`), and the retry cutoff `?2`.
+/// `stale_after`), the retry cutoff `?2`, and now `?6`: a pending row that never failed is
+/// eligible from its `LastModifiedDate` on (a snooze sets it ahead), as on PostgreSQL.
 macro_rules! observed_state {
     () => {
         "  (e.Status = 'pending'
    OR (e.Status = 'processing' AND e.Id IN (SELECT value FROM json_each(?1))))
   AND (e.Status <> 'pending'
-       OR e.RetryCount = 0
+       OR (e.RetryCount = 0 AND e.LastModifiedDate <= ?6)
        OR e.LastModifiedDate < ?2)
 "
     };
@@ -89,7 +90,8 @@ pub(super) const ELIGIBLE: &str = concat!(
     "LIMIT ?3"
 );
 
-/// [`ELIGIBLE`] for one row (`claim_event`): `?1` and `?2` as there, `?3` the id; no scope.
+/// [`ELIGIBLE`] for one row (`claim_event`): `?1`, `?2` and `?6` as there, `?3` the id; no
+/// scope (`?4` and `?5` are bound, unused).
 pub(super) const ELIGIBLE_BY_ID: &str = concat!(
     select_candidates!(),
     "  e.Id = ?3 AND\n",

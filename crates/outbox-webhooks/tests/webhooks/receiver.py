@@ -110,6 +110,9 @@ class Receiver(BaseHTTPRequestHandler):
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default backlog is 5: a burst of new connections (several workers'
+    # deliveries side by side) overflowed it, and the senders' connects waited out a SYN retry.
+    request_queue_size = 256
 
     def handle_error(self, request, client_address):
         pass  # a sender that gave up (a held answer) closed its end: not the receiver's fault
