@@ -56,8 +56,14 @@ async fn a_snooze_waits_uncounted_and_holds_its_record(db: TestDb) {
     let row = repo.get_event(ids[0]).await.unwrap().unwrap();
     assert_eq!(
         (row.status, row.retry_count, row.last_error.as_deref()),
-        (EventStatus::Pending, 0, Some("busy"))
+        (EventStatus::Pending, 0, Some("snoozed for 60s: busy"))
     );
+    let key = row.record_key.clone().expect("keyed");
+    let report = outbox_persistence::key_report(repo.as_ref(), key.as_str(), policy())
+        .await
+        .unwrap();
+    let said = report.head.expect("a head").describe();
+    assert!(said.starts_with("snoozed until"), "{said}");
     // Only the other record's row may run: the snoozed row is not due, its successor waits.
     let other = repo
         .claim_next(policy(), &Scope::All)
@@ -100,7 +106,7 @@ async fn a_snooze_waits_uncounted_and_holds_its_record(db: TestDb) {
     let row = repo.get_event(ids[0]).await.unwrap().unwrap();
     assert_eq!(
         (row.status, row.retry_count, row.last_error.as_deref()),
-        (EventStatus::Pending, 0, Some("later"))
+        (EventStatus::Pending, 0, Some("snoozed for 60s: later"))
     );
     assert_eq!(
         repo.snooze_claim(again.fence, Duration::from_secs(60), "twice")
@@ -213,28 +219,35 @@ async fn snoozed_events_run_later_in_order_and_uncounted(db: TestDb) {
         1,
         "only the failure is counted"
     );
-    assert_eq!(report.metrics.snoozed, 20 * SNOOZES as u64);
-    assert_eq!(report.metrics.retried, 1);
+    let m = report.metrics;
+    assert_eq!(m.retried, 1);
+    // A handler run again without a wait: a segment given back at its settle (a lock timeout
+    // on a loaded machine) or a lost claim. Then the counts and gaps below are not exact.
+    let reruns = m.not_run + m.released + m.lost_claims;
+    assert!(m.snoozed >= 20 * SNOOZES as u64, "{m:?}");
     let attempts = attempts.lock().unwrap().clone();
     for (id, runs) in &attempts {
         let expected = SNOOZES + 1 + usize::from(*id == ids[5]);
-        assert_eq!(runs.len(), expected, "{id}: {runs:?}");
+        assert!(runs.len() >= expected, "{id}: {runs:?}");
         for pair in runs.windows(2) {
             let gap = pair[1] - pair[0];
             // The failed attempt waits the retry delay (400 ms); a snooze of a row that failed
             // before waits the longer of its delay and the retry delay (400 ms) too.
             assert!(
-                gap >= SNOOZE - Duration::from_millis(20),
-                "{id}: an attempt {gap:?} after the one before"
+                gap >= SNOOZE - Duration::from_millis(20) || reruns > 0,
+                "{id}: an attempt {gap:?} after the one before ({m:?})"
             );
         }
     }
-    let failed_once = &attempts[&ids[5]];
-    assert!(
-        failed_once[2] - failed_once[1] >= Duration::from_millis(380),
-        "a snooze after a failure waits out the retry delay: {:?}",
-        failed_once[2] - failed_once[1]
-    );
+    if reruns == 0 {
+        assert_eq!(m.snoozed, 20 * SNOOZES as u64);
+        let failed_once = &attempts[&ids[5]];
+        assert!(
+            failed_once[2] - failed_once[1] >= Duration::from_millis(380),
+            "a snooze after a failure waits out the retry delay too: {:?}",
+            failed_once[2] - failed_once[1]
+        );
+    }
     let done = done.lock().unwrap().clone();
     for r in 0..4 {
         let key = format!("Lead:R{r}");

@@ -243,7 +243,7 @@ async fn attempt(env: &AttemptEnv, claim: &Claim, beat: &Beat<'_>) -> (AttemptOu
             }
             let mut failure = env.handler_failure(claim, &error);
             failure.effects = sent;
-            tracing::info!(error = %failure.message, "handler failed");
+            failure.log();
             finish_failure(env, claim, beat, tx, failure).await
         }
     };

@@ -130,6 +130,7 @@ impl AttemptEnv {
     /// only once its `LastModifiedDate` is older than the retry cutoff, so the base retry delay
     /// is taken off its delay (the longer of the two is waited).
     fn snooze(&self, claim: &Claim, delay: std::time::Duration, message: String) -> Failure {
+        let delay = delay.min(crate::handler::MAX_SNOOZE);
         let delay = if claim.event.retry_count > 0 {
             delay.saturating_sub(self.config.retry_delay)
         } else {
@@ -165,6 +166,18 @@ impl AttemptEnv {
             bookkeeping,
             message,
             effects: Vec::new(),
+        }
+    }
+}
+
+impl Failure {
+    /// Logs a handler's failure (at info; a snooze, which is no failure, at debug).
+    pub(crate) fn log(&self) {
+        match self.bookkeeping {
+            FailureBookkeeping::Snooze { .. } => {
+                tracing::debug!(error = %self.message, "handler snoozed");
+            }
+            _ => tracing::info!(error = %self.message, "handler failed"),
         }
     }
 }

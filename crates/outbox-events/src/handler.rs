@@ -11,6 +11,9 @@ use crate::effect::{Effect, EffectScope};
 /// `anyhow::Error`, a `String` converts into it).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// The longest a snooze waits ([`HandlerError::snooze`]): a longer delay is held to it.
+pub const MAX_SNOOZE: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
+
 /// What a handler's failure means for the row.
 ///
 /// A failure built from another error keeps that error as its
@@ -65,8 +68,8 @@ pub enum HandlerError {
     /// is busy. Its record's later events wait with it, as they wait for a retry; a handler
     /// that snoozes for ever keeps its record waiting for ever (`outbox status --key` shows
     /// the row `pending` with this message). Effects the handler ran through the ledger are
-    /// kept; its writes in the transaction are rolled back. Built by
-    /// [`HandlerError::snooze`].
+    /// kept; its writes in the transaction are rolled back. A delay over [`MAX_SNOOZE`] (30
+    /// days) is held to it. Built by [`HandlerError::snooze`].
     #[error("snoozed for {}s: {message}", delay.as_secs_f64())]
     Snooze {
         /// The shortest wait before the next attempt.
@@ -516,6 +519,19 @@ mod error_tests {
     #[derive(Debug, thiserror::Error)]
     #[error("smtp send failed")]
     struct Smtp(#[source] Reset);
+
+    /// SQLite's claim tells a snoozed row by its error's first words.
+    #[test]
+    fn a_snooze_says_it_is_one_in_the_words_the_claim_reads() {
+        let snooze = HandlerError::snooze(std::time::Duration::from_millis(1500), "busy");
+        assert!(snooze.is_retryable());
+        assert_eq!(snooze.to_string(), "snoozed for 1.5s: busy");
+        assert!(
+            snooze
+                .to_string()
+                .starts_with(outbox_persistence::SNOOZED_PREFIX)
+        );
+    }
 
     #[test]
     fn a_failure_built_from_an_error_keeps_it_as_its_source() {

@@ -51,7 +51,7 @@ pub use dispatcher::{DECIDE_RETRY_FOR, Dispatcher, DispatcherHandle, ShutdownRep
 pub use effect::Effect;
 pub use env::AttemptOutcome;
 pub use gate::{GateReport, ModeDecision, evaluate_gate};
-pub use handler::{AttemptContext, BoxError, Handler, HandlerError};
+pub use handler::{AttemptContext, BoxError, Handler, HandlerError, MAX_SNOOZE};
 pub use handlers::Handlers;
 pub use legacy::slot_for_event;
 pub use metrics::{

@@ -79,6 +79,17 @@ impl<'a> FencedWrite<'a> {
     }
 }
 
+/// A snooze's `LastError`: `error` when it says it is a snooze (`HandlerError::snooze`'s text),
+/// else `error` after [`crate::SNOOZED_PREFIX`] and the delay, so that every snoozed row says so
+/// (SQLite's claim reads it).
+pub(crate) fn snoozed_error(delay: Duration, error: &str) -> String {
+    if error.starts_with(crate::SNOOZED_PREFIX) {
+        error.to_string()
+    } else {
+        format!("{}{}s: {error}", crate::SNOOZED_PREFIX, delay.as_secs_f64())
+    }
+}
+
 /// A fenced write's outcome from the number of rows it changed.
 pub(crate) fn fence_outcome(rows: u64) -> FenceOutcome {
     if rows == 1 {

@@ -33,7 +33,7 @@ pub enum HeadState {
         /// Since when it is stale.
         stale_since: DateTime<Utc>,
     },
-    /// It failed and waits for its retry delay.
+    /// It failed and waits for its retry delay, or (`failures` 0) its handler snoozed it.
     WaitingForRetry {
         /// When it becomes claimable again.
         until: DateTime<Utc>,
@@ -79,6 +79,11 @@ impl HeadState {
                 "stale since {} (last beat {}): its worker stopped; the next claim reclaims it and counts the dead attempt",
                 ts(stale_since),
                 ts(last_beat)
+            ),
+            // Only a snooze leaves a row that never failed due later (its handler asked).
+            HeadState::WaitingForRetry { until, failures: 0 } => format!(
+                "snoozed until {}: its handler asked to run later (not counted as a failure)",
+                ts(until)
             ),
             HeadState::WaitingForRetry { until, failures } => format!(
                 "waiting for its retry until {} after {failures} failed attempt(s)",

@@ -321,6 +321,10 @@ impl Terminal {
     }
 }
 
+/// How a snooze's `LastError` begins (`HandlerError::snooze`'s text in outbox-events): on
+/// SQLite only a row whose error says so waits for its `LastModifiedDate` on a first attempt.
+pub const SNOOZED_PREFIX: &str = "snoozed for ";
+
 /// How a failed attempt is recorded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailureBookkeeping {

@@ -219,9 +219,10 @@ impl WebhookDelivery {
 /// it due at once (`set_endpoint_enabled`).
 const PAUSED_WAIT: Duration = Duration::from_secs(3600);
 
-/// The wait of a delivery snoozed because its slow endpoint has its share of sends in flight
-/// (jittered by ±20%).
-const SLOW_WAIT: Duration = Duration::from_secs(1);
+/// The bounds of the wait of a delivery snoozed because its slow endpoint has its share of
+/// sends in flight: about the endpoint's answer time, held to these.
+const SLOW_WAIT_MIN: Duration = Duration::from_secs(1);
+const SLOW_WAIT_MAX: Duration = Duration::from_secs(60);
 
 /// -1.0..=1.0 from the delivery and its failure count: spread, and the same on every replay.
 fn jitter(id: EventId, failures: i32) -> f64 {
@@ -314,12 +315,15 @@ impl WebhookDelivery {
                     since.elapsed().as_secs()
                 ))));
             }
-            Admission::Busy(sending, oldest) => {
+            Admission::Busy(sending, answer) => {
+                // About one answer's time, spread over up to twice that: the waiting deliveries
+                // come back about as often as a send ends, not every second.
+                let wait = answer.clamp(SLOW_WAIT_MIN, SLOW_WAIT_MAX);
                 return Err(HandlerError::snooze(
-                    SLOW_WAIT.mul_f64(1.0 + 0.2 * jitter(id, attempt)),
+                    wait.mul_f64(1.5 + 0.5 * jitter(id, attempt)),
                     format!(
-                        "not sent: the endpoint answers slowly and {sending} sends to it from this process are in flight (the oldest for {:.1}s)",
-                        oldest.as_secs_f64()
+                        "not sent: the endpoint answers slowly (in {:.1}s) and {sending} sends to it from this process are in flight",
+                        answer.as_secs_f64()
                     ),
                 ));
             }

@@ -14,9 +14,9 @@
 //! An endpoint that answers, but slowly (a send took [`SlowLimit::after`] or longer, or one in
 //! flight has run that long), is held to [`SlowLimit::sends`] sends in flight from this process:
 //! the others are snoozed (not sent, not counted: a receiver that answers is not failing) and
-//! come back a second later, so a slow receiver takes a bounded share of the workers instead of
-//! every worker whose batch holds one of its many records' deliveries. Its first fast answer
-//! ends it.
+//! come back after about its answer time, so a slow receiver takes a bounded share of the workers
+//! instead of every worker whose batch holds one of its many records' deliveries. A fast answer
+//! ends it, once no send in flight has run that long.
 //!
 //! The state is per process and per endpoint, in memory. A process that has not sent to an
 //! endpoint yet takes the endpoint's failures in a row from the database (the other processes'
@@ -34,7 +34,8 @@ pub(crate) enum Admission {
     /// Do not send: the endpoint has given this process no answer since this instant.
     Hold(Instant),
     /// Do not send yet, uncounted: the endpoint is slow and this many sends to it are in
-    /// flight from this process, the oldest for this long.
+    /// flight from this process; about this long (its slow answer's time, or the oldest send
+    /// in flight's, whichever is longer) until one ends.
     Busy(usize, Duration),
 }
 
@@ -55,14 +56,14 @@ struct State {
     last_probe: Option<Instant>,
     /// This process's sends to it in flight: their guards' numbers and starts.
     sending: Vec<(u64, Instant)>,
-    /// Its last answer took [`SlowLimit::after`] or longer.
-    slow: bool,
+    /// Its last answer took [`SlowLimit::after`] or longer: how long.
+    slow: Option<Duration>,
 }
 
 impl State {
     /// Whether the endpoint is slow now: its last answer was, or a send in flight is.
     fn slow(&self, after: Duration) -> bool {
-        self.slow || self.sending.iter().any(|(_, at)| at.elapsed() >= after)
+        self.slow.is_some() || self.sending.iter().any(|(_, at)| at.elapsed() >= after)
     }
 }
 
@@ -134,7 +135,10 @@ impl Probes {
         };
         if !probe && state.sending.len() >= self.slow.sends && state.slow(self.slow.after) {
             let oldest = state.sending.iter().map(|(_, at)| at.elapsed()).max();
-            return Admission::Busy(state.sending.len(), oldest.unwrap_or_default());
+            let answer = oldest
+                .unwrap_or_default()
+                .max(state.slow.unwrap_or_default());
+            return Admission::Busy(state.sending.len(), answer);
         }
         state.probing |= probe;
         let number = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -152,7 +156,7 @@ impl Probes {
         let mut states = self.lock();
         if let Some(state) = states.get_mut(endpoint) {
             state.silent_since = None;
-            state.slow = took >= self.slow.after;
+            state.slow = (took >= self.slow.after).then_some(took);
         }
     }
 
@@ -275,13 +279,13 @@ mod tests {
     #[test]
     fn a_send_in_flight_for_long_makes_its_endpoint_slow() {
         let slow = SlowLimit {
-            after: Duration::from_millis(20),
+            after: Duration::from_millis(300),
             sends: 1,
         };
         let p = Probes::new(Duration::ZERO, slow);
         let long = p.admit("a", false);
         assert!(sends(&p.admit("a", false)), "not slow yet");
-        std::thread::sleep(Duration::from_millis(30));
+        std::thread::sleep(Duration::from_millis(350));
         assert!(busy(&p.admit("a", false)));
         drop(long);
         assert!(

@@ -105,7 +105,7 @@ impl Batch<'_> {
                 }
                 let mut failure = env.handler_failure(claim, &error);
                 failure.effects = sent;
-                tracing::info!(error = %failure.message, "handler failed");
+                failure.log();
                 if let Err(stop) = undo(tx, touched, own).await {
                     self.steps[i] = Step::Ran(Some(failure));
                     return Err(stop);

@@ -199,7 +199,7 @@ impl Batch<'_> {
                 }
                 let mut failure = self.env.handler_failure(claim, &error);
                 failure.effects = sent;
-                tracing::info!(error = %failure.message, "handler failed");
+                failure.log();
                 self.decide(i, Decision::failed(failure));
             }
         }

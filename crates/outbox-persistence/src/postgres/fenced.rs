@@ -11,7 +11,9 @@ use sqlx::PgExecutor;
 use sqlx::postgres::types::PgInterval;
 
 use super::{Begin, CLAIM_LOST_SQLSTATE, PgOutbox, begin_sql, interval, span};
-use crate::attempt::{AttemptWrites, FencedWrite, OpenAttempt, SET_SAVEPOINT, fence_outcome};
+use crate::attempt::{
+    AttemptWrites, FencedWrite, OpenAttempt, SET_SAVEPOINT, fence_outcome, snoozed_error,
+};
 use crate::{
     Attempt, BeatOutcome, ClockShift, EventId, Fence, FenceOutcome, Result, Tx, clip_error,
 };
@@ -97,9 +99,11 @@ async fn write_fenced<'c>(
         FencedWrite::Retry { extra_delay, error } => {
             ("retry", Some(clip_error(error)), Some(span(extra_delay)))
         }
-        FencedWrite::Snooze { delay, error } => {
-            ("snooze", Some(clip_error(error)), Some(span(delay)))
-        }
+        FencedWrite::Snooze { delay, error } => (
+            "snooze",
+            Some(clip_error(&snoozed_error(delay, error))),
+            Some(span(delay)),
+        ),
         FencedWrite::Release { error } => ("release", Some(clip_error(error)), None),
     };
     let rows: i32 = sqlx::query_scalar(SETTLE)

@@ -15,7 +15,9 @@ use super::SqliteOutbox;
 use super::liveness::Liveness;
 use super::sql::{FENCED_PROCESSED_MANY, MAY_RUN_IN_BATCH};
 use super::time::{format_ts, host_now, next_written};
-use crate::attempt::{AttemptWrites, FencedWrite, OpenAttempt, chrono_span, fence_outcome};
+use crate::attempt::{
+    AttemptWrites, FencedWrite, OpenAttempt, chrono_span, fence_outcome, snoozed_error,
+};
 use crate::{
     Attempt, BeatOutcome, ClockShift, EventId, Fence, FenceOutcome, Result, Tx, clip_error,
 };
@@ -63,14 +65,18 @@ async fn write_fenced<'c>(
     fence: Fence,
     write: FencedWrite<'_>,
 ) -> Result<FenceOutcome> {
+    let snoozed = match write {
+        FencedWrite::Snooze { delay, error } => Some(snoozed_error(delay, error)),
+        _ => None,
+    };
     let (sql, written, error) = match write {
         FencedWrite::Processed => (FENCED_PROCESSED, now, None),
         FencedWrite::Failed { error } => (FENCED_FAILED, now, Some(error)),
         FencedWrite::Retry { extra_delay, error } => {
             (FENCED_RETRY, now + chrono_span(extra_delay), Some(error))
         }
-        FencedWrite::Snooze { delay, error } => {
-            (FENCED_SNOOZE, now + chrono_span(delay), Some(error))
+        FencedWrite::Snooze { delay, .. } => {
+            (FENCED_SNOOZE, now + chrono_span(delay), snoozed.as_deref())
         }
         FencedWrite::Release { error } => (FENCED_RELEASE, now, Some(error)),
     };

@@ -18,14 +18,18 @@ WHERE
 
 /// The design's state rule for the candidate `e`, with a `processing` row stale exactly when
 /// its id is in `?1` (a JSON array of the ids this repository observed silent for
-/// `stale_after`), the retry cutoff `?2`, and now `?6`: a pending row that never failed is
-/// eligible from its `LastModifiedDate` on (a snooze sets it ahead), as on PostgreSQL.
+/// `stale_after`), the retry cutoff `?2`, and now `?6`: a snoozed row that never failed is
+/// eligible from its `LastModifiedDate` on (the snooze set it ahead). Only a snoozed one (its
+/// `LastError` says so: `crate::SNOOZED_PREFIX`): the host's clock stepped back must not hold
+/// every row enqueued before the step (PostgreSQL holds any first attempt to its
+/// `LastModifiedDate`, on the database's one clock).
 macro_rules! observed_state {
     () => {
         "  (e.Status = 'pending'
    OR (e.Status = 'processing' AND e.Id IN (SELECT value FROM json_each(?1))))
   AND (e.Status <> 'pending'
-       OR (e.RetryCount = 0 AND e.LastModifiedDate <= ?6)
+       OR (e.RetryCount = 0
+           AND (e.LastModifiedDate <= ?6 OR coalesce(e.LastError, '') NOT LIKE 'snoozed for %'))
        OR e.LastModifiedDate < ?2)
 "
     };
@@ -241,6 +245,13 @@ RETURNING _System_OutboxEvent.Id";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The claim tells a snoozed row by the words every snooze's error begins with.
+    #[test]
+    fn the_claim_reads_the_snoozes_own_words() {
+        let spelled = format!("NOT LIKE '{}%'", crate::SNOOZED_PREFIX);
+        assert!(ELIGIBLE.contains(&spelled) && CLAIM_CANDIDATES.contains(&spelled));
+    }
 
     #[test]
     fn the_read_of_one_id_has_the_rules_but_not_the_scope() {
