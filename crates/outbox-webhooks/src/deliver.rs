@@ -298,7 +298,8 @@ impl WebhookDelivery {
     /// have. It does not wait for that probe, also beside others of its batch: every worker
     /// whose batch held a delivery to the endpoint would then wait for the one probe. A slow
     /// endpoint with its share of sends in flight is not sent to either: the delivery is
-    /// snoozed (`Err`), not counted, and comes back about a second later.
+    /// snoozed (`Err`), not counted, and comes back after one to two of its answer times (the
+    /// answer time held to 1 s..1 min first).
     async fn probed_send(
         &self,
         endpoint: &webhooks::WebhookEndpoint,

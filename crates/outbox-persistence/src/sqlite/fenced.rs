@@ -57,6 +57,13 @@ const HOLDS_FENCE: &str = "\
 SELECT 1 FROM _System_OutboxEvent
 WHERE Id = ?1 AND Status = 'processing' AND LastModifiedDate = ?2";
 
+/// `now` plus `delay`, the delay held to a hundred years: a caller's `Duration::MAX` overflowed,
+/// and a year past 9999 would leave the fixed-width text that keeps SQLite's times in order.
+fn later(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    now + chrono_span(delay.min(CENTURY))
+}
+
 /// `write`, fenced on `fence`, on `conn` (the attempt's transaction or the pool), at `now`
 /// (the host's time plus the clock shift).
 async fn write_fenced<'c>(
@@ -73,11 +80,9 @@ async fn write_fenced<'c>(
         FencedWrite::Processed => (FENCED_PROCESSED, now, None),
         FencedWrite::Failed { error } => (FENCED_FAILED, now, Some(error)),
         FencedWrite::Retry { extra_delay, error } => {
-            (FENCED_RETRY, now + chrono_span(extra_delay), Some(error))
+            (FENCED_RETRY, later(now, extra_delay), Some(error))
         }
-        FencedWrite::Snooze { delay, .. } => {
-            (FENCED_SNOOZE, now + chrono_span(delay), snoozed.as_deref())
-        }
+        FencedWrite::Snooze { delay, .. } => (FENCED_SNOOZE, later(now, delay), snoozed.as_deref()),
         FencedWrite::Release { error } => (FENCED_RELEASE, now, Some(error)),
     };
     let rows = sqlx::query(sql)
@@ -308,5 +313,15 @@ mod tests {
             super::BEGIN_ATTEMPT,
             format!("BEGIN IMMEDIATE; {}", crate::attempt::SET_SAVEPOINT)
         );
+    }
+
+    /// A delay no clock can hold still writes a time in the text order of every other.
+    #[test]
+    fn a_delay_past_any_calendar_stays_a_four_digit_year() {
+        let now = chrono::Utc::now();
+        let far = super::later(now, std::time::Duration::MAX);
+        let text = super::format_ts(far);
+        assert_eq!(text.len(), super::format_ts(now).len(), "{text}");
+        assert!(text > super::format_ts(now));
     }
 }
