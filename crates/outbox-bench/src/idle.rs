@@ -76,9 +76,9 @@ pub(crate) async fn idle_pickup(db: &BenchDb, sizes: &Sizes, report: &mut Report
         });
         if mode == DispatchMode::Pull {
             report.target(
-                "idle pickup p50 < 20 ms",
-                format!("p50 {:.1} ms", f.p50_ms),
-                f.p50_ms < 20.0,
+                "idle pickup p50 and p99 < 20 ms (issue 37)",
+                format!("p50 {:.1} ms, p99 {:.1} ms", f.p50_ms, f.p99_ms),
+                f.p50_ms < 20.0 && f.p99_ms < 20.0,
             );
         }
     }

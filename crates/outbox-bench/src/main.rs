@@ -13,6 +13,7 @@ mod claim_sqlite;
 mod cost;
 mod cpu;
 mod enqueue;
+mod head_of_line;
 mod hot_key;
 mod idle;
 mod metrics_cost;
@@ -275,7 +276,7 @@ async fn run_scenarios(db: &BenchDb, sizes: Sizes, only: &[String]) -> Result<Re
         webhooks::webhooks(db, &sizes, &mut report).await?;
     }
     if wanted("head-of-line") {
-        scenarios::head_of_line(db, &sizes, &mut report).await?;
+        head_of_line::head_of_line(db, &sizes, &mut report).await?;
     }
     if wanted("hot") {
         hot_key::hot_key(db, &sizes, &mut report).await?;

@@ -236,6 +236,8 @@ pub struct Figures {
     pub p50_ms: f64,
     /// 99th percentile latency, ms.
     pub p99_ms: f64,
+    /// Longest latency, ms.
+    pub max_ms: f64,
     /// Seconds from `since` to the last processed row.
     pub span_s: f64,
 }
@@ -246,7 +248,8 @@ pub async fn latency(pool: &PgPool, keys: Keys<'_>, since: DateTime<Utc>) -> Res
         "SELECT count(*),
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY lat),
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY lat),
-                EXTRACT(EPOCH FROM (max(LastModifiedDate) - $1))::float8
+                EXTRACT(EPOCH FROM (max(LastModifiedDate) - $1))::float8,
+                max(lat)
          FROM (SELECT LastModifiedDate,
                       EXTRACT(EPOCH FROM (LastModifiedDate - CreatedDate))::float8 * 1000 AS lat
                FROM _System_OutboxEvent
@@ -262,6 +265,7 @@ pub async fn latency(pool: &PgPool, keys: Keys<'_>, since: DateTime<Utc>) -> Res
         p50_ms: row.try_get::<Option<f64>, _>(1)?.unwrap_or(0.0),
         p99_ms: row.try_get::<Option<f64>, _>(2)?.unwrap_or(0.0),
         span_s: row.try_get::<Option<f64>, _>(3)?.unwrap_or(0.0),
+        max_ms: row.try_get::<Option<f64>, _>(4)?.unwrap_or(0.0),
     })
 }
 
@@ -272,7 +276,8 @@ pub async fn latency_by_type_prefix(pool: &PgPool, prefix: &str) -> Result<(Figu
     let rows = crate::statement::query(
         "SELECT starts_with(EventType, $1), count(*),
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY lat),
-                percentile_cont(0.99) WITHIN GROUP (ORDER BY lat)
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY lat),
+                max(lat)
          FROM (SELECT EventType,
                       EXTRACT(EPOCH FROM (LastModifiedDate - CreatedDate))::float8 * 1000 AS lat
                FROM _System_OutboxEvent WHERE Status = 'processed') s
@@ -287,6 +292,7 @@ pub async fn latency_by_type_prefix(pool: &PgPool, prefix: &str) -> Result<(Figu
             n: row.try_get::<i64, _>(1)? as usize,
             p50_ms: row.try_get::<Option<f64>, _>(2)?.unwrap_or(0.0),
             p99_ms: row.try_get::<Option<f64>, _>(3)?.unwrap_or(0.0),
+            max_ms: row.try_get::<Option<f64>, _>(4)?.unwrap_or(0.0),
             span_s: 0.0,
         };
         if row.try_get::<bool, _>(0)? {
