@@ -299,7 +299,9 @@ impl WebhookDelivery {
     /// whose batch held a delivery to the endpoint would then wait for the one probe. A slow
     /// endpoint with its share of sends in flight is not sent to either: the delivery is
     /// snoozed (`Err`), not counted, and comes back after one to two of its answer times (the
-    /// answer time held to 1 s..1 min first).
+    /// answer time held to 1 s..1 min first). An endpoint that asked this process to wait
+    /// (`Retry-After` on a slow-down status) is not sent to until then: the delivery is snoozed
+    /// until about that time, not counted.
     async fn probed_send(
         &self,
         endpoint: &webhooks::WebhookEndpoint,
@@ -315,6 +317,17 @@ impl WebhookDelivery {
                     "the endpoint has given this process no answer for {}s; one delivery at a time probes it",
                     since.elapsed().as_secs()
                 ))));
+            }
+            Admission::Throttled(left) => {
+                // Back once its time is up, spread over a quarter of it more: the receiver
+                // asked for the wait, so none comes before it.
+                return Err(HandlerError::snooze(
+                    left.mul_f64(1.125 + 0.125 * jitter(id, attempt)),
+                    format!(
+                        "not sent: the endpoint asked this process to wait (Retry-After), {:.1}s left",
+                        left.as_secs_f64()
+                    ),
+                ));
             }
             Admission::Busy(sending, answer) => {
                 // About one answer's time, spread over up to twice that: the waiting deliveries
@@ -332,7 +345,13 @@ impl WebhookDelivery {
         let started = Instant::now();
         let answer = self.send(endpoint, delivery, attempt).await;
         match &answer {
-            Ok(_) => self.probes.answered(&endpoint.name, started.elapsed()),
+            Ok(a) => {
+                self.probes.answered(&endpoint.name, started.elapsed());
+                if let (Outcome::SlowDown, Some(asked)) = (classify(a.status), a.retry_after) {
+                    let wait = self.config.bounded_retry_after(asked);
+                    self.probes.throttled(&endpoint.name, wait);
+                }
+            }
             Err(e) if e.silent() => self.probes.silent(&endpoint.name),
             Err(_) => {}
         }

@@ -18,6 +18,11 @@
 //! instead of every worker whose batch holds one of its many records' deliveries. A fast answer
 //! ends it, once no send in flight has run that long.
 //!
+//! An endpoint that asked to be left alone for a while (a 429, 502, 503 or 504 with a
+//! `Retry-After`) is not sent to by this process until then: its other deliveries are snoozed
+//! until about that time, uncounted, instead of each spending a send (and a failure in a row)
+//! on the same refusal.
+//!
 //! The state is per process and per endpoint, in memory. A process that has not sent to an
 //! endpoint yet takes the endpoint's failures in a row from the database (the other processes'
 //! attempts): when its last attempt failed, the first send is a probe too, so a restarted
@@ -37,6 +42,9 @@ pub(crate) enum Admission {
     /// flight from this process; about this long (its slow answer's time, or the oldest send
     /// in flight's, whichever is longer) until one ends.
     Busy(usize, Duration),
+    /// Do not send yet, uncounted: the endpoint asked to be left alone (`Retry-After`) for
+    /// about this much longer.
+    Throttled(Duration),
 }
 
 /// How many sends an endpoint that answers slowly may have in flight from one process.
@@ -58,6 +66,8 @@ struct State {
     sending: Vec<(u64, Instant)>,
     /// Its last answer took [`SlowLimit::after`] or longer: how long.
     slow: Option<Duration>,
+    /// It asked (`Retry-After`) not to be sent to before this instant.
+    throttled_until: Option<Instant>,
 }
 
 impl State {
@@ -125,6 +135,13 @@ impl Probes {
             silent_since: failing.then(Instant::now),
             ..State::default()
         });
+        if let Some(until) = state.throttled_until {
+            let now = Instant::now();
+            if until > now {
+                return Admission::Throttled(until - now);
+            }
+            state.throttled_until = None;
+        }
         let spaced = state
             .last_probe
             .is_none_or(|at| at.elapsed() >= self.spacing);
@@ -158,6 +175,15 @@ impl Probes {
             state.silent_since = None;
             state.slow = (took >= self.slow.after).then_some(took);
         }
+    }
+
+    /// `endpoint` asked (a slow-down status with `Retry-After`) not to be sent to for `wait`:
+    /// until then this process sends it nothing. A shorter ask never shortens a longer one.
+    pub(crate) fn throttled(&self, endpoint: &str, wait: Duration) {
+        let until = Instant::now() + wait;
+        let mut states = self.lock();
+        let state = states.entry(endpoint.to_string()).or_default();
+        state.throttled_until = Some(state.throttled_until.map_or(until, |u| u.max(until)));
     }
 
     /// A send to `endpoint` got no answer.
@@ -291,6 +317,26 @@ mod tests {
         assert!(
             sends(&p.admit("a", false)),
             "no send in flight: nothing holds it (it never answered slowly)"
+        );
+    }
+
+    #[test]
+    fn a_throttled_endpoint_gets_no_send_until_its_time() {
+        let p = Probes::new(Duration::ZERO, UNLIMITED);
+        assert!(sends(&p.admit("a", false)));
+        p.throttled("a", Duration::from_millis(300));
+        // A shorter ask does not shorten the first.
+        p.throttled("a", Duration::from_millis(10));
+        let held = p.admit("a", false);
+        assert!(
+            matches!(held, Admission::Throttled(left) if left > Duration::from_millis(200)),
+            "the endpoint asked for 300 ms"
+        );
+        assert!(sends(&p.admit("b", false)), "other endpoints are not held");
+        std::thread::sleep(Duration::from_millis(320));
+        assert!(
+            sends(&p.admit("a", false)),
+            "sent again once the time passed"
         );
     }
 

@@ -386,7 +386,95 @@ async fn a_host_name_is_checked_after_dns(db: TestDb) {
     assert!(receiver.log().is_empty(), "the request reached loopback");
 }
 
+/// Enqueues `per_record` events of each of `records` (accounts) in one transaction.
+async fn enqueue_records(
+    repo: &std::sync::Arc<dyn outbox_events::OutboxRepository>,
+    records: &[String],
+    per_record: usize,
+) {
+    let events: Vec<outbox_events::NewEvent> = (0..per_record)
+        .flat_map(|seq| {
+            records.iter().map(move |record| {
+                outbox_events::NewEvent::new(
+                    crate::common::TYPES[0],
+                    format!(
+                        r#"{{"object":"Account","record_id":"{record}","snapshot":{{"seq":{seq}}}}}"#
+                    ),
+                )
+            })
+        })
+        .collect();
+    let mut tx = repo.begin().await.expect("begin");
+    repo.enqueue(&mut tx, &events).await.expect("enqueue");
+    tx.commit().await.expect("commit");
+}
+
+/// A receiver that answers 429 with `Retry-After` is sent nothing more by this process until
+/// that time: the deliveries of its other records that come due meanwhile are snoozed until
+/// then (not sent, not counted), and the endpoint is not pushed towards its disable by one
+/// refusal per record.
+async fn a_throttling_endpoint_is_left_alone_until_its_retry_after(db: TestDb) {
+    const WINDOW_S: f64 = 4.0;
+    let repo = db.repository();
+    let mut receiver = Receiver::start();
+    let hooks = Webhooks::new(repo.clone(), config());
+    let (_, secret) = hooks
+        .add("thr", &receiver.url("thr"), &[], "test")
+        .await
+        .unwrap();
+    receiver.secrets("thr", &[&secret]);
+    receiver.behave("thr", &format!("throttle:{WINDOW_S}"));
+    let handle = dispatcher(&repo, &hooks, 4).await;
+    enqueue_records(&repo, &["T00".to_string()], 1).await;
+    wait_for(LIMIT, "the first 429", async || {
+        receiver.log().iter().any(|e| e["status"] == 429)
+    })
+    .await;
+    let later: Vec<String> = (1..=20).map(|i| format!("T{i:02}")).collect();
+    enqueue_records(&repo, &later, 2).await;
+    outbox_tests::drain(&repo, LIMIT).await;
+    handle.shutdown().await;
+    hooks.flush().await;
+    let log = receiver.log();
+    let first = &log[0];
+    let window_end = first["at"].as_f64().unwrap() + WINDOW_S;
+    let sent_in_window: Vec<&Value> = log
+        .iter()
+        .filter(|e| e["record"] != first["record"] && e["at"].as_f64().unwrap() < window_end)
+        .collect();
+    assert!(
+        sent_in_window.is_empty(),
+        "{} deliveries of other records were sent while the endpoint asked to wait: {sent_in_window:?}",
+        sent_in_window.len()
+    );
+    let acks = acknowledged(&log, "thr");
+    assert_eq!(
+        acks.len(),
+        1 + 2 * later.len(),
+        "every delivery acknowledged"
+    );
+    assert_eq!(order_violations(&acks), 0);
+    assert!(log.iter().all(|e| e["verifies"][0] == true));
+    let deliveries = repo
+        .list_events(outbox_events::EventFilter::new())
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.event_type.starts_with("webhook:"))
+        .collect::<Vec<_>>();
+    let counted: Vec<_> = deliveries.iter().filter(|r| r.retry_count > 0).collect();
+    assert_eq!(
+        counted.len(),
+        1,
+        "only the delivery that got the 429 counts a failure: {counted:?}"
+    );
+    let endpoint = &hooks.list().await.unwrap()[0];
+    assert!(endpoint.enabled);
+    assert_eq!(endpoint.consecutive_failures, 0);
+}
+
 backend_tests!(
+    a_throttling_endpoint_is_left_alone_until_its_retry_after,
     a_dead_endpoint_is_disabled_before_its_deliveries_fail,
     retry_after_is_honoured,
     a_host_name_is_checked_after_dns,

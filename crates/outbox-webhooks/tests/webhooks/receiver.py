@@ -5,16 +5,20 @@ this repository wrote.
 Usage: receiver.py CONTROL LOG [PORT]. It listens on PORT of 127.0.0.1 (a free one when absent)
 and prints it. For each POST to /<endpoint> it re-reads CONTROL (JSON: "secrets": {endpoint:
 [secret, ...]}, "behaviour": {endpoint: "ok" | "fail" | "gone" | "slow:<ms>" |
-"retry-after:<s>" | "chaos:<seed>"},
+"retry-after:<s>" | "throttle:<s>" | "chaos:<seed>"},
 "fail_records": {endpoint: [record key, ...]}), answers as told, and appends one JSON line to
 LOG: the endpoint, the headers it relies on, the status it answered, and per secret whether the
 signature verified, plus whether a body changed by one byte was refused.
+
+"throttle:<s>" answers 429 with `Retry-After` (the whole seconds left, rounded up) for <s>
+seconds from the endpoint's first request, then 200.
 
 "chaos:<seed>" answers at random: 70% 200, 15% 500, 10% 429 with `Retry-After: 1`, and 5% a
 503 held 4 s (past the sender's timeout in the chaos test, so the sender sees no answer).
 """
 
 import json
+import math
 import random
 import sys
 import threading
@@ -27,6 +31,7 @@ CONTROL, LOG = sys.argv[1], sys.argv[2]
 PORT = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 LOCK = threading.Lock()
 CHAOS = {}
+THROTTLED_SINCE = {}
 
 
 def chaos(seed):
@@ -79,6 +84,12 @@ class Receiver(BaseHTTPRequestHandler):
             time.sleep(int(behaviour[5:]) / 1000)
         elif behaviour.startswith("retry-after:"):
             status, extra = 429, {"Retry-After": behaviour[12:]}
+        elif behaviour.startswith("throttle:"):
+            with LOCK:
+                since = THROTTLED_SINCE.setdefault(endpoint, time.time())
+            left = since + float(behaviour[9:]) - time.time()
+            if left > 0:
+                status, extra = 429, {"Retry-After": str(math.ceil(left))}
         elif behaviour.startswith("chaos:"):
             status, extra, hold = chaos(behaviour[6:])
         entry = {
