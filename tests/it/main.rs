@@ -14,6 +14,7 @@ mod hostile;
 mod ledger;
 mod lock_free;
 mod migrations;
+mod owned_heads;
 mod pause;
 mod plans;
 mod production;

@@ -144,6 +144,18 @@ pub trait OutboxRepository: Send + Sync + 'static {
         self.enqueue(tx, events).await
     }
 
+    /// Holds, in `tx`, the heads of the records `events` go under, before a batch's settle
+    /// writes the outcomes whose owned rows they are (inserted after them with
+    /// [`OutboxRepository::enqueue_owned`]). On PostgreSQL a settle moves the heads of the
+    /// records it ended and then inserts its owned rows, whose heads another settle may have
+    /// moved meanwhile: held first, they are left alone by other settles, and the inserts wait
+    /// for no one (two settles that crossed records deadlocked; migration 0026). Default, and
+    /// SQLite: nothing (one writer at a time).
+    async fn hold_owned_heads(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<()> {
+        let _ = (tx, events);
+        Ok(())
+    }
+
     /// The design's eligible-event query: `pending` rows (a retried one once its
     /// `LastModifiedDate` is older than `retry_cutoff`) and stale `processing` rows, skipping a
     /// row while an older row with the same `RecordKey` is not terminal, oldest first; and never

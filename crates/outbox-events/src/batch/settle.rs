@@ -62,6 +62,8 @@ impl Batch<'_> {
             if held.is_empty() {
                 return Ok(());
             }
+            // Before any head moves (migration 0026); each round: a rollback releases it.
+            held = self.hold_owned_heads(tx, held).await?;
             let chain = self.holds_chain(&held);
             let outcomes = match write_all(tx, &held, chain).await {
                 Ok(outcomes) => outcomes,
@@ -154,6 +156,39 @@ impl Batch<'_> {
                 })
             }
         }
+    }
+
+    /// Holds the heads of the records of the owned rows that the events decided `processed`
+    /// will insert at the end of this settle ([`OutboxRepository::hold_owned_heads`]), before
+    /// the outcomes' writes move any head: two settles that each moved a head and then
+    /// inserted under the other's deadlocked. A lock timeout or conflict gives the segment
+    /// back; any other error is the transaction dying (the held events left undecided either
+    /// way, as on a failed write).
+    ///
+    /// [`OutboxRepository::hold_owned_heads`]: outbox_persistence::OutboxRepository::hold_owned_heads
+    async fn hold_owned_heads(
+        &mut self,
+        tx: &mut dyn Attempt,
+        held: Vec<Held>,
+    ) -> Result<Vec<Held>, Stop> {
+        let rows: Vec<NewEvent> = held
+            .iter()
+            .filter(|(_, decision, _)| is_processed(decision))
+            .flat_map(|(_, decision, _)| decision.owned.iter().cloned())
+            .collect();
+        if rows.is_empty() {
+            return Ok(held);
+        }
+        let Err(e) = self.env.repo.hold_owned_heads(tx.tx(), &rows).await else {
+            return Ok(held);
+        };
+        self.undecided(held);
+        let error = format!("holding the owned rows' heads failed: {}", e.chain());
+        Err(if e.is_lock_timeout() || e.is_conflict() {
+            Stop::GiveBack(error)
+        } else {
+            Stop::Died(error)
+        })
     }
 
     /// Gives back the later events of a record whose claim was lost here, or whose event was

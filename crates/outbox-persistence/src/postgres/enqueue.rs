@@ -95,6 +95,34 @@ fn key_hash(key: &str) -> i32 {
     hash as i32
 }
 
+/// Holds the heads of `events`' records, in key order (`_System_OutboxHeadHold`, migration
+/// 0026): see `OutboxRepository::hold_owned_heads`.
+pub(super) async fn hold_heads(
+    conn: &mut sqlx::PgConnection,
+    events: &[NewEvent],
+    cached: bool,
+) -> Result<()> {
+    let mut keys = Vec::with_capacity(events.len());
+    for event in events {
+        if let Some(key) =
+            record_key::record_key_from_payload(&event.payload).map_err(Error::InvalidPayload)?
+        {
+            keys.push(key.into_string());
+        }
+    }
+    keys.sort_unstable();
+    keys.dedup();
+    if keys.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("SELECT _System_OutboxHeadHold($1)")
+        .persistent(cached)
+        .bind(&keys)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
 /// [`enqueue`] with the repository's clock shift; without the records' enqueue locks when
 /// `locked` is false (`OutboxRepository::enqueue_owned`: keys only the calling attempt writes).
 pub(super) async fn enqueue_shifted(
