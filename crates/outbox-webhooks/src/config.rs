@@ -108,6 +108,13 @@ impl WebhookConfig {
         self
     }
 
+    /// Replaces how long the previous secret still signs after [`crate::Webhooks::rotate`]
+    /// (24 h by default).
+    pub fn with_rotation_overlap(mut self, overlap: Duration) -> Self {
+        self.rotation_overlap = overlap;
+        self
+    }
+
     /// Replaces the failures in a row that disable an endpoint.
     pub fn with_disable_after_failures(mut self, failures: i32) -> Self {
         self.disable_after_failures = failures;
