@@ -144,15 +144,15 @@ pub trait OutboxRepository: Send + Sync + 'static {
         self.enqueue(tx, events).await
     }
 
-    /// Holds, in `tx`, the heads of the records `events` go under, before a batch's settle
-    /// writes the outcomes whose owned rows they are (inserted after them with
-    /// [`OutboxRepository::enqueue_owned`]). On PostgreSQL a settle moves the heads of the
+    /// Holds, in `tx`, the heads of the records `keys` (those of the owned rows, from
+    /// [`NewEvent::record_key`]), before a batch's settle writes the outcomes whose owned rows
+    /// they are (inserted after them with [`OutboxRepository::enqueue_owned`]). On PostgreSQL a settle moves the heads of the
     /// records it ended and then inserts its owned rows, whose heads another settle may have
     /// moved meanwhile: held first, they are left alone by other settles, and the inserts wait
     /// for no one (two settles that crossed records deadlocked; migration 0026). Default, and
     /// SQLite: nothing (one writer at a time).
-    async fn hold_owned_heads(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<()> {
-        let _ = (tx, events);
+    async fn hold_owned_heads(&self, tx: &mut Tx, keys: &[RecordKey]) -> Result<()> {
+        let _ = (tx, keys);
         Ok(())
     }
 

@@ -91,6 +91,14 @@ impl NewEvent {
         }
     }
 
+    /// The `RecordKey` enqueue derives from the payload: `None` for an event about no record,
+    /// and for a payload that is not a valid envelope (which enqueue refuses).
+    pub fn record_key(&self) -> Option<RecordKey> {
+        record_key::record_key_from_payload(&self.payload)
+            .ok()
+            .flatten()
+    }
+
     /// An event about one record: the payload is the envelope its `RecordKey` is derived from,
     /// `{"object": object, "record_id": record_id, "snapshot": snapshot}`, JSON-encoded here
     /// (values need no escaping by the caller), and the key is `object:record_id` with the

@@ -322,7 +322,8 @@ impl WebhookDelivery {
                 // Back once its time is up, spread over a quarter of it more: the receiver
                 // asked for the wait, so none comes before it.
                 return Err(HandlerError::snooze(
-                    left.mul_f64(1.125 + 0.125 * jitter(id, attempt)),
+                    left.min(outbox_events::MAX_SNOOZE)
+                        .mul_f64(1.125 + 0.125 * jitter(id, attempt)),
                     format!(
                         "not sent: the endpoint asked this process to wait (Retry-After), {:.1}s left",
                         left.as_secs_f64()
@@ -346,13 +347,14 @@ impl WebhookDelivery {
         let answer = self.send(endpoint, delivery, attempt).await;
         match &answer {
             Ok(a) => {
-                self.probes.answered(&endpoint.name, started.elapsed());
-                if let (Outcome::SlowDown, Some(asked)) = (classify(a.status), a.retry_after) {
-                    let wait = self.config.bounded_retry_after(asked);
-                    self.probes.throttled(&endpoint.name, wait);
-                }
+                let asked = match classify(a.status) {
+                    Outcome::SlowDown => a.retry_after.map(|d| self.config.bounded_retry_after(d)),
+                    _ => None,
+                };
+                self.probes
+                    .answered(&endpoint.name, started.elapsed(), asked);
             }
-            Err(e) if e.silent() => self.probes.silent(&endpoint.name),
+            Err(e) if e.silent() => self.probes.silent(&endpoint.name, started),
             Err(_) => {}
         }
         Ok(answer)

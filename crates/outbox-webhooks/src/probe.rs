@@ -32,6 +32,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use outbox_events::MAX_SNOOZE;
+
 /// What a delivery may do now.
 pub(crate) enum Admission {
     /// Send, keeping the guard while the send runs (its drop ends the probe when it is one).
@@ -68,6 +70,8 @@ struct State {
     slow: Option<Duration>,
     /// It asked (`Retry-After`) not to be sent to before this instant.
     throttled_until: Option<Instant>,
+    /// When it last answered a send.
+    answered_at: Option<Instant>,
 }
 
 impl State {
@@ -168,28 +172,32 @@ impl Probes {
         })
     }
 
-    /// `endpoint` answered a send (any status) that took `took`.
-    pub(crate) fn answered(&self, endpoint: &str, took: Duration) {
+    /// `endpoint` answered a send (any status) that took `took`; `asked`: the answer asked
+    /// (a slow-down status with `Retry-After`) not to be sent to for that long, so until then
+    /// this process sends it nothing (a shorter ask never shortens a longer one; held to
+    /// [`MAX_SNOOZE`]).
+    pub(crate) fn answered(&self, endpoint: &str, took: Duration, asked: Option<Duration>) {
+        let now = Instant::now();
         let mut states = self.lock();
-        if let Some(state) = states.get_mut(endpoint) {
-            state.silent_since = None;
-            state.slow = (took >= self.slow.after).then_some(took);
+        let state = states.entry(endpoint.to_string()).or_default();
+        state.silent_since = None;
+        state.answered_at = Some(now);
+        state.slow = (took >= self.slow.after).then_some(took);
+        if let Some(until) = asked.and_then(|wait| now.checked_add(wait.min(MAX_SNOOZE))) {
+            state.throttled_until = Some(state.throttled_until.map_or(until, |u| u.max(until)));
         }
     }
 
-    /// `endpoint` asked (a slow-down status with `Retry-After`) not to be sent to for `wait`:
-    /// until then this process sends it nothing. A shorter ask never shortens a longer one.
-    pub(crate) fn throttled(&self, endpoint: &str, wait: Duration) {
-        let until = Instant::now() + wait;
+    /// A send to `endpoint` that began at `started` got no answer. Not counted as silence when
+    /// the endpoint has answered another send since that one began: it answers (a send that
+    /// hung through a throttle must not turn the deliveries coming back after it into holds
+    /// counted as failures).
+    pub(crate) fn silent(&self, endpoint: &str, started: Instant) {
         let mut states = self.lock();
         let state = states.entry(endpoint.to_string()).or_default();
-        state.throttled_until = Some(state.throttled_until.map_or(until, |u| u.max(until)));
-    }
-
-    /// A send to `endpoint` got no answer.
-    pub(crate) fn silent(&self, endpoint: &str) {
-        let mut states = self.lock();
-        let state = states.entry(endpoint.to_string()).or_default();
+        if state.answered_at.is_some_and(|at| at > started) {
+            return;
+        }
         state.silent_since.get_or_insert_with(Instant::now);
     }
 }
@@ -221,7 +229,7 @@ mod tests {
     fn a_silent_endpoint_gets_one_send_at_a_time_until_it_answers() {
         let p = Probes::new(Duration::ZERO, UNLIMITED);
         assert!(sends(&p.admit("a", false)), "unknown endpoints are sent to");
-        p.silent("a");
+        p.silent("a", Instant::now());
         let probe = p.admit("a", false);
         assert!(probes(&probe));
         assert!(holds(&p.admit("a", false)));
@@ -229,7 +237,7 @@ mod tests {
         drop(probe);
         let probe = p.admit("a", false);
         assert!(probes(&probe), "the next probe goes once the last ended");
-        p.answered("a", FAST);
+        p.answered("a", FAST, None);
         drop(probe);
         assert!(sends(&p.admit("a", false)));
     }
@@ -240,7 +248,7 @@ mod tests {
         let probe = p.admit("a", true);
         assert!(probes(&probe));
         assert!(holds(&p.admit("a", true)));
-        p.answered("a", FAST);
+        p.answered("a", FAST, None);
         drop(probe);
         assert!(
             sends(&p.admit("a", true)),
@@ -256,13 +264,13 @@ mod tests {
     #[test]
     fn probes_are_spaced() {
         let p = Probes::new(Duration::from_secs(60), UNLIMITED);
-        p.silent("a");
+        p.silent("a", Instant::now());
         drop(p.admit("a", false));
         assert!(
             holds(&p.admit("a", false)),
             "the next probe waits out the spacing"
         );
-        p.answered("a", FAST);
+        p.answered("a", FAST, None);
         assert!(sends(&p.admit("a", false)));
     }
 
@@ -283,7 +291,7 @@ mod tests {
             "an endpoint not known to be slow takes every send"
         );
         drop(first);
-        p.answered("a", Duration::from_secs(2));
+        p.answered("a", Duration::from_secs(2), None);
         let (one, two) = (p.admit("a", false), p.admit("a", false));
         assert!(sends(&one) && sends(&two));
         assert!(
@@ -294,7 +302,7 @@ mod tests {
         drop(one);
         let three = p.admit("a", false);
         assert!(sends(&three), "a slot freed");
-        p.answered("a", FAST);
+        p.answered("a", FAST, None);
         assert!(
             sends(&p.admit("a", false)),
             "a fast answer ends it, with two in flight"
@@ -323,20 +331,23 @@ mod tests {
     #[test]
     fn a_throttled_endpoint_gets_no_send_until_its_time() {
         let p = Probes::new(Duration::ZERO, UNLIMITED);
+        let started = Instant::now();
         assert!(sends(&p.admit("a", false)));
-        p.throttled("a", Duration::from_millis(300));
+        p.answered("a", FAST, Some(Duration::from_millis(400)));
         // A shorter ask does not shorten the first.
-        p.throttled("a", Duration::from_millis(10));
-        let held = p.admit("a", false);
+        p.answered("a", FAST, Some(Duration::from_millis(10)));
+        std::thread::sleep(Duration::from_millis(50));
         assert!(
-            matches!(held, Admission::Throttled(left) if left > Duration::from_millis(200)),
-            "the endpoint asked for 300 ms"
+            matches!(p.admit("a", false), Admission::Throttled(_)),
+            "the endpoint asked for 400 ms"
         );
         assert!(sends(&p.admit("b", false)), "other endpoints are not held");
-        std::thread::sleep(Duration::from_millis(320));
+        // A send that began before those answers and got none does not make it silent.
+        p.silent("a", started);
+        std::thread::sleep(Duration::from_millis(400));
         assert!(
             sends(&p.admit("a", false)),
-            "sent again once the time passed"
+            "sent again once the time passed, not held as silent"
         );
     }
 
@@ -349,7 +360,7 @@ mod tests {
                 sends: 0,
             },
         );
-        p.answered("a", FAST);
+        p.answered("a", FAST, None);
         let one = p.admit("a", false);
         assert!(sends(&one));
         assert!(busy(&p.admit("a", false)));

@@ -171,15 +171,18 @@ impl Batch<'_> {
         tx: &mut dyn Attempt,
         held: Vec<Held>,
     ) -> Result<Vec<Held>, Stop> {
-        let rows: Vec<NewEvent> = held
-            .iter()
-            .filter(|(_, decision, _)| is_processed(decision))
-            .flat_map(|(_, decision, _)| decision.owned.iter().cloned())
-            .collect();
-        if rows.is_empty() {
+        if self.env.repo.serializes_writers() {
             return Ok(held);
         }
-        let Err(e) = self.env.repo.hold_owned_heads(tx.tx(), &rows).await else {
+        let keys: Vec<RecordKey> = held
+            .iter()
+            .filter(|(_, decision, _)| is_processed(decision))
+            .flat_map(|(_, decision, _)| decision.owned.iter().filter_map(NewEvent::record_key))
+            .collect();
+        if keys.is_empty() {
+            return Ok(held);
+        }
+        let Err(e) = self.env.repo.hold_owned_heads(tx.tx(), &keys).await else {
             return Ok(held);
         };
         self.undecided(held);

@@ -99,17 +99,10 @@ fn key_hash(key: &str) -> i32 {
 /// 0026): see `OutboxRepository::hold_owned_heads`.
 pub(super) async fn hold_heads(
     conn: &mut sqlx::PgConnection,
-    events: &[NewEvent],
+    keys: &[record_key::RecordKey],
     cached: bool,
 ) -> Result<()> {
-    let mut keys = Vec::with_capacity(events.len());
-    for event in events {
-        if let Some(key) =
-            record_key::record_key_from_payload(&event.payload).map_err(Error::InvalidPayload)?
-        {
-            keys.push(key.into_string());
-        }
-    }
+    let mut keys: Vec<&str> = keys.iter().map(record_key::RecordKey::as_str).collect();
     keys.sort_unstable();
     keys.dedup();
     if keys.is_empty() {

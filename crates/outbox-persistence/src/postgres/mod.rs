@@ -246,8 +246,8 @@ impl OutboxRepository for PgOutbox {
         enqueue::enqueue_shifted(tx.postgres()?, events, &self.shift, (self.cached(), false)).await
     }
 
-    async fn hold_owned_heads(&self, tx: &mut Tx, events: &[NewEvent]) -> Result<()> {
-        enqueue::hold_heads(tx.postgres()?, events, self.cached()).await
+    async fn hold_owned_heads(&self, tx: &mut Tx, keys: &[crate::RecordKey]) -> Result<()> {
+        enqueue::hold_heads(tx.postgres()?, keys, self.cached()).await
     }
 
     async fn get_pending_events(
