@@ -150,3 +150,62 @@ async fn postgres_settles_with_owned_rows_never_deadlock_each_other() {
     );
     assert_eq!(runs.seen.lock().unwrap().len(), total);
 }
+
+/// A settle's hold of its owned rows' heads beside `outbox heads --rebuild`, which locks the
+/// outbox table in SHARE mode and then deletes every head: the hold takes the table's ROW
+/// EXCLUSIVE lock first, so the rebuild waits for the settle's commit instead of holding the
+/// table while it waits for a held head (a deadlock a review reproduced in psql, with the
+/// settle's write after the hold waiting for the rebuild's table lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_held_head_never_deadlocks_with_the_heads_rebuild() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let repo: Arc<dyn OutboxRepository> = db.repository();
+    let owned = || {
+        NewEvent::new(
+            OWNED,
+            r#"{"object":"Owned","record_id":"r0","snapshot":{}}"#.to_string(),
+        )
+    };
+    let mut tx = repo.begin().await.unwrap();
+    repo.enqueue(&mut tx, &[owned()]).await.unwrap();
+    tx.commit().await.unwrap();
+    let key = owned().record_key().expect("a keyed row");
+
+    let mut settle = repo.begin().await.unwrap();
+    repo.hold_owned_heads(&mut settle, std::slice::from_ref(&key))
+        .await
+        .unwrap();
+    let rebuild = tokio::spawn({
+        let database = db.db.clone();
+        async move { database.rebuild_heads().await }
+    });
+    // The rebuild is waiting for a lock (the table's, with the hold as it is now).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while db
+        .count(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .await
+        == 0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rebuild never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The settle's own write after its hold, then its commit: neither may be a deadlock's victim.
+    repo.enqueue_owned(&mut settle, &[owned()])
+        .await
+        .expect("the settle's write after its hold");
+    settle.commit().await.expect("the settle commits");
+    let rebuilt = tokio::time::timeout(Duration::from_secs(30), rebuild)
+        .await
+        .expect("the rebuild ends")
+        .unwrap()
+        .expect("the rebuild is no deadlock's victim");
+    assert_eq!(rebuilt, 1, "one key with open rows, one head");
+}
